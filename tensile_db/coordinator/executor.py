@@ -1,0 +1,103 @@
+"""The executor: admission control and round-robin execution of every running job's ops.
+
+One thread runs all jobs on the device. Each turn it admits queued jobs while fewer than
+``max_active_jobs`` run, then advances every running job by one op, so the ops of concurrent
+jobs interleave as kernels of concurrent processes would on a GPU, and the memory manager sees
+one combined timeline. A job whose smallest possible working set exceeds the budget is refused at
+submission with the bytes it needs; a cancelled job is removed between two ops and its device
+memory freed at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+from ..errors import DeviceOutOfMemory, JobCancelled, TensileError
+from ..memory.manager import MemoryManager
+from ..scheduler.reactive import FarthestNextUse
+from .jobs import JobState, TrainingJob
+
+log = logging.getLogger(__name__)
+
+
+class Executor:
+    """Runs submitted jobs on ``manager``'s device; ``start()`` launches the thread."""
+
+    def __init__(self, manager: MemoryManager, max_active_jobs: int = 8):
+        self.manager = manager
+        self.policy = FarthestNextUse()
+        manager.next_use = self.policy
+        self.max_active_jobs = max_active_jobs
+        self.queued: collections.deque[TrainingJob] = collections.deque()
+        self.running: dict[int, tuple[TrainingJob, object]] = {}
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="tensile-executor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: TrainingJob) -> None:
+        """Queue a job. Raises DeviceOutOfMemory if even its smallest working set cannot fit."""
+        need = job.min_working_set_nbytes
+        if need > self.manager.budget_nbytes:
+            raise DeviceOutOfMemory(need, self.manager.in_use_nbytes, self.manager.budget_nbytes,
+                                    f"the largest operator of model {job.info.model_name!r} "
+                                    f"(batch {job.batch})")
+        with self._cond:
+            self.queued.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: TrainingJob) -> None:
+        """Ask for the job to stop; it is removed before its next op."""
+        job.cancel_requested.set()
+        with self._cond:
+            if job in self.queued:
+                self.queued.remove(job)
+                self._finish(job, JobState.CANCELLED, JobCancelled("cancelled while queued"))
+            self._cond.notify()
+
+    def jobs(self) -> list[TrainingJob]:
+        with self._cond:
+            return [j for j, _ in self.running.values()] + list(self.queued)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self.queued and len(self.running) < self.max_active_jobs:
+                    self._admit(self.queued.popleft())
+                if not self.running:
+                    self._cond.wait()
+                    continue
+                turn = list(self.running.values())
+            for job, ops in turn:
+                if job.cancel_requested.is_set():
+                    self._finish(job, JobState.CANCELLED, JobCancelled("cancelled by the caller"))
+                    continue
+                try:
+                    next(ops)
+                except StopIteration:
+                    self._finish(job, JobState.DONE)
+                except Exception as exc:  # the job fails; the coordinator goes on
+                    if not isinstance(exc, TensileError):
+                        log.exception("job %s failed", job.id)
+                    self._finish(job, JobState.FAILED, exc)
+
+    def _admit(self, job: TrainingJob) -> None:
+        self.manager.register_job(job.id)
+        self.policy.track(job.id, job.program)
+        job.state, job.started_at = JobState.RUNNING, time.time()
+        ops = job.ops(self.manager, self.manager.device, lambda pos, jid=job.id: self.policy.advance(jid, pos))
+        self.running[job.id] = (job, ops)
+
+    def _finish(self, job: TrainingJob, state: JobState, error: BaseException | None = None) -> None:
+        with self._cond:
+            self.running.pop(job.id, None)
+        self.policy.forget(job.id)
+        job.memory = self.manager.release_job(job.id)
+        job.state, job.error, job.finished_at = state, error, time.time()
+        job.events.put(("done", None) if state is JobState.DONE else ("error", error))

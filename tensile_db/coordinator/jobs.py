@@ -1,0 +1,189 @@
+"""Training jobs: one model being trained for one backend, executed one op at a time.
+
+A :class:`TrainingJob` holds the caller's data on the host, the training program (its access
+sequence), and the tensors it registered with the memory manager. :meth:`TrainingJob.ops` is a
+generator that runs exactly one op of the program per ``next()``, so the executor can interleave
+the ops of all running jobs on the device. Progress (epoch, loss, device bytes) is published to
+the job's event queue, which the connection thread of its backend relays.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from ..errors import InvalidArgument
+from ..memory.manager import JobMemory, MemoryManager, Tensor
+from ..runtime import model as models
+from ..runtime.program import Program, StepContext, build_training_program
+
+_job_ids = itertools.count(1)
+
+
+class JobState(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class JobInfo:
+    """Who asked for the job: the backend's pid, the role, the model name."""
+
+    backend_pid: int
+    role: str
+    model_name: str
+
+
+class TrainingJob:
+    """One training run. ``x``: (N, F) float32 features; ``y``: (N,) int32 class indices for
+    classification or (N, 1) float32 targets for regression.
+
+    Raises InvalidArgument (from the constructor) when the data does not fit the spec.
+    """
+
+    def __init__(self, info: JobInfo, spec: models.ModelSpec, options: models.TrainOptions,
+                 x: np.ndarray, y: np.ndarray):
+        if x.ndim != 2 or x.shape[1] != spec.n_features or len(y) != len(x) or len(x) == 0:
+            raise InvalidArgument(f"training data of shape {x.shape} / {y.shape} does not match "
+                                  f"{spec.n_features} features")
+        self.id = next(_job_ids)
+        self.info = info
+        self.spec = spec
+        self.options = options
+        self.batch = min(options.batch_size, len(x))
+        self.program: Program = build_training_program(spec, options, self.batch)
+        self.state = JobState.QUEUED
+        self.epoch = 0
+        self.loss = math.nan
+        self.created_at = time.time()
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+        self.error: BaseException | None = None
+        self.result: dict[str, np.ndarray] | None = None
+        self.events: queue.Queue = queue.Queue()
+        self.cancel_requested = threading.Event()
+        self.x, self.y, self.scaling = _standardize(spec, options, x, y)
+        self.tensors: dict[str, Tensor] = {}
+        self.memory: JobMemory | None = None     # the job's memory counters, once finished
+
+    @cached_property
+    def vanilla_peak_nbytes(self) -> int:
+        """Peak arena bytes of this job alone with unlimited memory (one steady iteration)."""
+        return self.program.vanilla_peak_nbytes()
+
+    @cached_property
+    def min_working_set_nbytes(self) -> int:
+        return self.program.min_working_set_nbytes
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.x) // self.batch
+
+    def ops(self, mm: MemoryManager, device, advance):
+        """Generator: run the whole training, one op per ``next()``.
+
+        ``advance(position)`` is called after each op with its index in the program (the
+        scheduler follows the job's position in its access sequence). On completion
+        ``self.result`` holds the trained weights and scaling on the host.
+        """
+        weights = models.init_weights(self.spec, self.options.seed)
+        for name, slot in self.program.slots.items():
+            if slot.kind.persistent:
+                value = weights[name] if name in weights else np.zeros(slot.shape, slot.dtype)
+                self.tensors[name] = mm.adopt(self.id, name, slot.kind, value)
+        rng = np.random.default_rng(self.options.seed)
+        ctx = StepContext(device)
+        for epoch in range(1, self.options.epochs + 1):
+            order = rng.permutation(len(self.x))
+            loss_sum = 0.0
+            for it in range(self.steps_per_epoch):
+                index = order[it * self.batch:(it + 1) * self.batch]
+                ctx.batch_x, ctx.batch_y = self.x[index], self.y[index]
+                ctx.step += 1
+                ctx.seed = self.options.seed * 1_000_003 + ctx.step
+                for position, op in enumerate(self.program.ops):
+                    loss = self._run_op(mm, position, op, ctx)
+                    if loss is not None:
+                        loss_sum += loss
+                    advance(position)
+                    yield
+            self.epoch = epoch
+            self.loss = loss_sum / self.steps_per_epoch
+            if not math.isfinite(self.loss):
+                raise InvalidArgument(f"training diverged at epoch {epoch} (loss {self.loss}); "
+                                      f"lower options.lr (now {self.options.learning_rate})")
+            mem = mm.jobs[self.id]
+            self.events.put(("progress", {
+                "epoch": epoch, "epochs": self.options.epochs, "loss": self.loss,
+                "device_nbytes": mem.device_nbytes, "peak_nbytes": mem.peak_nbytes,
+                "swapped_out_nbytes": mem.swapped_out_nbytes}))
+        result = {name: mm.to_host(self.tensors[name]) for name in weights}
+        result.update(self.scaling)
+        self.result = result
+
+    def _run_op(self, mm: MemoryManager, position: int, op, ctx: StepContext) -> float | None:
+        live = [self.tensors[s] for s in op.accesses if s in self.tensors]
+        new = [(s, slot.kind, slot.shape, slot.dtype)
+               for s in op.writes if s not in self.tensors for slot in (self.program.slots[s],)]
+        created = mm.acquire(self.id, live, new, what=f"op {op.name} of job {self.id}")
+        for t in created:
+            self.tensors[t.slot] = t
+        try:
+            arrays = {s: mm.array(self.tensors[s]) for s in op.accesses}
+            op.run(arrays, ctx)
+            loss = float(arrays["loss"][0]) if "loss" in op.writes else None
+        finally:
+            mm.release(live + created)
+        for s in self.program.frees_after[position]:
+            mm.free(self.tensors.pop(s))
+        return loss
+
+    def describe(self, mm: MemoryManager | None) -> dict:
+        """A JSON-able row for ``tensile.jobs``."""
+        mem = mm.jobs.get(self.id) if mm else None
+        return {
+            "job_id": self.id, "backend_pid": self.info.backend_pid, "role": self.info.role,
+            "model_name": self.info.model_name, "state": self.state.value, "epoch": self.epoch,
+            "epochs": self.options.epochs, "loss": None if math.isnan(self.loss) else self.loss,
+            "device_nbytes": mem.device_nbytes if mem else 0,
+            "peak_nbytes": mem.peak_nbytes if mem else 0,
+            "swapped_out_nbytes": mem.swapped_out_nbytes if mem else 0,
+            "swapped_in_nbytes": mem.swapped_in_nbytes if mem else 0,
+            "host_nbytes": mem.host_nbytes if mem else 0,
+            "vanilla_peak_nbytes": self.vanilla_peak_nbytes,
+            "created_at": self.created_at, "started_at": self.started_at,
+        }
+
+
+def _standardize(spec, options, x, y):
+    """Float32 training arrays and the scaling stored with the model (mean/std per feature, and
+    of the target for regression); constant columns get std 1."""
+    x = np.asarray(x, dtype=np.float32)
+    scaling: dict[str, np.ndarray] = {}
+    if options.standardize:
+        mean = x.mean(axis=0, dtype=np.float64)
+        std = x.std(axis=0, dtype=np.float64)
+        std[std == 0] = 1.0
+        scaling["x_mean"], scaling["x_std"] = mean.astype(np.float32), std.astype(np.float32)
+        x = ((x - scaling["x_mean"]) / scaling["x_std"]).astype(np.float32)
+    if spec.task == "classification":
+        y = np.asarray(y, dtype=np.int32).reshape(-1)
+    else:
+        y = np.asarray(y, dtype=np.float32).reshape(-1, 1)
+        if options.standardize:
+            std = float(y.std()) or 1.0
+            scaling["y_mean"] = np.array([y.mean()], dtype=np.float32)
+            scaling["y_std"] = np.array([std], dtype=np.float32)
+            y = ((y - scaling["y_mean"]) / scaling["y_std"]).astype(np.float32)
+    return np.ascontiguousarray(x), np.ascontiguousarray(y), scaling

@@ -1,0 +1,121 @@
+"""The arena allocator: offsets inside one contiguous block of ``capacity`` bytes.
+
+Best fit over free blocks; a chosen block is split and the remainder stays free; a freed block
+is merged with its address-ordered free neighbours. Every size is rounded up to
+:data:`UNIT_NBYTES`, which is also the alignment of every offset. The allocator only does
+bookkeeping — it never touches memory — so it is tested without a device, and the memory manager
+uses the same class over the real arena buffer.
+
+Statistics follow CuPy / PyTorch: current, peak and total bytes, free-block count, largest free
+block. ``peak_nbytes`` is the arena's high-water mark of allocated bytes; it can never exceed
+``capacity_nbytes``.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+#: Allocation granularity and alignment, bytes (CuPy's pool uses the same unit).
+UNIT_NBYTES = 512
+
+
+def round_up(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole number of units (at least one unit), bytes."""
+    return max(UNIT_NBYTES, -(-nbytes // UNIT_NBYTES) * UNIT_NBYTES)
+
+
+class ArenaAllocator:
+    """Best-fit allocator over ``[0, capacity_nbytes)``.
+
+    ``allocate`` returns an offset or ``None`` when no free block is large enough (the caller
+    decides whether to evict); ``free`` takes an offset returned by ``allocate``.
+    """
+
+    def __init__(self, capacity_nbytes: int):
+        self.capacity_nbytes = capacity_nbytes // UNIT_NBYTES * UNIT_NBYTES  # bytes
+        self._free_by_size: list[tuple[int, int]] = []   # sorted (size, offset) of free blocks
+        self._free_start: dict[int, int] = {}            # offset -> size, free blocks
+        self._free_end: dict[int, int] = {}              # end offset -> start offset, free blocks
+        self._used: dict[int, int] = {}                  # offset -> size, allocated blocks
+        self.in_use_nbytes = 0       # bytes currently allocated
+        self.peak_nbytes = 0         # high-water mark of in_use_nbytes
+        self.total_nbytes = 0        # bytes ever allocated (cumulative)
+        if self.capacity_nbytes:
+            self._add_free(0, self.capacity_nbytes)
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def free_nbytes(self) -> int:
+        return self.capacity_nbytes - self.in_use_nbytes
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_start)
+
+    @property
+    def largest_free_nbytes(self) -> int:
+        return self._free_by_size[-1][0] if self._free_by_size else 0
+
+    @property
+    def fragmentation(self) -> float:
+        """1 - largest free block / free bytes: 0 when the free space is one block."""
+        free = self.free_nbytes
+        return 0.0 if free == 0 else 1.0 - self.largest_free_nbytes / free
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """Allocated blocks as sorted ``(offset, size)`` pairs."""
+        return sorted(self._used.items())
+
+    # -- allocate / free ----------------------------------------------------------------------
+
+    def allocate(self, nbytes: int) -> int | None:
+        """Offset of a new block of ``round_up(nbytes)`` bytes, or None if none fits."""
+        size = round_up(nbytes)
+        i = bisect.bisect_left(self._free_by_size, (size, -1))
+        if i == len(self._free_by_size):
+            return None
+        block_size, offset = self._free_by_size[i]
+        self._remove_free(offset, block_size)
+        if block_size > size:
+            self._add_free(offset + size, block_size - size)
+        self._used[offset] = size
+        self.in_use_nbytes += size
+        self.total_nbytes += size
+        self.peak_nbytes = max(self.peak_nbytes, self.in_use_nbytes)
+        assert self.in_use_nbytes <= self.capacity_nbytes
+        return offset
+
+    def free(self, offset: int) -> None:
+        """Return the block at ``offset``; merge it with free neighbours."""
+        size = self._used.pop(offset)
+        self.in_use_nbytes -= size
+        assert self.in_use_nbytes >= 0
+        end = offset + size
+        if end in self._free_start:                      # merge with the block after
+            after = self._free_start[end]
+            self._remove_free(end, after)
+            size += after
+        if offset in self._free_end:                     # merge with the block before
+            before_start = self._free_end[offset]
+            before = self._free_start[before_start]
+            self._remove_free(before_start, before)
+            offset, size = before_start, size + before
+        self._add_free(offset, size)
+
+    def size_of(self, offset: int) -> int:
+        """Size in bytes of the allocated block at ``offset``."""
+        return self._used[offset]
+
+    # -- free-list maintenance ----------------------------------------------------------------
+
+    def _add_free(self, offset: int, size: int) -> None:
+        bisect.insort(self._free_by_size, (size, offset))
+        self._free_start[offset] = size
+        self._free_end[offset + size] = offset
+
+    def _remove_free(self, offset: int, size: int) -> None:
+        i = bisect.bisect_left(self._free_by_size, (size, offset))
+        del self._free_by_size[i]
+        del self._free_start[offset]
+        del self._free_end[offset + size]

@@ -1,0 +1,279 @@
+"""The memory manager: every device tensor of every job, where it lives, and the budget.
+
+The manager owns one arena of ``budget`` bytes on the device (:class:`ArenaAllocator` over one
+device buffer) and registers every tensor the runtime creates: owning job, slot, kind, shape,
+dtype, bytes, and its residency — on the device at an arena offset, or on the host as a NumPy
+copy. Operators get their tensors through :meth:`MemoryManager.acquire`, which makes them resident
+and pins them for the duration of the op.
+
+Correctness never depends on a plan. When an allocation does not fit, the manager swaps out the
+unpinned resident tensor whose next use is farthest away, across all jobs (Belady's rule over
+the jobs' access sequences, supplied by the scheduler as ``next_use``), until the block fits; a
+tensor that is on the host is swapped back in when an op reads it. If the free space is too
+fragmented for the op's working set even then, everything is swapped out and the working set is
+placed from offset 0, largest first. An op whose working set exceeds the budget raises
+:class:`DeviceOutOfMemory`.
+
+Device and host byte counters change only in :meth:`MemoryManager._account`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..errors import DeviceOutOfMemory
+from ..runtime.program import Kind
+from .arena import ArenaAllocator, round_up
+
+
+class Residency(str, enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    FREED = "freed"
+
+
+@dataclass(eq=False)
+class Tensor:
+    """A registered tensor. ``nbytes`` is its size in bytes; ``arena_nbytes`` rounded to the unit."""
+
+    id: int
+    job_id: int
+    slot: str
+    kind: Kind
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    residency: Residency = Residency.HOST
+    offset: int | None = None            # arena offset, bytes, while on the device
+    host: np.ndarray | None = None       # host copy while on the host
+    pins: int = 0                        # ops currently using it; pinned tensors are never evicted
+    swapped_out: bool = False            # has been swapped out at least once since its last use
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def arena_nbytes(self) -> int:
+        return round_up(self.nbytes)
+
+
+@dataclass
+class JobMemory:
+    """Per-job counters. Bytes throughout; ``*_nbytes`` totals are cumulative."""
+
+    device_nbytes: int = 0          # arena bytes held now
+    peak_nbytes: int = 0            # high-water mark of device_nbytes
+    host_nbytes: int = 0            # bytes swapped out and held on the host now
+    swapped_out_nbytes: int = 0     # bytes copied device -> host by eviction, cumulative
+    swapped_in_nbytes: int = 0      # bytes copied host -> device for evicted tensors, cumulative
+    swap_outs: int = 0
+    swap_ins: int = 0
+
+
+NextUse = Callable[[Tensor], float]
+
+
+class MemoryManager:
+    """Owns the arena on ``device`` and every tensor in it.
+
+    Args:
+        device: a :class:`tensile_db.runtime.device.Device`.
+        budget_nbytes: arena size, bytes (rounded down to the arena unit).
+        next_use: distance to a tensor's next access (any unit common to all jobs); larger is
+            evicted first. Unknown tensors should return ``math.inf``.
+
+    Thread safety: one executor thread mutates; other threads may call :meth:`snapshot`.
+    """
+
+    def __init__(self, device, budget_nbytes: int, next_use: NextUse | None = None):
+        self.device = device
+        self.allocator = ArenaAllocator(budget_nbytes)
+        self.budget_nbytes = self.allocator.capacity_nbytes
+        self.buffer = device.arena_buffer(self.budget_nbytes)
+        self.next_use: NextUse = next_use or (lambda t: math.inf)
+        self.jobs: dict[int, JobMemory] = {}
+        self._tensors: dict[int, Tensor] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    # -- registration -------------------------------------------------------------------------
+
+    def register_job(self, job_id: int) -> None:
+        with self._lock:
+            self.jobs.setdefault(job_id, JobMemory())
+
+    def release_job(self, job_id: int) -> JobMemory:
+        """Free every tensor of the job (device and host) and forget it; returns its counters."""
+        with self._lock:
+            for t in [t for t in self._tensors.values() if t.job_id == job_id]:
+                self._drop(t)
+            return self.jobs.pop(job_id, JobMemory())
+
+    def adopt(self, job_id: int, slot: str, kind: Kind, host: np.ndarray) -> Tensor:
+        """Register a tensor whose values start on the host (initial weights, optimizer state);
+        it is copied into the arena on first use."""
+        with self._lock:
+            t = self._new(job_id, slot, kind, host.shape, host.dtype)
+            t.host = np.ascontiguousarray(host)
+            self._account(t, host=t.nbytes)
+            return t
+
+    # -- the op protocol ----------------------------------------------------------------------
+
+    def acquire(self, job_id: int, tensors: list[Tensor],
+                new: list[tuple[str, Kind, tuple[int, ...], str]], what: str = "") -> list[Tensor]:
+        """Make ``tensors`` resident, allocate ``new`` ones (slot, kind, shape, dtype), and pin all
+        of them until :meth:`release`. Returns the new tensors in order.
+
+        Raises:
+            DeviceOutOfMemory: the working set exceeds the budget.
+        """
+        with self._lock:
+            need = sum(t.arena_nbytes for t in tensors) + sum(
+                round_up(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize) for _, _, shape, dt in new)
+            if need > self.budget_nbytes:
+                raise DeviceOutOfMemory(need, self.allocator.in_use_nbytes, self.budget_nbytes, what)
+            created = [self._new(job_id, *spec) for spec in new]
+            pinned: list[Tensor] = []
+            try:
+                for t in tensors + created:
+                    self._make_resident(t)
+                    t.pins += 1
+                    pinned.append(t)
+            except _Fragmented:
+                for t in pinned:
+                    t.pins -= 1
+                self._pack(tensors + created, what)
+            return created
+
+    def release(self, tensors: list[Tensor]) -> None:
+        """Unpin tensors pinned by :meth:`acquire`."""
+        with self._lock:
+            for t in tensors:
+                assert t.pins > 0, f"release of unpinned tensor {t.slot}"
+                t.pins -= 1
+
+    def array(self, t: Tensor):
+        """The device array of a resident tensor (a view into the arena)."""
+        assert t.residency is Residency.DEVICE, f"tensor {t.slot} of job {t.job_id} is not resident"
+        return self.device.view(self.buffer, t.offset, t.shape, t.dtype)
+
+    def free(self, t: Tensor) -> None:
+        """Forget a tensor: its arena block or host copy is released."""
+        with self._lock:
+            self._drop(t)
+
+    def to_host(self, t: Tensor) -> np.ndarray:
+        """A host copy of the tensor's current values, wherever it lives."""
+        with self._lock:
+            if t.residency is Residency.DEVICE:
+                return self.device.to_host(self.array(t))
+            return t.host.copy()
+
+    # -- statistics ---------------------------------------------------------------------------
+
+    @property
+    def in_use_nbytes(self) -> int:
+        return self.allocator.in_use_nbytes
+
+    @property
+    def peak_nbytes(self) -> int:
+        """The arena's high-water mark, bytes; never above ``budget_nbytes``."""
+        return self.allocator.peak_nbytes
+
+    def snapshot(self) -> dict:
+        """Device-wide and per-job counters, bytes."""
+        with self._lock:
+            a = self.allocator
+            return {
+                "device": self.device.name,
+                "budget_nbytes": self.budget_nbytes,
+                "in_use_nbytes": a.in_use_nbytes,
+                "peak_nbytes": a.peak_nbytes,
+                "free_blocks": a.free_blocks,
+                "largest_free_nbytes": a.largest_free_nbytes,
+                "fragmentation": round(a.fragmentation, 4),
+                "host_nbytes": sum(j.host_nbytes for j in self.jobs.values()),
+                "jobs": {job_id: vars(j).copy() for job_id, j in self.jobs.items()},
+            }
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _new(self, job_id: int, slot: str, kind: Kind, shape, dtype) -> Tensor:
+        t = Tensor(next(self._ids), job_id, slot, kind, tuple(shape), np.dtype(dtype))
+        self._tensors[t.id] = t
+        return t
+
+    def _account(self, t: Tensor, device: int = 0, host: int = 0) -> None:
+        """The one place device and host byte counters change."""
+        j = self.jobs[t.job_id]
+        j.device_nbytes += device
+        j.host_nbytes += host
+        assert j.device_nbytes >= 0 and j.host_nbytes >= 0
+        j.peak_nbytes = max(j.peak_nbytes, j.device_nbytes)
+
+    def _make_resident(self, t: Tensor) -> None:
+        if t.residency is Residency.DEVICE:
+            return
+        t.offset = self._make_room(t.arena_nbytes)
+        t.residency = Residency.DEVICE
+        self._account(t, device=t.arena_nbytes)
+        if t.host is not None:                      # bring values back (swap-in or first load)
+            self.device.to_device(t.host, self.array(t))
+            self._account(t, host=-t.nbytes)
+            t.host = None
+            if t.swapped_out:
+                j = self.jobs[t.job_id]
+                j.swapped_in_nbytes += t.nbytes
+                j.swap_ins += 1
+
+    def _make_room(self, nbytes: int) -> int:
+        """An arena offset for ``nbytes``, evicting farthest-next-use tensors as needed."""
+        while (offset := self.allocator.allocate(nbytes)) is None:
+            victims = [t for t in self._tensors.values() if t.residency is Residency.DEVICE and not t.pins]
+            if not victims:
+                raise _Fragmented
+            self._swap_out(max(victims, key=lambda t: (self.next_use(t), t.arena_nbytes)))
+        return offset
+
+    def _swap_out(self, t: Tensor) -> None:
+        t.host = self.device.to_host(self.array(t))
+        self.allocator.free(t.offset)
+        self._account(t, device=-t.arena_nbytes, host=t.nbytes)
+        t.offset, t.residency, t.swapped_out = None, Residency.HOST, True
+        j = self.jobs[t.job_id]
+        j.swapped_out_nbytes += t.nbytes
+        j.swap_outs += 1
+
+    def _pack(self, working_set: list[Tensor], what: str) -> None:
+        """Fragmentation fallback: swap out every unpinned tensor, then place the working set
+        largest first into the emptied arena, and pin it."""
+        for t in [t for t in self._tensors.values() if t.residency is Residency.DEVICE and not t.pins]:
+            self._swap_out(t)
+        try:
+            for t in sorted(working_set, key=lambda t: -t.arena_nbytes):
+                self._make_resident(t)
+                t.pins += 1
+        except _Fragmented:
+            need = sum(t.arena_nbytes for t in working_set)
+            raise DeviceOutOfMemory(need, self.allocator.in_use_nbytes, self.budget_nbytes, what) from None
+
+    def _drop(self, t: Tensor) -> None:
+        if t.residency is Residency.DEVICE:
+            self.allocator.free(t.offset)
+            self._account(t, device=-t.arena_nbytes)
+        elif t.residency is Residency.HOST and t.host is not None:
+            self._account(t, host=-t.nbytes)
+        t.residency, t.offset, t.host = Residency.FREED, None, None
+        self._tensors.pop(t.id, None)
+
+
+class _Fragmented(Exception):
+    """No free block fits and nothing unpinned is left to evict."""

@@ -1,0 +1,68 @@
+"""Devices: where tensors live and how bytes move between the arena and host memory.
+
+A :class:`Device` hides the array module (NumPy for ``cpu``, CuPy for ``cuda``). Every device
+tensor is a view into one arena buffer the device allocates once; host copies are always NumPy
+arrays. On ``cuda`` the CuPy allocator is routed into the arena by the memory manager, so library
+temporaries count against the budget too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import InvalidArgument
+
+
+class Device:
+    """One compute device. ``name`` is ``"cpu"`` or ``"cuda"``; ``xp`` its array module."""
+
+    def __init__(self, name: str):
+        if name == "cpu":
+            self.xp = np
+        elif name == "cuda":
+            try:
+                import cupy
+            except ImportError as exc:  # pragma: no cover - depends on the machine
+                raise InvalidArgument(
+                    "tensile.device is 'cuda' but CuPy is not installed; install tensile_db[cuda] "
+                    "or set tensile.device = 'cpu'") from exc
+            self.xp = cupy
+        else:
+            raise InvalidArgument(f"unknown device {name!r}; use 'cpu' or 'cuda'")
+        self.name = name
+
+    def arena_buffer(self, nbytes: int):
+        """One contiguous uint8 buffer of ``nbytes`` bytes on the device."""
+        return self.xp.empty(nbytes, dtype=self.xp.uint8)
+
+    def view(self, buffer, offset: int, shape: tuple[int, ...], dtype) -> object:
+        """An array of ``shape`` and ``dtype`` over ``buffer[offset:]``; no copy."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return buffer[offset:offset + nbytes].view(dtype).reshape(shape)
+
+    def to_host(self, array) -> np.ndarray:
+        """A new host (NumPy) copy of a device array."""
+        if self.xp is np:
+            return array.copy()
+        return self.xp.asnumpy(array)  # pragma: no cover - cuda only
+
+    def to_device(self, host: np.ndarray, array) -> None:
+        """Copy ``host`` into the device array ``array`` (same shape and dtype)."""
+        if self.xp is np:
+            np.copyto(array, host)
+        else:  # pragma: no cover - cuda only
+            array.set(np.ascontiguousarray(host))
+
+    def uniform(self, seed: int, out) -> None:
+        """Fill ``out`` (float32 or float64) with uniform draws in [0, 1) from a stream fixed by
+        ``seed``, so that a recomputed dropout mask equals the first one."""
+        if self.xp is np:
+            np.random.Generator(np.random.Philox(seed)).random(out=out, dtype=out.dtype)
+        else:  # pragma: no cover - cuda only
+            out[...] = self.xp.random.default_rng(seed).random(out.shape, dtype=out.dtype)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (a no-op on ``cpu``)."""
+        if self.xp is not np:  # pragma: no cover - cuda only
+            self.xp.cuda.Device().synchronize()

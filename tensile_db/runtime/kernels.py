@@ -1,0 +1,229 @@
+"""Kernels: the forward and backward arithmetic of every operator, on NumPy or CuPy arrays.
+
+Each kernel writes into output arrays its caller passes in (``out=``) and allocates nothing
+else, so that on the device every byte an operator touches is a tensor the memory manager
+placed in the arena. Shapes use ``B`` for the batch, ``I`` / ``O`` for a dense layer's input and
+output widths and ``C`` for classes. Kernels are dtype-generic (float32 in training, float64 in
+the gradient tests) and array-module generic: ``xp`` is taken from the arguments.
+
+The backward kernels compute gradients of a scalar loss ``L``: given ``dy = dL/dy`` they write
+``dx = dL/dx`` and parameter gradients. ``dx`` must not alias ``dy`` or ``y`` unless a kernel says
+it may (dropout's may).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def array_module(*arrays):
+    """Return ``cupy`` if any argument is a CuPy array, else ``numpy``."""
+    for a in arrays:
+        if type(a).__module__.startswith("cupy"):
+            import cupy
+
+            return cupy
+    return np
+
+
+# --- dense -------------------------------------------------------------------------------------
+
+
+def dense_forward(x, w, b, out) -> None:
+    """``out = x @ w + b``. x: (B, I), w: (I, O), b: (O,), out: (B, O)."""
+    xp = array_module(x)
+    xp.matmul(x, w, out=out)
+    xp.add(out, b, out=out)
+
+
+def dense_backward(x, w, dy, dx, dw, db) -> None:
+    """Gradients of ``y = x @ w + b``.
+
+    x: (B, I), w: (I, O), dy: (B, O); writes dw: (I, O), db: (O,) and, unless ``dx`` is None
+    (the first layer needs no input gradient), dx: (B, I).
+    """
+    xp = array_module(x)
+    xp.matmul(x.T, dy, out=dw)
+    xp.sum(dy, axis=0, out=db)
+    if dx is not None:
+        xp.matmul(dy, w.T, out=dx)
+
+
+# --- activations (backward from the forward output y, which is what the layer keeps) ------------
+
+
+def relu_forward(x, out) -> None:
+    """``out = max(x, 0)``, elementwise; x and out of one shape."""
+    array_module(x).maximum(x, 0, out=out)
+
+
+def relu_backward(y, dy, dx) -> None:
+    """``dx = dy * (y > 0)`` from the forward output ``y`` (sign(y) is 0 or 1 there)."""
+    xp = array_module(y)
+    xp.sign(y, out=dx)
+    xp.multiply(dx, dy, out=dx)
+
+
+def tanh_forward(x, out) -> None:
+    """``out = tanh(x)``, elementwise."""
+    array_module(x).tanh(x, out=out)
+
+
+def tanh_backward(y, dy, dx) -> None:
+    """``dx = dy * (1 - y**2)`` from the forward output ``y``."""
+    xp = array_module(y)
+    xp.multiply(y, y, out=dx)
+    xp.subtract(1, dx, out=dx)
+    xp.multiply(dx, dy, out=dx)
+
+
+def sigmoid_forward(x, out) -> None:
+    """``out = 1 / (1 + exp(-x))``, elementwise, without overflow for large ``|x|``."""
+    xp = array_module(x)
+    # 1/(1+exp(-x)) == (1 + tanh(x/2)) / 2, which never overflows.
+    xp.multiply(x, 0.5, out=out)
+    xp.tanh(out, out=out)
+    xp.add(out, 1, out=out)
+    xp.multiply(out, 0.5, out=out)
+
+
+def sigmoid_backward(y, dy, dx) -> None:
+    """``dx = dy * y * (1 - y)`` from the forward output ``y``."""
+    xp = array_module(y)
+    xp.subtract(1, y, out=dx)
+    xp.multiply(dx, y, out=dx)
+    xp.multiply(dx, dy, out=dx)
+
+
+ACTIVATIONS = {
+    "relu": (relu_forward, relu_backward),
+    "tanh": (tanh_forward, tanh_backward),
+    "sigmoid": (sigmoid_forward, sigmoid_backward),
+}
+
+
+# --- dropout (inverted: scaled at training time, identity at inference) ------------------------
+
+
+def dropout_mask(uniform, p: float, mask) -> None:
+    """Turn uniform draws in [0, 1) into the inverted-dropout mask ``(u >= p) / (1 - p)``.
+
+    uniform and mask have one shape; they may be the same array.
+    """
+    xp = array_module(uniform)
+    xp.greater_equal(uniform, p, out=mask)
+    xp.multiply(mask, 1.0 / (1.0 - p), out=mask)
+
+
+def dropout_forward(x, mask, out) -> None:
+    """``out = x * mask``; the mask comes from :func:`dropout_mask`."""
+    array_module(x).multiply(x, mask, out=out)
+
+
+def dropout_backward(mask, dy, dx) -> None:
+    """``dx = dy * mask``; ``dx`` may be ``dy`` (in place)."""
+    array_module(mask).multiply(dy, mask, out=dx)
+
+
+# --- losses --------------------------------------------------------------------------------------
+
+
+def softmax_cross_entropy_forward(logits, labels, probs, rowbuf, loss) -> None:
+    """Mean softmax cross-entropy over the batch.
+
+    logits: (B, C) float; labels: (B,) int32 class indices in [0, C); writes probs: (B, C), the
+    softmax (kept for the backward pass); rowbuf: (B, 1) float workspace; loss: (1,) float, the
+    mean of ``-log softmax(logits)[i, labels[i]]``.
+    """
+    xp = array_module(logits)
+    xp.max(logits, axis=1, keepdims=True, out=rowbuf)
+    xp.subtract(logits, rowbuf, out=probs)
+    xp.exp(probs, out=probs)
+    xp.sum(probs, axis=1, keepdims=True, out=rowbuf)
+    xp.divide(probs, rowbuf, out=probs)
+    # Gather p[i, label_i] into rowbuf, clamp away from 0, and average -log of it.
+    rows = rowbuf.reshape(-1)
+    rows[...] = probs[xp.arange(probs.shape[0]), labels]
+    xp.maximum(rows, np.finfo(probs.dtype).tiny, out=rows)
+    xp.log(rows, out=rows)
+    xp.mean(rows, keepdims=True, out=loss)
+    xp.negative(loss, out=loss)
+
+
+def softmax_cross_entropy_backward(probs, labels, dlogits) -> None:
+    """``dlogits = (probs - onehot(labels)) / B``. probs, dlogits: (B, C); labels: (B,) int32."""
+    xp = array_module(probs)
+    b = probs.shape[0]
+    dlogits[...] = probs
+    dlogits[xp.arange(b), labels] -= 1
+    xp.multiply(dlogits, 1.0 / b, out=dlogits)
+
+
+def mse_forward(pred, target, diff, loss) -> None:
+    """Mean squared error over every element.
+
+    pred, target: (B, T) float; writes diff: (B, T) = pred - target (kept for backward) and
+    loss: (1,) = mean(diff**2).
+    """
+    xp = array_module(pred)
+    xp.subtract(pred, target, out=diff)
+    loss[...] = xp.vdot(diff.reshape(-1), diff.reshape(-1)) / diff.size
+
+
+def mse_backward(diff, dpred) -> None:
+    """``dpred = 2 * diff / numel``. diff, dpred: (B, T)."""
+    array_module(diff).multiply(diff, 2.0 / diff.size, out=dpred)
+
+
+# --- optimizers ---------------------------------------------------------------------------------
+#
+# Both updates work in place with the gradient as their only scratch space (it is dead after the
+# step), so an optimizer step allocates nothing beyond the tensors it updates.
+
+
+def _add_weight_decay(xp, g, w, weight_decay: float) -> None:
+    """``g += weight_decay * w`` without a temporary: g/wd + w, times wd."""
+    if weight_decay:
+        xp.divide(g, weight_decay, out=g)
+        xp.add(g, w, out=g)
+        xp.multiply(g, weight_decay, out=g)
+
+
+def sgd_update(w, g, velocity, lr: float, momentum: float, weight_decay: float = 0.0) -> None:
+    """SGD with momentum and L2 weight decay, in place (PyTorch's ``torch.optim.SGD``, no Nesterov).
+
+    ``g' = g + weight_decay * w``; ``velocity = momentum * velocity + g'``; ``w -= lr * velocity``.
+    w, g, velocity: arrays of one shape; ``g`` is overwritten.
+    """
+    xp = array_module(w)
+    _add_weight_decay(xp, g, w, weight_decay)
+    xp.multiply(velocity, momentum, out=velocity)
+    xp.add(velocity, g, out=velocity)
+    xp.multiply(velocity, lr, out=g)
+    xp.subtract(w, g, out=w)
+
+
+def adam_update(w, g, m, v, lr: float, beta1: float, beta2: float, eps: float, step: int,
+                weight_decay: float = 0.0) -> None:
+    """Adam (Kingma & Ba, arXiv 1412.6980, Algorithm 1) with L2 weight decay, in place.
+
+    ``g' = g + weight_decay * w``; ``m = b1*m + (1-b1)*g'``; ``v = b2*v + (1-b2)*g'**2``;
+    ``w -= lr / (1 - b1**t) * m / (sqrt(v) / sqrt(1 - b2**t) + eps)``, as ``torch.optim.Adam``.
+    ``step`` is t, counted from 1. w, g, m, v: arrays of one shape; ``g`` is overwritten.
+    """
+    xp = array_module(w)
+    _add_weight_decay(xp, g, w, weight_decay)
+    # m = b1*m + (1-b1)*g  ==  b1*(m - g) + g
+    xp.subtract(m, g, out=m)
+    xp.multiply(m, beta1, out=m)
+    xp.add(m, g, out=m)
+    xp.multiply(g, g, out=g)
+    xp.subtract(v, g, out=v)
+    xp.multiply(v, beta2, out=v)
+    xp.add(v, g, out=v)
+    xp.sqrt(v, out=g)
+    xp.multiply(g, 1.0 / (1.0 - beta2 ** step) ** 0.5, out=g)
+    xp.add(g, eps, out=g)
+    xp.divide(m, g, out=g)
+    xp.multiply(g, lr / (1.0 - beta1 ** step), out=g)
+    xp.subtract(w, g, out=w)

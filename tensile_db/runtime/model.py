@@ -1,0 +1,232 @@
+"""Model descriptions: the architecture and training options a user writes as JSON, validated.
+
+An architecture is ``{"layers": [{"dense": 256, "activation": "relu", "dropout": 0.1}, ...]}``:
+hidden dense layers, each with an optional activation (``relu``, ``tanh``, ``sigmoid`` or
+``none``; default ``relu``) and an optional dropout probability in [0, 1). The output layer is
+added from the task: ``C`` logits with softmax cross-entropy for classification over ``C``
+classes, one linear output with mean squared error for regression.
+
+Every validation error names the offending key and value and says what is allowed.
+
+Weights are float32 arrays named ``W{i}`` (I, O) and ``b{i}`` (O,) for dense layer ``i`` counted
+from 0 (the output layer is the last), plus the feature standardisation ``x_mean`` / ``x_std``
+(F,) and, for regression, ``y_mean`` / ``y_std`` (1,). They are serialised with ``numpy.savez``
+(no pickle).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..errors import InvalidArgument
+from . import kernels
+
+TASKS = ("classification", "regression")
+OPTIMIZERS = ("adam", "sgd")
+ACTIVATIONS = ("relu", "tanh", "sigmoid", "none")
+#: Largest width of one dense layer; wider is almost certainly a typo.
+MAX_WIDTH = 1 << 16
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One hidden dense layer: ``units`` outputs, an activation, a dropout probability."""
+
+    units: int
+    activation: str = "relu"
+    dropout: float = 0.0
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Hidden layers of an MLP; the output layer is implied by the task."""
+
+    layers: tuple[Layer, ...]
+
+    def to_json(self) -> dict:
+        return {"layers": [{"dense": l.units, "activation": l.activation, **({"dropout": l.dropout} if l.dropout else {})}
+                           for l in self.layers]}
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Training options; the field names are the JSON keys users write."""
+
+    task: str | None = None          # None: inferred from the label column's type
+    epochs: int = 10
+    batch_size: int = 128
+    optimizer: str = "adam"
+    lr: float | None = None          # None: 0.001 for adam, 0.01 for sgd
+    momentum: float = 0.9            # sgd only
+    weight_decay: float = 0.0
+    seed: int = 0
+    standardize: bool = True         # scale features (and regression targets) to mean 0, std 1
+    replace: bool = False            # replace an existing model of the same name
+    skip_nulls: bool = False         # drop rows with a NULL feature or label instead of failing
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else (0.001 if self.optimizer == "adam" else 0.01)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything needed to build the network: architecture, input width, output width, task."""
+
+    architecture: Architecture
+    n_features: int
+    n_outputs: int
+    task: str
+
+    def dense_shapes(self) -> list[tuple[int, int]]:
+        """``(I, O)`` of every dense layer, output layer last."""
+        widths = [self.n_features] + [l.units for l in self.architecture.layers] + [self.n_outputs]
+        return list(zip(widths[:-1], widths[1:]))
+
+    def n_parameters(self) -> int:
+        return sum(i * o + o for i, o in self.dense_shapes())
+
+
+# --- parsing ------------------------------------------------------------------------------------
+
+
+def _load_json(value, what: str) -> dict:
+    if value is None:
+        return {}
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value) if value else {}
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _check_keys(obj: dict, allowed, where: str) -> None:
+    for key in obj:
+        if key not in allowed:
+            raise InvalidArgument(f"{where}: unknown key {key!r}; allowed keys: {', '.join(allowed)}")
+
+
+def parse_architecture(value) -> Architecture:
+    """Validate an architecture (JSON text or dict). Raises InvalidArgument naming the key."""
+    obj = _load_json(value, "architecture")
+    _check_keys(obj, ("layers",), "architecture")
+    layers = obj.get("layers")
+    if not isinstance(layers, list) or not layers:
+        raise InvalidArgument('architecture: "layers" must be a non-empty array of layers, '
+                              'e.g. {"layers":[{"dense":128,"activation":"relu"}]}')
+    parsed = []
+    for i, layer in enumerate(layers):
+        where = f"architecture.layers[{i}]"
+        if not isinstance(layer, dict):
+            raise InvalidArgument(f"{where} must be an object like {{\"dense\": 128}}, got {layer!r}")
+        _check_keys(layer, ("dense", "activation", "dropout"), where)
+        units = layer.get("dense")
+        if not isinstance(units, int) or isinstance(units, bool) or not 0 < units <= MAX_WIDTH:
+            raise InvalidArgument(f'{where}."dense" must be an integer from 1 to {MAX_WIDTH}, got {units!r}')
+        activation = layer.get("activation", "relu")
+        if activation not in ACTIVATIONS:
+            raise InvalidArgument(f'{where}."activation" must be one of {", ".join(ACTIVATIONS)}, got {activation!r}')
+        dropout = layer.get("dropout", 0.0)
+        if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
+            raise InvalidArgument(f'{where}."dropout" must be a number in [0, 1), got {dropout!r}')
+        parsed.append(Layer(units, activation, float(dropout)))
+    return Architecture(tuple(parsed))
+
+
+_OPTION_TYPES = {
+    "task": (str, type(None)), "epochs": int, "batch_size": int, "optimizer": str,
+    "lr": (int, float, type(None)), "momentum": (int, float), "weight_decay": (int, float),
+    "seed": int, "standardize": bool, "replace": bool, "skip_nulls": bool,
+}
+
+
+def parse_options(value) -> TrainOptions:
+    """Validate training options (JSON text or dict). Raises InvalidArgument naming the key."""
+    obj = _load_json(value, "options")
+    _check_keys(obj, tuple(_OPTION_TYPES), "options")
+    for key, val in obj.items():
+        types = _OPTION_TYPES[key]
+        if not isinstance(val, types) or (isinstance(val, bool) and types is not bool):
+            raise InvalidArgument(f"options.{key} has the wrong type: got {json.dumps(val)}")
+    opts = TrainOptions(**obj)
+    if opts.task is not None and opts.task not in TASKS:
+        raise InvalidArgument(f"options.task must be one of {', '.join(TASKS)}, got {opts.task!r}")
+    if opts.optimizer not in OPTIMIZERS:
+        raise InvalidArgument(f"options.optimizer must be one of {', '.join(OPTIMIZERS)}, got {opts.optimizer!r}")
+    if not 1 <= opts.epochs <= 100_000:
+        raise InvalidArgument(f"options.epochs must be from 1 to 100000, got {opts.epochs}")
+    if not 1 <= opts.batch_size <= 1 << 20:
+        raise InvalidArgument(f"options.batch_size must be from 1 to {1 << 20}, got {opts.batch_size}")
+    if opts.lr is not None and not (math.isfinite(opts.lr) and opts.lr > 0):
+        raise InvalidArgument(f"options.lr must be a positive number, got {opts.lr}")
+    if not 0 <= opts.momentum < 1:
+        raise InvalidArgument(f"options.momentum must be in [0, 1), got {opts.momentum}")
+    if not (math.isfinite(opts.weight_decay) and opts.weight_decay >= 0):
+        raise InvalidArgument(f"options.weight_decay must be a non-negative number, got {opts.weight_decay}")
+    return opts
+
+
+# --- weights ------------------------------------------------------------------------------------
+
+
+def init_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
+    """He-uniform (relu) or Glorot-uniform (others) float32 weights, zero biases."""
+    rng = np.random.default_rng(seed)
+    acts = [l.activation for l in spec.architecture.layers] + ["none"]
+    weights = {}
+    for i, ((fan_in, fan_out), act) in enumerate(zip(spec.dense_shapes(), acts)):
+        limit = math.sqrt(6.0 / fan_in) if act == "relu" else math.sqrt(6.0 / (fan_in + fan_out))
+        weights[f"W{i}"] = rng.uniform(-limit, limit, size=(fan_in, fan_out)).astype(np.float32)
+        weights[f"b{i}"] = np.zeros(fan_out, dtype=np.float32)
+    return weights
+
+
+def serialize_weights(weights: dict[str, np.ndarray]) -> bytes:
+    """``numpy.savez`` bytes of the named arrays (loadable with ``allow_pickle=False``)."""
+    buf = io.BytesIO()
+    np.savez(buf, **weights)
+    return buf.getvalue()
+
+
+def deserialize_weights(data: bytes) -> dict[str, np.ndarray]:
+    """Inverse of :func:`serialize_weights`; never unpickles."""
+    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        return {k: npz[k] for k in npz.files}
+
+
+def forward(spec: ModelSpec, weights: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+    """Inference on the host: raw features x (N, F) float32 -> outputs (N, n_outputs) float32.
+
+    Classification outputs are class probabilities (softmax); regression outputs are in the
+    label's units (standardisation undone). Dropout is the identity at inference.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    if "x_mean" in weights:
+        x = (x - weights["x_mean"]) / weights["x_std"]
+    acts = [l.activation for l in spec.architecture.layers] + ["none"]
+    h = x
+    for i, act in enumerate(acts):
+        w, b = weights[f"W{i}"], weights[f"b{i}"]
+        out = np.empty((h.shape[0], w.shape[1]), dtype=np.float32)
+        kernels.dense_forward(h, w, b, out)
+        if act != "none":
+            kernels.ACTIVATIONS[act][0](out, out)
+        h = out
+    if spec.task == "classification":
+        h = h - h.max(axis=1, keepdims=True)
+        np.exp(h, out=h)
+        h /= h.sum(axis=1, keepdims=True)
+    elif "y_mean" in weights:
+        h = h * weights["y_std"] + weights["y_mean"]
+    return h

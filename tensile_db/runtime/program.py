@@ -1,0 +1,279 @@
+"""Training programs: one iteration of a job as an ordered list of operators over named slots.
+
+A *slot* is a tensor of an iteration (``x``, ``h0``, ``W1``, ``dW1`` ...) with its kind, shape and
+dtype. An :class:`Op` names the slots it reads and writes and carries a ``run`` function that calls
+the kernels on the slots' arrays. Because a training iteration of an MLP is static, the program is
+also the job's **access sequence** (TENSILE, arXiv 2105.13336, section 3): for each slot the op
+indices at which it is accessed, from which lifetimes, next uses and working sets follow exactly,
+from the very first iteration.
+
+Lifetimes: a non-persistent slot is allocated by the first op that writes it and freed after its
+last access in the iteration; persistent slots (weights and optimizer state) live across
+iterations.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..memory.arena import ArenaAllocator, round_up
+from . import kernels
+from .model import ModelSpec, TrainOptions
+
+
+class Kind(str, enum.Enum):
+    """What a tensor is for; shown in statistics, and persistent kinds live across iterations."""
+
+    INPUT = "input"
+    WEIGHT = "weight"
+    ACTIVATION = "activation"
+    GRADIENT = "gradient"
+    OPTIMIZER_STATE = "optimizer_state"
+    WORKSPACE = "workspace"
+
+    @property
+    def persistent(self) -> bool:
+        return self in (Kind.WEIGHT, Kind.OPTIMIZER_STATE)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A named tensor of one iteration. ``shape`` in elements, ``nbytes`` in bytes (unrounded)."""
+
+    name: str
+    kind: Kind
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass
+class StepContext:
+    """What an op may need beyond its tensors: the device, the optimizer step ``t`` (from 1), a
+    per-iteration seed for dropout, and the host arrays of the current batch."""
+
+    device: object
+    step: int = 0
+    seed: int = 0
+    batch_x: np.ndarray | None = None
+    batch_y: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operator: reads and writes slots by name; ``run(arrays, ctx)`` does the arithmetic."""
+
+    name: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    run: Callable[[dict, StepContext], None] = field(repr=False, compare=False)
+
+    @property
+    def accesses(self) -> tuple[str, ...]:
+        """Slots the op touches, each once, reads first."""
+        return tuple(dict.fromkeys(self.reads + self.writes))
+
+
+class Program:
+    """The ops of one iteration and the slots they touch, with derived lifetimes.
+
+    Attributes:
+        slots: name -> Slot.
+        ops: the ops in execution order.
+        positions: name -> sorted op indices that access the slot (the access sequence).
+        frees_after: for each op index, the non-persistent slots whose last access it is.
+    """
+
+    def __init__(self, slots: dict[str, Slot], ops: list[Op]):
+        self.slots = slots
+        self.ops = ops
+        self.positions: dict[str, list[int]] = {name: [] for name in slots}
+        for i, op in enumerate(ops):
+            for name in op.accesses:
+                self.positions[name].append(i)
+        self.frees_after: list[list[str]] = [[] for _ in ops]
+        for name, pos in self.positions.items():
+            if not pos:
+                raise ValueError(f"slot {name!r} is never accessed")
+            if not slots[name].kind.persistent:
+                self.frees_after[pos[-1]].append(name)
+
+    def next_use(self, name: str, position: int) -> int:
+        """Ops from ``position`` (the op just run, or -1 before the first) until the next access
+        of ``name``, wrapping into the next iteration; a slot accessed only at ``position`` in a
+        non-persistent way is not used again and gets ``len(ops) * 2``."""
+        pos = self.positions[name]
+        for p in pos:
+            if p > position:
+                return p - position
+        if self.slots[name].kind.persistent:
+            return pos[0] + len(self.ops) - position
+        return 2 * len(self.ops)
+
+    def working_set_nbytes(self, i: int) -> int:
+        """Arena bytes (rounded) the op ``i`` needs resident at once: its reads and writes."""
+        return sum(round_up(self.slots[s].nbytes) for s in self.ops[i].accesses)
+
+    @property
+    def min_working_set_nbytes(self) -> int:
+        """Lower bound on the peak: the largest working set of any op, bytes."""
+        return max(self.working_set_nbytes(i) for i in range(len(self.ops)))
+
+    @property
+    def persistent_nbytes(self) -> int:
+        return sum(round_up(s.nbytes) for s in self.slots.values() if s.kind.persistent)
+
+    def vanilla_peak_nbytes(self) -> int:
+        """Peak arena bytes of one steady-state iteration with unlimited memory and no scheduling.
+
+        Replays the allocation and free events through the same allocator the runtime uses
+        (persistent slots first, then each op's new writes, then its frees); bytes.
+        """
+        total = sum(round_up(s.nbytes) for s in self.slots.values())
+        alloc = ArenaAllocator(total)
+        live: dict[str, int] = {}
+        for name, slot in self.slots.items():
+            if slot.kind.persistent:
+                live[name] = alloc.allocate(slot.nbytes)
+        for i, op in enumerate(self.ops):
+            for name in op.writes:
+                if name not in live:
+                    live[name] = alloc.allocate(self.slots[name].nbytes)
+            for name in self.frees_after[i]:
+                alloc.free(live.pop(name))
+        return alloc.peak_nbytes
+
+
+# --- building the training program of an MLP ---------------------------------------------------
+
+
+def build_training_program(spec: ModelSpec, options: TrainOptions, batch: int) -> Program:
+    """The training iteration of ``spec`` at batch size ``batch``: load the batch, forward, loss,
+    backward, and one optimizer step per parameter (after the whole backward pass, as
+    ``optimizer.step()`` in PyTorch).
+
+    Activations run in place on the dense output (their backward needs only the output); dropout
+    backward runs in place on the incoming gradient; activation backward writes a new gradient
+    slot, since its kernels must not overwrite ``dy`` while reading it.
+    """
+    slots: dict[str, Slot] = {}
+    ops: list[Op] = []
+
+    def slot(name, kind, shape, dtype="float32"):
+        slots[name] = Slot(name, kind, tuple(int(d) for d in shape), dtype)
+        return name
+
+    def op(name, reads, writes, run):
+        ops.append(Op(name, tuple(reads), tuple(writes), run))
+
+    classification = spec.task == "classification"
+    x = slot("x", Kind.INPUT, (batch, spec.n_features))
+    y = slot("y", Kind.INPUT, (batch,) if classification else (batch, spec.n_outputs),
+             "int32" if classification else "float32")
+
+    def load(a, ctx):
+        ctx.device.to_device(ctx.batch_x, a[x])
+        ctx.device.to_device(ctx.batch_y, a[y])
+
+    op("load_batch", (), (x, y), load)
+
+    hidden = spec.architecture.layers
+    shapes = spec.dense_shapes()
+    n = len(shapes) - 1                       # index of the output layer
+    inputs: list[str] = []                    # input slot of each dense layer
+    inp = x
+    for i, (fan_in, fan_out) in enumerate(shapes):
+        w = slot(f"W{i}", Kind.WEIGHT, (fan_in, fan_out))
+        b = slot(f"b{i}", Kind.WEIGHT, (fan_out,))
+        h = slot(f"h{i}", Kind.ACTIVATION, (batch, fan_out))
+        inputs.append(inp)
+        op(f"dense{i}", (inp, w, b), (h,),
+           lambda a, ctx, inp=inp, w=w, b=b, h=h: kernels.dense_forward(a[inp], a[w], a[b], a[h]))
+        inp = h
+        if i == n:
+            break
+        layer = hidden[i]
+        if layer.activation != "none":
+            fwd = kernels.ACTIVATIONS[layer.activation][0]
+            op(f"{layer.activation}{i}", (h,), (h,), lambda a, ctx, h=h, fwd=fwd: fwd(a[h], a[h]))
+        if layer.dropout:
+            mask = slot(f"mask{i}", Kind.ACTIVATION, (batch, fan_out))
+            d = slot(f"d{i}", Kind.ACTIVATION, (batch, fan_out))
+
+            def dropout(a, ctx, i=i, h=h, mask=mask, d=d, p=layer.dropout):
+                ctx.device.uniform(ctx.seed * 4099 + i, a[mask])
+                kernels.dropout_mask(a[mask], p, a[mask])
+                kernels.dropout_forward(a[h], a[mask], a[d])
+
+            op(f"dropout{i}", (h,), (mask, d), dropout)
+            inp = d
+
+    # Backward. g{i} is dL/d(output of hidden layer i) (after dropout), gz{i} is dL/d(dense i's
+    # output) (before the activation); without an activation they are one slot.
+    def gz_name(i):
+        return f"g{i}" if i < n and hidden[i].activation == "none" else f"gz{i}"
+
+    logits = f"h{n}"
+    loss = slot("loss", Kind.ACTIVATION, (1,))
+    g_out = slot(gz_name(n), Kind.GRADIENT, (batch, spec.n_outputs))
+    if classification:
+        probs = slot("probs", Kind.ACTIVATION, (batch, spec.n_outputs))
+        rowbuf = slot("rowbuf", Kind.WORKSPACE, (batch, 1))
+        op("cross_entropy", (logits, y), (probs, rowbuf, loss),
+           lambda a, ctx: kernels.softmax_cross_entropy_forward(a[logits], a[y], a[probs], a[rowbuf], a[loss]))
+        op("cross_entropy_backward", (probs, y), (g_out,),
+           lambda a, ctx: kernels.softmax_cross_entropy_backward(a[probs], a[y], a[g_out]))
+    else:
+        diff = slot("diff", Kind.ACTIVATION, (batch, spec.n_outputs))
+        op("mse", (logits, y), (diff, loss), lambda a, ctx: kernels.mse_forward(a[logits], a[y], a[diff], a[loss]))
+        op("mse_backward", (diff,), (g_out,), lambda a, ctx: kernels.mse_backward(a[diff], a[g_out]))
+
+    for i in range(n, -1, -1):
+        fan_in, fan_out = shapes[i]
+        w, gz = f"W{i}", gz_name(i)
+        dw = slot(f"dW{i}", Kind.GRADIENT, (fan_in, fan_out))
+        db = slot(f"db{i}", Kind.GRADIENT, (fan_out,))
+        g_prev = slot(f"g{i - 1}", Kind.GRADIENT, (batch, fan_in)) if i else None
+        op(f"dense{i}_backward", (inputs[i], w, gz), (dw, db) + ((g_prev,) if g_prev else ()),
+           lambda a, ctx, inp=inputs[i], w=w, gz=gz, dw=dw, db=db, gp=g_prev:
+           kernels.dense_backward(a[inp], a[w], a[gz], a[gp] if gp else None, a[dw], a[db]))
+        if i == 0:
+            break
+        layer = hidden[i - 1]
+        if layer.dropout:
+            mask = f"mask{i - 1}"
+            op(f"dropout{i - 1}_backward", (mask, g_prev), (g_prev,),
+               lambda a, ctx, mask=mask, gp=g_prev: kernels.dropout_backward(a[mask], a[gp], a[gp]))
+        if layer.activation != "none":
+            bwd = kernels.ACTIVATIONS[layer.activation][1]
+            h, gz_prev = f"h{i - 1}", slot(gz_name(i - 1), Kind.GRADIENT, (batch, fan_in))
+            op(f"{layer.activation}{i - 1}_backward", (h, g_prev), (gz_prev,),
+               lambda a, ctx, h=h, gp=g_prev, gzp=gz_prev, bwd=bwd: bwd(a[h], a[gp], a[gzp]))
+
+    _add_optimizer(slot, op, shapes, options)
+    return Program(slots, ops)
+
+
+def _add_optimizer(slot, op, shapes, options: TrainOptions) -> None:
+    lr, wd = options.learning_rate, options.weight_decay
+    for i, (fan_in, fan_out) in enumerate(shapes):
+        for p, shape in ((f"W{i}", (fan_in, fan_out)), (f"b{i}", (fan_out,))):
+            grad = f"d{p}"
+            if options.optimizer == "adam":
+                m = slot(f"adam_m_{p}", Kind.OPTIMIZER_STATE, shape)
+                v = slot(f"adam_v_{p}", Kind.OPTIMIZER_STATE, shape)
+                op(f"adam_{p}", (p, grad, m, v), (p, grad, m, v),
+                   lambda a, ctx, p=p, grad=grad, m=m, v=v: kernels.adam_update(
+                       a[p], a[grad], a[m], a[v], lr, 0.9, 0.999, 1e-8, ctx.step, wd))
+            else:
+                vel = slot(f"sgd_velocity_{p}", Kind.OPTIMIZER_STATE, shape)
+                op(f"sgd_{p}", (p, grad, vel), (p, grad, vel),
+                   lambda a, ctx, p=p, grad=grad, vel=vel: kernels.sgd_update(
+                       a[p], a[grad], a[vel], lr, options.momentum, wd))
