@@ -1,0 +1,141 @@
+-- tensile_db install script. The build copies it to tensile_db--<version>.sql (extension/Makefile).
+\echo Use "CREATE EXTENSION tensile_db CASCADE" to load this file. \quit
+
+-- The model registry -----------------------------------------------------------------------------
+
+CREATE TABLE tensile.models (
+    id            bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,  -- changes when a model is replaced
+    name          text NOT NULL UNIQUE CHECK (name <> '' AND length(name) <= 63),
+    owner         name NOT NULL DEFAULT current_user,
+    task          text NOT NULL CHECK (task IN ('classification', 'regression')),
+    architecture  jsonb NOT NULL,
+    options       jsonb NOT NULL,
+    feature_names text[] NOT NULL,
+    label_name    text NOT NULL,
+    label_classes double precision[],          -- classification: the class of each output, in order
+    metrics       jsonb NOT NULL,
+    weights       bytea NOT NULL,               -- numpy .npz of float32 arrays, no pickle
+    created_at    timestamptz NOT NULL DEFAULT now()
+);
+COMMENT ON TABLE tensile.models IS 'Trained models: architecture, options, features, classes, metrics and weights';
+SELECT pg_catalog.pg_extension_config_dump('tensile.models', '');
+
+-- Every role sees the registry; a role changes only the models it owns.
+ALTER TABLE tensile.models ENABLE ROW LEVEL SECURITY;
+CREATE POLICY models_visible ON tensile.models FOR SELECT USING (true);
+CREATE POLICY models_owned ON tensile.models FOR ALL
+    USING (owner = current_user) WITH CHECK (owner = current_user);
+GRANT USAGE ON SCHEMA tensile TO PUBLIC;
+GRANT SELECT, INSERT, DELETE ON tensile.models TO PUBLIC;
+
+-- Loading the Python package once per session -----------------------------------------------------
+
+CREATE FUNCTION tensile._bootstrap() RETURNS void
+LANGUAGE plpython3u VOLATILE PARALLEL SAFE AS $$
+import site, sys
+extra = plpy.execute("SELECT current_setting('tensile.python_path', true) AS p")[0]["p"]
+for directory in (extra or "").split(":"):
+    if directory and directory not in sys.path:
+        site.addsitedir(directory)
+try:
+    import tensile_db.pg.entry as entry
+except ImportError as exc:
+    plpy.error(f"cannot import the tensile_db Python package: {exc}",
+               hint="install it into the Python 3.11 that PL/Python embeds, or set tensile.python_path "
+                    "to the site-packages directory that holds it")
+GD["tensile"] = entry
+$$;
+COMMENT ON FUNCTION tensile._bootstrap() IS 'Imports the tensile_db package into this session (internal)';
+
+-- Training ---------------------------------------------------------------------------------------
+
+CREATE PROCEDURE tensile.train_model(
+    model_name   text,
+    source       text,
+    label        text,
+    features     text[] DEFAULT NULL,
+    architecture jsonb DEFAULT '{"layers": [{"dense": 64, "activation": "relu"}]}',
+    options      jsonb DEFAULT '{}',
+    INOUT task   text DEFAULT NULL,
+    INOUT metrics jsonb DEFAULT NULL)
+LANGUAGE plpython3u AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].train_model(plpy, GD, model_name, source, label, features, architecture, options)
+$$;
+COMMENT ON PROCEDURE tensile.train_model(text, text, text, text[], jsonb, jsonb, text, jsonb) IS
+'Trains a model on the rows of source (a query or table name) to predict label from features '
+'(default: every other numeric column), on the shared coordinator, and stores it in tensile.models';
+
+-- Inference --------------------------------------------------------------------------------------
+
+CREATE FUNCTION tensile.predict(model_name text, features real[]) RETURNS real
+LANGUAGE plpython3u STABLE STRICT PARALLEL SAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].predict(plpy, GD, model_name, features)
+$$;
+COMMENT ON FUNCTION tensile.predict(text, real[]) IS
+'Predicts one row on the CPU of this backend: the class label (classification) or the value (regression)';
+
+CREATE FUNCTION tensile.predict_proba(model_name text, features real[]) RETURNS real[]
+LANGUAGE plpython3u STABLE STRICT PARALLEL SAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].predict_proba(plpy, GD, model_name, features)
+$$;
+COMMENT ON FUNCTION tensile.predict_proba(text, real[]) IS
+'Class probabilities of one row, in the order of tensile.models.label_classes';
+
+CREATE FUNCTION tensile.drop_model(model_name text) RETURNS boolean
+LANGUAGE plpython3u VOLATILE STRICT PARALLEL UNSAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].drop_model(plpy, GD, model_name)
+$$;
+COMMENT ON FUNCTION tensile.drop_model(text) IS 'Deletes a model the current role owns';
+
+-- The coordinator --------------------------------------------------------------------------------
+
+CREATE FUNCTION tensile.job_status(
+    OUT job_id integer, OUT backend_pid integer, OUT role text, OUT model_name text, OUT state text,
+    OUT epoch integer, OUT epochs integer, OUT loss double precision,
+    OUT device_bytes bigint, OUT peak_device_bytes bigint, OUT vanilla_peak_bytes bigint,
+    OUT swapped_out_bytes bigint, OUT swapped_in_bytes bigint, OUT host_bytes bigint,
+    OUT created_at timestamptz, OUT started_at timestamptz)
+RETURNS SETOF record
+LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].jobs(plpy, GD)
+$$;
+COMMENT ON FUNCTION tensile.job_status() IS 'Live jobs of every backend, from the coordinator';
+CREATE VIEW tensile.jobs AS SELECT * FROM tensile.job_status();
+COMMENT ON VIEW tensile.jobs IS 'Live training jobs of every backend: state, epoch, loss, device and swapped bytes';
+
+CREATE FUNCTION tensile.memory_status(
+    OUT device text, OUT budget_bytes bigint, OUT in_use_bytes bigint, OUT peak_bytes bigint,
+    OUT host_bytes bigint, OUT free_blocks integer, OUT largest_free_bytes bigint,
+    OUT fragmentation double precision, OUT running_jobs integer, OUT queued_jobs integer,
+    OUT per_job jsonb, OUT started_at timestamptz)
+RETURNS SETOF record
+LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].memory(plpy, GD)
+$$;
+COMMENT ON FUNCTION tensile.memory_status() IS
+'The device arena: budget, bytes in use, high-water mark since the coordinator started, per-job bytes';
+CREATE VIEW tensile.memory AS SELECT * FROM tensile.memory_status();
+COMMENT ON VIEW tensile.memory IS 'The device: budget, in use, peak, host bytes, fragmentation, per job';
+
+CREATE FUNCTION tensile.start_coordinator() RETURNS integer
+LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].start_coordinator(plpy, GD)
+$$;
+COMMENT ON FUNCTION tensile.start_coordinator() IS
+'Starts the coordinator if none runs (training starts it on demand too); returns its pid';
+
+CREATE FUNCTION tensile.stop_coordinator() RETURNS boolean
+LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].stop_coordinator(plpy, GD)
+$$;
+COMMENT ON FUNCTION tensile.stop_coordinator() IS
+'Stops the coordinator, ending every running job; the next call starts one with current settings';
+REVOKE EXECUTE ON FUNCTION tensile.stop_coordinator() FROM PUBLIC;

@@ -1,0 +1,137 @@
+"""An embedded PostgreSQL cluster for the demo and the tests.
+
+:class:`EmbeddedCluster` runs the machine's PostgreSQL server binaries (``pg_config --bindir``)
+on a data directory of its own: ``initdb`` with trust authentication for local connections, a Unix
+socket in the cluster's directory and no TCP listener, PL/Python's search path set through the
+postmaster's ``PYTHONPATH``, and the extension's settings in ``postgresql.conf``. PostgreSQL
+refuses to run as root, so when the caller is root every server command runs as the ``postgres``
+OS user (``runuser``), which then owns the cluster directory; that user must be able to read the
+virtual environment named in ``python_paths``.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+from pathlib import Path
+
+from .errors import TensileError
+
+#: The OS user that runs the server when the caller is root.
+SERVER_USER = "postgres"
+
+
+def pg_bindir() -> Path:
+    """The server binaries' directory, from ``pg_config``."""
+    out = subprocess.run(["pg_config", "--bindir"], check=True, capture_output=True, text=True).stdout.strip()
+    return Path(out)
+
+
+def readable_by(user: str, path: Path) -> bool:
+    """Whether ``user`` can read ``path`` (and traverse every directory above it)."""
+    if os.geteuid() != 0:
+        return os.access(path, os.R_OK)
+    return subprocess.run(["runuser", "-u", user, "--", "test", "-r", str(path)]).returncode == 0
+
+
+class EmbeddedCluster:
+    """A PostgreSQL cluster in ``base_dir`` (``pgdata/``, ``run/`` for the socket, ``postgres.log``).
+
+    Args:
+        base_dir: directory of the cluster; created if missing.
+        python_paths: directories PL/Python must import from (the site-packages holding tensile_db).
+        settings: extra ``postgresql.conf`` lines, e.g. ``{"tensile.device_budget": "'8MB'"}``.
+        port: names the socket file; no TCP port is opened.
+    """
+
+    def __init__(self, base_dir: str | Path, python_paths: list[str] | None = None,
+                 settings: dict[str, str] | None = None, port: int = 5432):
+        self.base_dir = Path(base_dir).resolve()
+        self.data_dir = self.base_dir / "pgdata"
+        self.socket_dir = self.base_dir / "run"
+        self.log_file = self.base_dir / "postgres.log"
+        self.python_paths = list(python_paths or [])
+        self.settings = dict(settings or {})
+        self.port = port
+        self.bindir = pg_bindir()
+        self.as_root = os.geteuid() == 0
+
+    # -- commands -----------------------------------------------------------------------------
+
+    def _run(self, *argv: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        cmd = [str(a) for a in argv]
+        if env:
+            cmd = ["env", *(f"{k}={v}" for k, v in env.items()), *cmd]
+        if self.as_root:
+            cmd = ["runuser", "-u", SERVER_USER, "--", *cmd]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd="/")
+        if check and proc.returncode:
+            raise TensileError(f"{' '.join(map(str, argv[:2]))} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+        return proc
+
+    @property
+    def initialized(self) -> bool:
+        return (self.data_dir / "PG_VERSION").exists()
+
+    def init(self) -> None:
+        """``initdb`` the data directory (skipped if it exists) and write the settings."""
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        self.socket_dir.mkdir(exist_ok=True)
+        if self.as_root:
+            user = pwd.getpwnam(SERVER_USER)
+            for p in (self.base_dir, self.socket_dir):
+                os.chown(p, user.pw_uid, user.pw_gid)
+        if self.initialized:
+            return
+        self._run(self.bindir / "initdb", "-D", self.data_dir, "-U", "postgres", "--auth=trust",
+                  "--encoding=UTF8", "--locale=C.UTF-8")
+        lines = ["", "# tensile_db embedded cluster", "listen_addresses = ''",
+                 f"unix_socket_directories = '{self.socket_dir}'", f"port = {self.port}"]
+        lines += [f"{k} = {v}" for k, v in self.settings.items()]
+        conf = "\n".join(lines) + "\n"
+        with open(self.data_dir / "postgresql.conf", "a") as f:
+            f.write(conf)
+
+    def start(self) -> None:
+        """Start the server (``pg_ctl -w``) if it is not running."""
+        if not self.initialized:
+            self.init()
+        if self.running:
+            return
+        env = {"PYTHONPATH": os.pathsep.join(self.python_paths)} if self.python_paths else None
+        self._run(self.bindir / "pg_ctl", "-D", self.data_dir, "-l", self.log_file, "-w", "-t", "60", "start", env=env)
+
+    def stop(self) -> None:
+        """Stop the server (fast shutdown: running queries are cancelled)."""
+        if self.running:
+            self._run(self.bindir / "pg_ctl", "-D", self.data_dir, "-m", "fast", "-w", "stop")
+
+    def destroy(self) -> None:
+        self.stop()
+        shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    @property
+    def running(self) -> bool:
+        return self.initialized and self._run(self.bindir / "pg_ctl", "-D", self.data_dir, "status", check=False).returncode == 0
+
+    # -- connecting ---------------------------------------------------------------------------
+
+    def conninfo(self, dbname: str = "postgres", user: str = "postgres") -> str:
+        """A libpq connection string over the cluster's Unix socket."""
+        return f"host={self.socket_dir} port={self.port} dbname={dbname} user={user}"
+
+    def url(self, dbname: str = "postgres", user: str = "postgres") -> str:
+        """A SQLAlchemy URL (psycopg driver) over the cluster's Unix socket."""
+        return f"postgresql+psycopg://{user}@/{dbname}?host={self.socket_dir}&port={self.port}"
+
+    def create_database(self, dbname: str) -> None:
+        """Create ``dbname`` (if missing) with the extension installed."""
+        import psycopg
+
+        with psycopg.connect(self.conninfo(), autocommit=True) as conn:
+            if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (dbname,)).fetchone():
+                conn.execute(f'CREATE DATABASE "{dbname}"')
+        with psycopg.connect(self.conninfo(dbname), autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS tensile_db CASCADE")

@@ -1,0 +1,32 @@
+"""``python -m tensile_db.coordinator``: run a coordinator in the foreground.
+
+Backends start it on demand (see ``client.start``); it can also be started explicitly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .server import Coordinator
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tensile_db.coordinator", description=__doc__)
+    parser.add_argument("--socket-dir", required=True, help="0700 directory for the socket and lock")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--budget", type=int, default=1 << 30, help="device arena size, bytes")
+    parser.add_argument("--max-active-jobs", type=int, default=8, help="jobs run at once; more wait queued")
+    parser.add_argument("--postmaster-pid-file", help="exit when the pid in this file's first line is gone")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s tensile-coordinator[%(process)d] %(levelname)s %(message)s")
+    coordinator = Coordinator(args.socket_dir, args.device, args.budget, args.max_active_jobs,
+                              args.postmaster_pid_file)
+    coordinator.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

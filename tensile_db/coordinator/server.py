@@ -1,0 +1,213 @@
+"""The coordinator server: one process per cluster and device.
+
+It listens on ``<socket_dir>/coordinator.sock`` (``socket_dir`` is 0700, so only processes of
+the PostgreSQL OS user can connect) and serves each backend connection on its own thread. Only
+one coordinator runs per ``socket_dir``: it holds an exclusive ``flock`` on
+``coordinator.lock`` for its lifetime, so two backends racing to start one cannot both win.
+Given the postmaster's pid file, it polls the postmaster's pid twice a second and exits when the
+server has gone, taking every job with it.
+
+Requests (``type`` in the header): ``ping``, ``jobs``, ``memory``, ``train`` (features ``x`` and
+labels ``y`` as arrays; answered by ``accepted``, ``progress`` per epoch, then ``result`` with the
+weights as arrays, or ``error``; a ``cancel`` message or a closed connection cancels the job),
+and ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import queue
+import stat
+import threading
+import time
+from multiprocessing.connection import Listener
+
+import numpy as np
+
+from ..errors import InvalidArgument, ProtocolError, TensileError
+from ..memory.manager import MemoryManager
+from ..runtime import model as models
+from ..runtime.device import Device
+from . import protocol
+from .executor import Executor
+from .jobs import JobInfo, TrainingJob
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "coordinator.sock"
+LOCK_NAME = "coordinator.lock"
+#: How often a training connection looks for a cancel while waiting for progress, seconds.
+POLL_S = 0.05
+
+
+def secure_dir(path: str) -> str:
+    """Create ``path`` with mode 0700 if missing; refuse one that others can enter."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise TensileError(f"socket directory {path} must be owned by uid {os.geteuid()} with mode 0700 "
+                           f"(it has uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+    return path
+
+
+class Coordinator:
+    """The server. ``serve_forever()`` blocks; returns False at once if another holds the lock."""
+
+    def __init__(self, socket_dir: str, device: str = "cpu", budget_nbytes: int = 1 << 30,
+                 max_active_jobs: int = 8, postmaster_pid_file: str | None = None):
+        self.socket_dir = secure_dir(socket_dir)
+        self.device_name = device
+        self.budget_nbytes = budget_nbytes
+        self.max_active_jobs = max_active_jobs
+        self.postmaster_pid_file = postmaster_pid_file
+        self.started_at = time.time()
+        self.manager: MemoryManager | None = None
+        self.executor: Executor | None = None
+        self._lock_fd: int | None = None
+
+    @property
+    def socket_path(self) -> str:
+        return os.path.join(self.socket_dir, SOCKET_NAME)
+
+    def serve_forever(self) -> bool:
+        self._lock_fd = os.open(os.path.join(self.socket_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another coordinator holds %s; exiting", LOCK_NAME)
+            return False
+        device = Device(self.device_name)
+        self.manager = MemoryManager(device, self.budget_nbytes)
+        if device.name == "cuda":  # pragma: no cover - needs a GPU
+            from ..memory.cuda import route_cupy_allocator
+
+            route_cupy_allocator(self.manager)
+        self.executor = Executor(self.manager, self.max_active_jobs)
+        self.executor.start()
+        if os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)          # stale: we hold the lock, nobody serves it
+        listener = Listener(self.socket_path, family="AF_UNIX")
+        os.chmod(self.socket_path, 0o600)
+        if self.postmaster_pid_file:
+            threading.Thread(target=self._watch_postmaster, name="tensile-watch", daemon=True).start()
+        log.info("coordinator %d serving %s on %s, budget %d bytes", os.getpid(), self.socket_path,
+                 self.device_name, self.manager.budget_nbytes)
+        while True:
+            conn = listener.accept()
+            threading.Thread(target=self._serve, args=(conn,), name="tensile-conn", daemon=True).start()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _watch_postmaster(self) -> None:
+        while True:
+            time.sleep(0.5)
+            try:
+                with open(self.postmaster_pid_file) as f:
+                    pid = int(f.readline())
+                os.kill(pid, 0)
+            except (OSError, ValueError):
+                self._exit("the postmaster has exited")
+
+    def _exit(self, why: str) -> None:
+        log.info("coordinator exiting: %s", why)
+        try:
+            os.unlink(self.socket_path)
+        except OSError:
+            pass
+        os._exit(0)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def _serve(self, conn) -> None:
+        try:
+            while True:
+                header, arrays = protocol.recv(conn)
+                kind = header["type"]
+                try:
+                    if kind == "train":
+                        self._train(conn, header, arrays)
+                    elif kind == "ping":
+                        protocol.send(conn, {"type": "pong", "pid": os.getpid(), "device": self.device_name,
+                                             "budget_nbytes": self.manager.budget_nbytes})
+                    elif kind == "jobs":
+                        protocol.send(conn, {"type": "jobs", "jobs": [j.describe(self.manager) for j in self.executor.jobs()]})
+                    elif kind == "memory":
+                        protocol.send(conn, self.memory_report())
+                    elif kind == "shutdown":
+                        protocol.send(conn, {"type": "ok"})
+                        self._exit("asked to shut down")
+                    else:
+                        raise ProtocolError(f"unknown request type {kind!r}")
+                except TensileError as exc:
+                    protocol.send_error(conn, exc)
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            log.exception("connection failed")
+        finally:
+            conn.close()
+
+    def memory_report(self) -> dict:
+        snap = self.manager.snapshot()
+        jobs = {j.id: j for j in self.executor.jobs()}
+        per_job = {str(jid): dict(c, model_name=jobs[jid].info.model_name) for jid, c in snap.pop("jobs").items() if jid in jobs}
+        return dict(snap, type="memory", per_job=per_job, started_at=self.started_at,
+                    running_jobs=sum(j.state.value == "running" for j in jobs.values()),
+                    queued_jobs=sum(j.state.value == "queued" for j in jobs.values()))
+
+    def _train(self, conn, header: dict, arrays: dict) -> None:
+        try:
+            x, y = arrays["x"], arrays["y"]
+            task = header["task"]
+            spec = models.ModelSpec(models.parse_architecture(header["architecture"]), int(x.shape[1]),
+                                    int(header["n_outputs"]), task)
+            options = models.parse_options(header.get("options"))
+            info = JobInfo(int(header.get("backend_pid", 0)), str(header.get("role", "")),
+                           str(header.get("model_name", "")))
+        except KeyError as exc:
+            raise ProtocolError(f"train request without {exc}") from None
+        job = TrainingJob(info, spec, options, x, y)
+        self.executor.submit(job)
+        protocol.send(conn, {"type": "accepted", "job_id": job.id, "vanilla_peak_nbytes": job.vanilla_peak_nbytes,
+                             "min_working_set_nbytes": job.min_working_set_nbytes, "budget_nbytes": self.manager.budget_nbytes})
+        try:
+            self._relay(conn, job)
+        except (EOFError, OSError):
+            self.executor.cancel(job)            # the backend has gone: free the job's memory
+            raise
+        if job.error is not None:
+            raise job.error if isinstance(job.error, TensileError) else TensileError(f"training failed: {job.error!r}")
+        protocol.send(conn, {"type": "result", "metrics": self._metrics(job, x, y)}, job.result)
+
+    def _relay(self, conn, job: TrainingJob) -> None:
+        """Forward the job's progress until it ends; act on a cancel from the backend."""
+        while True:
+            try:
+                kind, payload = job.events.get(timeout=POLL_S)
+            except queue.Empty:
+                if conn.poll(0):
+                    header, _ = protocol.recv(conn)
+                    if header["type"] == "cancel":
+                        self.executor.cancel(job)
+                continue
+            if kind == "progress":
+                protocol.send(conn, {"type": "progress", **payload})
+            else:
+                return
+
+    def _metrics(self, job: TrainingJob, x: np.ndarray, y: np.ndarray) -> dict:
+        out = models.forward(job.spec, job.result, x)
+        if job.spec.task == "classification":
+            fit = {"train_accuracy": float((out.argmax(axis=1) == y.reshape(-1)).mean())}
+        else:
+            fit = {"train_rmse": float(np.sqrt(np.mean((out.reshape(-1) - y.reshape(-1)) ** 2)))}
+        m = job.memory
+        return dict(fit, train_loss=job.loss, epochs=job.epoch, samples=len(x), batch_size=job.batch,
+                    train_time_s=job.finished_at - job.started_at, queued_s=job.started_at - job.created_at,
+                    device=self.device_name, budget_nbytes=self.manager.budget_nbytes,
+                    peak_device_nbytes=m.peak_nbytes, vanilla_peak_nbytes=job.vanilla_peak_nbytes,
+                    min_working_set_nbytes=job.min_working_set_nbytes,
+                    swapped_out_nbytes=m.swapped_out_nbytes, swapped_in_nbytes=m.swapped_in_nbytes,
+                    swap_outs=m.swap_outs, swap_ins=m.swap_ins, n_parameters=job.spec.n_parameters())

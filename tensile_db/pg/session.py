@@ -1,0 +1,67 @@
+"""Per-backend plumbing: settings, the coordinator connection, and prepared plans.
+
+Settings (``postgresql.conf``, ``ALTER SYSTEM``, ``ALTER DATABASE ... SET``):
+
+- ``tensile.device``: ``cpu`` (default) or ``cuda``.
+- ``tensile.device_budget``: the device arena, with units as ``pg_size_bytes`` reads them
+  (default ``1GB``).
+- ``tensile.max_active_jobs``: jobs trained at once; more wait queued (default 8).
+- ``tensile.python``: interpreter for the coordinator (default: the virtual environment that holds
+  this package, else ``python3`` on the postmaster's PATH).
+- ``tensile.python_path``: extra ``site`` directories for PL/Python (read by ``tensile._bootstrap``).
+
+The first three take effect when the coordinator starts; ``tensile.stop_coordinator()`` lets the
+next call start one with new values.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from ..coordinator import client as coordinator_client
+
+_SETTINGS_SQL = """
+SELECT current_user::text AS role, pg_backend_pid() AS pid,
+       coalesce(nullif(current_setting('tensile.device', true), ''), 'cpu') AS device,
+       pg_size_bytes(coalesce(nullif(current_setting('tensile.device_budget', true), ''), '1GB')) AS budget,
+       coalesce(nullif(current_setting('tensile.max_active_jobs', true), ''), '8')::int AS max_active_jobs,
+       nullif(current_setting('tensile.python', true), '') AS python
+"""
+
+
+def plan(plpy, GD, sql: str, types: list[str] | None = None):
+    """A prepared plan, cached for the session in GD."""
+    key = ("tensile_plan", sql)
+    if key not in GD:
+        GD[key] = plpy.prepare(sql, types or [])
+    return GD[key]
+
+
+def settings(plpy, GD) -> dict:
+    return plpy.execute(plan(plpy, GD, _SETTINGS_SQL))[0]
+
+
+def socket_dir() -> str:
+    # A backend's working directory is the cluster's data directory.
+    return coordinator_client.socket_dir_for(os.getcwd())
+
+
+def _default_python() -> str:
+    package = Path(__file__).resolve().parent.parent
+    for parent in package.parents:
+        if (parent / "pyvenv.cfg").exists():
+            return str(parent / "bin" / "python")
+    return shutil.which("python3") or "python3"
+
+
+def connect(plpy, GD, start: bool = True):
+    """A client connected to this cluster's coordinator, started on demand if ``start``."""
+    s = settings(plpy, GD)
+    spec = coordinator_client.StartSpec(
+        python=s["python"] or _default_python(), device=s["device"], budget_nbytes=int(s["budget"]),
+        max_active_jobs=int(s["max_active_jobs"]),
+        postmaster_pid_file=os.path.join(os.getcwd(), "postmaster.pid"),
+        python_path=str(Path(__file__).resolve().parent.parent.parent))
+    return coordinator_client.connect(socket_dir(), spec if start else None), s
