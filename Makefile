@@ -1,0 +1,54 @@
+# tensile_db — the two commands of the README:
+#   make demo   in-database training of three models at once in an embedded PostgreSQL cluster
+#   make test   the test suite (what .ci/run calls)
+#
+# Everything missing is installed: Debian's PL/Python for PostgreSQL 15, a virtual environment
+# built from the Python that PL/Python embeds (/usr/bin/python3.11), this package, and the
+# extension's files (PGXS `make install`). State lives in TENSILE_HOME: the checkout's .tensile/
+# when the `postgres` OS user can read the checkout, else a directory under /var/lib/tensile_db/
+# (running as root, the server runs as `postgres`, which must read the venv and the cluster).
+
+SYSTEM_PYTHON ?= /usr/bin/python3.11
+TENSILE_HOME ?= $(shell if [ "$$(id -u)" = 0 ] && ! runuser -u postgres -- test -r "$(CURDIR)/Makefile" 2>/dev/null; \
+	then echo /var/lib/tensile_db/$$(printf %s "$(CURDIR)" | sha256sum | cut -c1-12); else echo "$(CURDIR)/.tensile"; fi)
+VENV := $(TENSILE_HOME)/venv
+PY := $(VENV)/bin/python
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+APT_PACKAGES := postgresql-15 postgresql-plpython3-15 postgresql-server-dev-15 python3.11 python3.11-venv
+export TENSILE_HOME
+
+.PHONY: demo test system-deps extension package bench clean
+
+demo: package extension
+	$(PY) -m tensile_db.cli demo --home "$(TENSILE_HOME)"
+
+test: package extension
+	$(PY) -m pytest
+
+bench: package extension
+	$(PY) bench/ingest.py --home "$(TENSILE_HOME)"
+	$(PY) bench/throughput.py
+
+system-deps:
+	@dpkg -s $(APT_PACKAGES) >/dev/null 2>&1 || { \
+	  echo "installing $(APT_PACKAGES)"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(APT_PACKAGES) >/dev/null; }
+
+$(VENV)/.deps: pyproject.toml | system-deps
+	mkdir -p "$(TENSILE_HOME)" && chmod 755 "$(TENSILE_HOME)"
+	[ -x "$(PY)" ] || $(SYSTEM_PYTHON) -m venv "$(VENV)"
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q ".[test,demo]"
+	touch $@
+
+# Reinstall the package itself on every run (no dependencies): the server imports the installed copy.
+package: $(VENV)/.deps
+	$(PY) -m pip install -q --no-deps --no-build-isolation --force-reinstall .
+	chmod -R a+rX "$(VENV)"
+
+extension: system-deps
+	$(SUDO) $(MAKE) -s -C extension install
+
+clean:
+	$(MAKE) -s -C extension clean
+	rm -rf build *.egg-info

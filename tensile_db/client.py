@@ -1,0 +1,73 @@
+"""A small Python client for analysts: the SQL surface over a SQLAlchemy engine (psycopg driver).
+
+    from sqlalchemy import create_engine
+    from tensile_db.client import TensileClient
+
+    tc = TensileClient(create_engine("postgresql+psycopg://me@/db?host=/run/postgresql"))
+    tc.train("digits_mlp", "SELECT * FROM digits_train", "label",
+             architecture={"layers": [{"dense": 256}]}, options={"epochs": 20})
+    tc.predict("digits_mlp", [0.0] * 64)
+
+Every method runs the extension's SQL on a connection of the engine; nothing here trains or
+predicts by itself. Errors are the database's (``sqlalchemy.exc.DBAPIError`` wrapping psycopg's).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+from sqlalchemy import Engine, create_engine, text
+
+
+class TensileClient:
+    """The extension's functions for one database. ``engine``: a SQLAlchemy engine or URL."""
+
+    def __init__(self, engine: Engine | str):
+        self.engine = create_engine(engine) if isinstance(engine, str) else engine
+
+    def train(self, model_name: str, source: str, label: str, *, features: list[str] | None = None,
+              architecture: dict | None = None, options: dict | None = None,
+              on_notice: Callable[[str], None] | None = None) -> dict:
+        """``CALL tensile.train_model(...)`` in its own transaction; returns ``{"task", "metrics"}``.
+        ``on_notice`` receives each progress NOTICE as it arrives."""
+        with self.engine.connect() as conn:
+            if on_notice is not None:
+                conn.connection.driver_connection.add_notice_handler(lambda d: on_notice(d.message_primary))
+            row = conn.execute(text(
+                "CALL tensile.train_model(model_name => :name, source => :source, label => :label, "
+                "features => :features, architecture => coalesce(CAST(:architecture AS jsonb), "
+                "'{\"layers\": [{\"dense\": 64}]}'), options => CAST(:options AS jsonb))"),
+                {"name": model_name, "source": source, "label": label, "features": features,
+                 "architecture": json.dumps(architecture) if architecture else None,
+                 "options": json.dumps(options or {})}).mappings().one()
+            conn.commit()
+        return {"task": row["task"], "metrics": row["metrics"]}
+
+    def predict(self, model_name: str, features: list[float]) -> float:
+        """``tensile.predict``: the class label or value for one row of features."""
+        with self.engine.connect() as conn:
+            return conn.execute(text("SELECT tensile.predict(:m, CAST(:f AS real[]))"),
+                                {"m": model_name, "f": list(features)}).scalar_one()
+
+    def _rows(self, sql: str) -> list[dict]:
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(text(sql)).mappings()]
+
+    def models(self) -> list[dict]:
+        """Rows of ``tensile.models`` without the weights."""
+        return self._rows("SELECT id, name, owner, task, architecture, options, feature_names, label_name, "
+                          "label_classes, metrics, created_at FROM tensile.models ORDER BY name")
+
+    def jobs(self) -> list[dict]:
+        """Rows of ``tensile.jobs``: the live jobs of every backend."""
+        return self._rows("SELECT * FROM tensile.jobs ORDER BY job_id")
+
+    def memory(self) -> dict | None:
+        """The row of ``tensile.memory``, or None when no coordinator runs."""
+        rows = self._rows("SELECT * FROM tensile.memory")
+        return rows[0] if rows else None
+
+    def drop(self, model_name: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(text("SELECT tensile.drop_model(:m)"), {"m": model_name})

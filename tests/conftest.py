@@ -1,0 +1,79 @@
+"""Fixtures: a real PostgreSQL cluster for the database tests, started once per session.
+
+The cluster is initdb'ed into a fresh temporary directory, with PL/Python, the extension installed
+from the checkout (``make -C extension install``, run by ``make test``) and PL/Python importing
+this virtual environment's site-packages. The device budget is small (``TEST_BUDGET``) so that
+training under it must swap. Tests marked ``db`` are skipped when no PostgreSQL server binaries
+are installed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import site
+import subprocess
+import tempfile
+
+import psycopg
+import pytest
+
+#: Device budget of the test cluster's coordinator, bytes.
+TEST_BUDGET = 3 * 1024 * 1024
+
+
+def _have_postgres() -> bool:
+    try:
+        from tensile_db.cluster import pg_bindir
+
+        return (pg_bindir() / "initdb").exists()
+    except (OSError, subprocess.CalledProcessError):
+        return False
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    if not _have_postgres():
+        pytest.skip("PostgreSQL server binaries are not installed")
+    from tensile_db.cluster import EmbeddedCluster
+
+    base = tempfile.mkdtemp(prefix="tensile-test-")
+    c = EmbeddedCluster(base, python_paths=[site.getsitepackages()[0]],
+                        settings={"tensile.device_budget": f"'{TEST_BUDGET}'", "tensile.max_active_jobs": "4"})
+    c.start()
+    c.create_database("tensile_test")
+    yield c
+    c.stop()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def dsn(cluster) -> str:
+    return cluster.conninfo("tensile_test")
+
+
+@pytest.fixture
+def conn(dsn):
+    """An autocommit superuser connection; NOTICEs are collected in ``conn.notices``."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.notices = []
+        c.add_notice_handler(lambda d: c.notices.append(d.message_primary))
+        yield c
+
+
+@pytest.fixture(scope="session")
+def digits(dsn):
+    """Tables digits_train / digits_test (64 real features p0..p63, integer label)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
+    cols = ", ".join(f"p{i} real" for i in range(64))
+    with psycopg.connect(dsn, autocommit=True) as c:
+        for table, xs, ys in (("digits_train", x_train, y_train), ("digits_test", x_test, y_test)):
+            c.execute(f"DROP TABLE IF EXISTS {table}")
+            c.execute(f"CREATE TABLE {table} ({cols}, label integer)")
+            with c.cursor().copy(f"COPY {table} FROM STDIN") as copy:
+                for row, label in zip(xs, ys):
+                    copy.write_row([*row.tolist(), int(label)])
+    return {"x_test": x_test, "y_test": y_test}

@@ -1,0 +1,307 @@
+"""The memory manager on the CPU device: residency, exact swapping, the eviction rule, the budget.
+
+Sizes are counted in arena units (``U`` bytes) so that budgets are small and every eviction is
+forced on purpose. Values are compared bit for bit (through ``uint32`` views), including NaN,
+infinities, signed zeros and subnormals, because a swap must be an exact copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tensile_db.errors import DeviceOutOfMemory
+from tensile_db.memory.arena import UNIT_NBYTES as U
+from tensile_db.memory.manager import MemoryManager, Residency
+from tensile_db.runtime.device import Device
+from tensile_db.runtime.program import Kind
+
+F32_PER_UNIT = U // 4
+ACT = Kind.ACTIVATION
+
+
+def make(budget_units: int, next_use=None, jobs=(1,)) -> MemoryManager:
+    mm = MemoryManager(Device("cpu"), budget_units * U, next_use)
+    for j in jobs:
+        mm.register_job(j)
+    return mm
+
+
+def pattern(n: int, seed: int) -> np.ndarray:
+    """``n`` float32 values: random normals plus NaN, +-inf, -0.0 and a subnormal."""
+    a = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    special = np.array([np.nan, np.inf, -np.inf, -0.0, 1e-45], dtype=np.float32)
+    a[: min(n, len(special))] = special[: min(n, len(special))]
+    return a
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def new(mm: MemoryManager, job: int, slot: str, units: int = 1, fill: np.ndarray | None = None):
+    """Allocate one float32 tensor of ``units`` arena units, optionally write ``fill``, release it."""
+    (t,) = mm.acquire(job, [], [(slot, ACT, (units * F32_PER_UNIT,), "float32")])
+    if fill is not None:
+        mm.array(t)[...] = fill
+    mm.release([t])
+    return t
+
+
+# --- basics --------------------------------------------------------------------------------------
+
+
+def test_acquire_array_release_free():
+    mm = make(8)
+    (t,) = mm.acquire(1, [], [("h", ACT, (3, 5), "float32")])
+    assert t.residency is Residency.DEVICE and t.pins == 1
+    assert t.job_id == 1 and t.slot == "h" and t.kind is ACT
+    arr = mm.array(t)
+    assert arr.shape == (3, 5) and arr.dtype == np.float32
+    arr[...] = np.arange(15, dtype=np.float32).reshape(3, 5)
+    mm.release([t])
+    assert t.pins == 0
+    assert np.array_equal(mm.to_host(t), np.arange(15, dtype=np.float32).reshape(3, 5))
+    assert t.nbytes == 60 and t.arena_nbytes == U
+    assert mm.in_use_nbytes == U and mm.jobs[1].device_nbytes == U
+    mm.free(t)
+    assert t.residency is Residency.FREED
+    assert mm.in_use_nbytes == 0 and mm.jobs[1].device_nbytes == 0
+    with pytest.raises(AssertionError):
+        mm.release([t])                                  # no longer pinned
+
+
+def test_to_host_is_a_copy():
+    mm = make(4)
+    t = new(mm, 1, "a", fill=pattern(F32_PER_UNIT, 0))
+    host = mm.to_host(t)
+    host[...] = 0
+    assert same_bits(mm.to_host(t), pattern(F32_PER_UNIT, 0))
+
+
+def test_budget_rounded_down_to_unit():
+    mm = MemoryManager(Device("cpu"), 5 * U + 100)
+    assert mm.budget_nbytes == 5 * U
+    assert mm.buffer.nbytes == 5 * U
+
+
+# --- swapping ------------------------------------------------------------------------------------
+
+
+def test_values_survive_swap_out_and_in_exactly():
+    mm = make(4)
+    values = {s: pattern(2 * F32_PER_UNIT, seed) for seed, s in enumerate("abc")}
+    ts = {s: new(mm, 1, s, 2, values[s]) for s in "ab"}
+    ts["c"] = new(mm, 1, "c", 2, values["c"])            # arena holds two: one was swapped out
+    out = [t for t in ts.values() if t.residency is Residency.HOST]
+    assert len(out) == 1 and out[0].slot in "ab"
+    for s, t in ts.items():                              # readable wherever it lives
+        assert same_bits(mm.to_host(t), values[s])
+    for s, t in ts.items():                              # swap each one in and read the arena
+        mm.acquire(1, [t], [])
+        assert t.residency is Residency.DEVICE
+        assert same_bits(np.array(mm.array(t)), values[s])
+        mm.release([t])
+    assert mm.jobs[1].swap_outs >= 2 and mm.jobs[1].swap_ins >= 1
+    assert mm.peak_nbytes <= mm.budget_nbytes
+
+
+def test_victim_is_farthest_next_use():
+    distance = {"a": 5, "b": 50, "c": 1, "d": 20, "e": 0, "f": 0}
+    mm = make(4, next_use=lambda t: distance[t.slot])
+    ts = {s: new(mm, 1, s) for s in "abcd"}
+    new(mm, 1, "e")
+    assert ts["b"].residency is Residency.HOST
+    assert all(ts[s].residency is Residency.DEVICE for s in "acd")
+    new(mm, 1, "f")
+    assert ts["d"].residency is Residency.HOST
+    assert all(ts[s].residency is Residency.DEVICE for s in "ac")
+    assert mm.jobs[1].swap_outs == 2
+
+
+def test_victim_tie_broken_by_size_and_evicts_until_fit():
+    mm = make(6)                                         # default next_use: inf for every tensor
+    small = new(mm, 1, "small", 1)
+    big = new(mm, 1, "big", 2)
+    other = new(mm, 1, "other", 3)
+    new(mm, 1, "x", 2)                                   # the largest unpinned goes first
+    assert other.residency is Residency.HOST
+    assert small.residency is Residency.DEVICE and big.residency is Residency.DEVICE
+    new(mm, 1, "y", 6)                                   # needs the whole arena: evicts the rest
+    assert small.residency is big.residency is Residency.HOST
+    assert mm.in_use_nbytes == 6 * U
+
+
+def test_pinned_tensors_are_never_evicted():
+    mm = make(4, next_use=lambda t: math.inf if t.slot == "pinned" else 1.0)
+    value = pattern(2 * F32_PER_UNIT, 3)
+    (p,) = mm.acquire(1, [], [("pinned", ACT, (2 * F32_PER_UNIT,), "float32")])
+    mm.array(p)[...] = value
+    for i in range(6):                                   # churn the other half of the arena
+        new(mm, 1, f"t{i}", 1)
+        assert p.residency is Residency.DEVICE
+    with pytest.raises(DeviceOutOfMemory):               # fits the budget, not beside the pin
+        mm.acquire(1, [], [("big", ACT, (3 * F32_PER_UNIT,), "float32")])
+    assert p.residency is Residency.DEVICE and p.pins == 1
+    assert same_bits(np.array(mm.array(p)), value)
+    mm.release([p])
+    new(mm, 1, "big2", 3)                                # unpinned, it can now be evicted
+    assert p.residency is Residency.HOST
+    assert same_bits(mm.to_host(p), value)
+
+
+def test_out_of_memory_message_and_attributes():
+    budget = 2000 * U                                    # 1,024,000 bytes
+    mm = make(2000)
+    existing = new(mm, 1, "w", 1000)
+    with pytest.raises(DeviceOutOfMemory) as info:
+        mm.acquire(1, [existing], [("h", ACT, (1001 * F32_PER_UNIT,), "float32")], what="op dense0")
+    err = info.value
+    assert err.requested_nbytes == 2001 * U and err.budget_nbytes == budget
+    msg = str(err)
+    assert "1,024,512" in msg and "1,024,000" in msg and "op dense0" in msg
+    assert existing.pins == 0 and existing.residency is Residency.DEVICE   # nothing changed
+    with pytest.raises(DeviceOutOfMemory, match="1,024,512"):
+        mm.acquire(1, [], [("h", ACT, (2001 * F32_PER_UNIT,), "float32")])
+
+
+def test_fragmentation_fallback_packs_the_working_set():
+    mm = make(4)
+    va, vc = pattern(F32_PER_UNIT, 10), pattern(F32_PER_UNIT, 11)
+    a, b, c, d = mm.acquire(1, [], [(s, ACT, (F32_PER_UNIT,), "float32") for s in "abcd"])
+    mm.array(a)[...] = va
+    mm.array(c)[...] = vc
+    mm.release([a, b, c, d])
+    assert [t.offset for t in (a, b, c, d)] == [0, U, 2 * U, 3 * U]
+    # a and c pinned at units 0 and 2: evicting b and d frees 2 units, but not contiguous
+    (n,) = mm.acquire(1, [a, c], [("n", ACT, (2 * F32_PER_UNIT,), "float32")])
+    assert all(t.residency is Residency.DEVICE and t.pins == 1 for t in (a, c, n))
+    assert b.residency is Residency.HOST and d.residency is Residency.HOST
+    spans = sorted((t.offset, t.offset + t.arena_nbytes) for t in (a, c, n))
+    assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))   # no overlap
+    assert spans[-1][1] <= mm.budget_nbytes
+    assert same_bits(np.array(mm.array(a)), va) and same_bits(np.array(mm.array(c)), vc)
+    assert mm.peak_nbytes <= mm.budget_nbytes
+    mm.release([a, c, n])
+
+
+def test_working_set_that_cannot_be_packed_raises():
+    mm = make(4)
+    (p,) = mm.acquire(1, [], [("p", ACT, (F32_PER_UNIT,), "float32")])  # stays pinned
+    q = new(mm, 1, "q", 3)
+    with pytest.raises(DeviceOutOfMemory) as info:       # within budget, but p is in the way
+        mm.acquire(1, [], [("n", ACT, (4 * F32_PER_UNIT,), "float32")])
+    assert info.value.requested_nbytes == 4 * U
+    assert p.residency is Residency.DEVICE and p.pins == 1
+    assert q.residency is Residency.HOST                 # evicted while trying
+    assert mm.peak_nbytes <= mm.budget_nbytes
+
+
+# --- counters ------------------------------------------------------------------------------------
+
+
+def test_per_job_counters_and_release_job():
+    mm = make(4, jobs=(1, 2))
+    n = 100                                              # 400 bytes: one unit in the arena
+    (t1,) = mm.acquire(1, [], [("a", ACT, (n,), "float32")])
+    mm.array(t1)[...] = pattern(n, 5)
+    mm.release([t1])
+    assert mm.jobs[1].device_nbytes == U and mm.jobs[1].peak_nbytes == U
+    new(mm, 2, "b", 4)                                   # job 2 needs the whole arena
+    j1 = mm.jobs[1]
+    assert t1.residency is Residency.HOST
+    assert (j1.swap_outs, j1.swapped_out_nbytes, j1.host_nbytes, j1.device_nbytes) == (1, 400, 400, 0)
+    assert mm.jobs[2].device_nbytes == 4 * U and mm.jobs[2].swap_outs == 0
+    mm.acquire(1, [t1], [])                              # swap back in: evicts job 2's tensor
+    mm.release([t1])
+    assert (j1.swap_ins, j1.swapped_in_nbytes, j1.host_nbytes, j1.device_nbytes) == (1, 400, 0, U)
+    assert mm.jobs[2].swap_outs == 1 and mm.jobs[2].host_nbytes == 4 * U
+    assert same_bits(mm.to_host(t1), pattern(n, 5))
+    snap = mm.snapshot()
+    assert snap["host_nbytes"] == 4 * U and snap["in_use_nbytes"] == U
+    assert set(snap["jobs"]) == {1, 2}
+
+    counters = mm.release_job(1)
+    assert counters is j1 and 1 not in mm.jobs
+    assert counters.device_nbytes == 0 and counters.host_nbytes == 0
+    assert counters.swapped_out_nbytes == 400 and counters.swap_ins == 1   # cumulative kept
+    assert t1.residency is Residency.FREED
+    assert mm.in_use_nbytes == 0
+    c2 = mm.release_job(2)
+    assert c2.host_nbytes == 0 and c2.device_nbytes == 0 and c2.peak_nbytes == 4 * U
+    assert mm.snapshot()["host_nbytes"] == 0 and mm.allocator.free_blocks == 1
+
+
+def test_adopt_counts_swap_in_only_after_a_real_swap_out():
+    mm = make(2)
+    value = pattern(2 * F32_PER_UNIT, 9)
+    w = mm.adopt(1, "W0", Kind.WEIGHT, value.copy())
+    j = mm.jobs[1]
+    assert w.residency is Residency.HOST
+    assert (j.host_nbytes, j.device_nbytes) == (2 * U, 0)
+    mm.acquire(1, [w], [])                               # first load: not a swap-in
+    mm.release([w])
+    assert w.residency is Residency.DEVICE
+    assert (j.swap_ins, j.swapped_in_nbytes, j.swap_outs, j.host_nbytes) == (0, 0, 0, 0)
+    assert same_bits(np.array(mm.array(w)), value)
+    new(mm, 1, "h", 2)                                   # evicts the weight
+    assert w.residency is Residency.HOST and j.swap_outs == 1
+    mm.acquire(1, [w], [])                               # now it is a swap-in
+    mm.release([w])
+    assert (j.swap_ins, j.swapped_in_nbytes) == (1, 2 * U)
+    assert same_bits(mm.to_host(w), value)
+
+
+# --- randomized ----------------------------------------------------------------------------------
+
+
+def test_randomized_values_and_budget():
+    """Random ops of two jobs under a small budget: every tensor keeps its values wherever it
+    lives, pinned tensors are resident during their op, and the counters add up."""
+    rng = np.random.default_rng(99)
+    budget_units = 12
+    mm = make(budget_units, next_use=lambda t: (t.id * 7919) % 13, jobs=(1, 2))
+    shadow: dict[int, tuple] = {}                        # id -> (tensor, expected values)
+    for step in range(400):
+        job = int(rng.integers(1, 3))
+        mine = [t for t, _ in shadow.values() if t.job_id == job]
+        reads = list(rng.choice(len(mine), size=min(len(mine), int(rng.integers(0, 4))), replace=False))
+        reads = [mine[i] for i in reads]
+        sizes = [int(rng.integers(1, 4 * F32_PER_UNIT)) for _ in range(int(rng.integers(0, 3)))]
+        need = sum(t.arena_nbytes for t in reads) + sum(-(-4 * s // U) * U for s in sizes)
+        if need > mm.budget_nbytes:
+            with pytest.raises(DeviceOutOfMemory):
+                mm.acquire(job, reads, [(f"s{step}_{i}", ACT, (s,), "float32") for i, s in enumerate(sizes)])
+            continue
+        created = mm.acquire(job, reads, [(f"s{step}_{i}", ACT, (s,), "float32") for i, s in enumerate(sizes)])
+        for t in reads + created:
+            assert t.residency is Residency.DEVICE and t.pins == 1
+        for t in reads:                                  # read, check, modify in place
+            assert same_bits(np.array(mm.array(t)), shadow[t.id][1])
+            mm.array(t)[...] += 1
+            shadow[t.id] = (t, np.array(mm.array(t)))
+        for t in created:
+            v = rng.standard_normal(t.shape).astype(np.float32)
+            mm.array(t)[...] = v
+            shadow[t.id] = (t, v)
+        mm.release(reads + created)
+        if shadow and rng.random() < 0.3:                # free a random tensor
+            tid = list(shadow)[int(rng.integers(len(shadow)))]
+            mm.free(shadow.pop(tid)[0])
+
+        assert mm.peak_nbytes <= mm.budget_nbytes
+        resident = [t for t, _ in shadow.values() if t.residency is Residency.DEVICE]
+        on_host = [t for t, _ in shadow.values() if t.residency is Residency.HOST]
+        assert mm.in_use_nbytes == sum(t.arena_nbytes for t in resident)
+        assert sum(j.device_nbytes for j in mm.jobs.values()) == mm.in_use_nbytes
+        assert sum(j.host_nbytes for j in mm.jobs.values()) == sum(t.nbytes for t in on_host)
+        if step % 20 == 0:
+            for t, v in shadow.values():
+                assert same_bits(mm.to_host(t), v)
+    assert sum(j.swap_outs for j in mm.jobs.values()) > 0
+    assert sum(j.swap_ins for j in mm.jobs.values()) > 0
+    mm.release_job(1)
+    mm.release_job(2)
+    assert mm.in_use_nbytes == 0 and mm.allocator.free_blocks == 1

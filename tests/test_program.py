@@ -1,0 +1,281 @@
+"""Training programs and the jobs that run them under a memory budget.
+
+The first half checks the program as an access sequence: data flow (nothing is read before it
+is written), lifetimes (``frees_after``), next uses (wrapping for weights and optimizer state),
+and the peak and working-set figures, against straightforward recomputations.
+
+The second half checks the key invariant of the memory manager: training under a tight budget,
+with real swapping, gives bit-identical weights to training with unlimited memory, alone or with
+other jobs sharing the device.
+"""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+
+from tensile_db.coordinator.executor import Executor
+from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
+from tensile_db.errors import DeviceOutOfMemory
+from tensile_db.memory.arena import UNIT_NBYTES, round_up
+from tensile_db.memory.manager import MemoryManager
+from tensile_db.runtime.device import Device
+from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
+from tensile_db.runtime.program import Kind, Op, Program, Slot, build_training_program
+
+SPECS = {
+    "clf-relu-dropout-tanh-adam": (
+        ModelSpec(Architecture((Layer(16, "relu", 0.2), Layer(8, "tanh"))), 6, 3, "classification"),
+        TrainOptions(optimizer="adam")),
+    "reg-sigmoid-none-dropout-sgd": (
+        ModelSpec(Architecture((Layer(12, "sigmoid"), Layer(6, "none", 0.5))), 5, 1, "regression"),
+        TrainOptions(optimizer="sgd")),
+    "clf-none-sgd": (
+        ModelSpec(Architecture((Layer(10, "none"),)), 4, 2, "classification"),
+        TrainOptions(optimizer="sgd", momentum=0.5)),
+    "reg-tanh-dropout-adam": (
+        ModelSpec(Architecture((Layer(9, "tanh", 0.1), Layer(7, "relu"), Layer(5, "sigmoid", 0.3))), 3, 1,
+                  "regression"),
+        TrainOptions(optimizer="adam", weight_decay=0.01)),
+}
+BATCH = 7
+
+
+@pytest.fixture(params=list(SPECS), ids=list(SPECS))
+def program(request) -> tuple[ModelSpec, TrainOptions, Program]:
+    spec, options = SPECS[request.param]
+    return spec, options, build_training_program(spec, options, BATCH)
+
+
+# --- the access sequence -------------------------------------------------------------------------
+
+
+def test_every_read_was_written_earlier_or_is_persistent(program):
+    _, _, prog = program
+    written: set[str] = set()
+    for op in prog.ops:
+        for name in op.reads:
+            assert name in prog.slots, f"{op.name} reads unknown slot {name}"
+            assert prog.slots[name].kind.persistent or name in written, \
+                f"{op.name} reads {name} before any op writes it"
+        for name in op.writes:
+            assert name in prog.slots
+        written.update(op.writes)
+    # every non-persistent slot is produced by some op; persistent ones are updated by the optimizer
+    for name, slot in prog.slots.items():
+        assert name in written, f"slot {name} is never written"
+
+
+def test_frees_after_once_and_after_last_access(program):
+    _, _, prog = program
+    freed_at: dict[str, int] = {}
+    for i, names in enumerate(prog.frees_after):
+        for name in names:
+            assert name not in freed_at, f"{name} freed twice"
+            freed_at[name] = i
+    non_persistent = {n for n, s in prog.slots.items() if not s.kind.persistent}
+    assert set(freed_at) == non_persistent
+    for i, op in enumerate(prog.ops):
+        for name in op.accesses:
+            if name in freed_at:
+                assert i <= freed_at[name], f"{op.name} accesses {name} after it was freed"
+    for name, i in freed_at.items():                     # freed exactly at the last access
+        assert name in prog.ops[i].accesses
+
+
+def test_positions_match_ops(program):
+    _, _, prog = program
+    for name, pos in prog.positions.items():
+        assert pos == sorted(pos) and pos
+        assert pos == [i for i, op in enumerate(prog.ops) if name in op.accesses]
+
+
+def test_next_use(program):
+    _, _, prog = program
+    n = len(prog.ops)
+    for name, slot in prog.slots.items():
+        pos = set(prog.positions[name])
+        for position in range(-1, n):
+            got = prog.next_use(name, position)
+            later = [p - position for p in pos if p > position]
+            if later:
+                assert got == min(later)
+            elif slot.kind.persistent:                   # wraps into the next iteration
+                assert got == min(pos) + n - position
+                assert (position + got) % n in pos
+            else:
+                assert got == 2 * n
+            assert got > 0
+
+
+def test_structure_follows_the_spec(program):
+    spec, options, prog = program
+    names = [op.name for op in prog.ops]
+    assert names[0] == "load_batch"
+    for i, layer in enumerate(spec.architecture.layers):
+        has_activation = layer.activation != "none"
+        assert (f"{layer.activation}{i}" in names) == has_activation
+        assert (f"{layer.activation}{i}_backward" in names) == has_activation
+        assert (f"dropout{i}" in names) == bool(layer.dropout)
+        assert (f"dropout{i}_backward" in names) == bool(layer.dropout)
+    n_dense = len(spec.architecture.layers) + 1
+    assert names[-2 * n_dense:] == [f"{options.optimizer}_{p}{i}" for i in range(n_dense) for p in "Wb"]
+    persistent = {n for n, s in prog.slots.items() if s.kind.persistent}
+    per_param = 2 if options.optimizer == "adam" else 1
+    assert len(persistent) == 2 * n_dense * (1 + per_param)
+    assert prog.slots["y"].dtype == ("int32" if spec.task == "classification" else "float32")
+    assert prog.slots["x"].shape == (BATCH, spec.n_features)
+
+
+def _recomputed_peak(prog: Program) -> int:
+    live = {n for n, s in prog.slots.items() if s.kind.persistent}
+    peak = 0
+    for i, op in enumerate(prog.ops):
+        live.update(op.writes)
+        peak = max(peak, sum(round_up(prog.slots[n].nbytes) for n in live))
+        live.difference_update(prog.frees_after[i])
+    return peak
+
+
+def test_peak_and_working_set(program):
+    _, _, prog = program
+    vanilla = prog.vanilla_peak_nbytes()
+    assert vanilla == _recomputed_peak(prog)
+    assert vanilla % UNIT_NBYTES == 0
+    assert prog.persistent_nbytes < vanilla
+    ws = [sum(round_up(prog.slots[s].nbytes) for s in set(op.reads + op.writes)) for op in prog.ops]
+    assert prog.min_working_set_nbytes == max(ws)
+    assert prog.min_working_set_nbytes <= vanilla
+
+
+def test_unaccessed_slot_is_rejected():
+    slots = {"a": Slot("a", Kind.INPUT, (2,)), "b": Slot("b", Kind.ACTIVATION, (2,))}
+    with pytest.raises(ValueError, match="never accessed"):
+        Program(slots, [])
+    with pytest.raises(ValueError, match="'b'"):
+        Program(slots, [Op("load", (), ("a",), lambda a, ctx: None)])
+
+
+# --- training under a budget ---------------------------------------------------------------------
+
+
+def _data(spec: ModelSpec, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, spec.n_features)).astype(np.float32) * 3 + 1
+    w = rng.standard_normal((spec.n_features, max(spec.n_outputs, 1)))
+    if spec.task == "classification":
+        y = np.argmax(x @ w, axis=1).astype(np.int32)
+    else:
+        y = (x @ w[:, 0] + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    return x, y
+
+
+def _job(spec: ModelSpec, options: TrainOptions, seed: int = 0, n: int = 192) -> TrainingJob:
+    x, y = _data(spec, n, seed)
+    return TrainingJob(JobInfo(0, "tester", f"m{seed}"), spec, options, x, y)
+
+
+TRAIN_SPEC = ModelSpec(Architecture((Layer(64, "relu", 0.1), Layer(32, "tanh"))), 20, 3, "classification")
+TRAIN_OPTIONS = TrainOptions(epochs=3, batch_size=32, optimizer="adam", lr=0.01, seed=7)
+
+
+def _run(jobs: list[TrainingJob], budget_nbytes: int) -> MemoryManager:
+    """Run ``jobs`` concurrently on a fresh CPU manager of ``budget_nbytes``; wait for all."""
+    mm = MemoryManager(Device("cpu"), budget_nbytes)
+    executor = Executor(mm)
+    executor.start()
+    for job in jobs:
+        executor.submit(job)
+    for job in jobs:
+        progress = []
+        while True:
+            kind, payload = job.events.get(timeout=60)
+            if kind == "progress":
+                progress.append(payload)
+                continue
+            assert kind == "done", f"job {job.id} failed: {payload!r}"
+            break
+        assert job.state is JobState.DONE and job.error is None
+        assert [p["epoch"] for p in progress] == list(range(1, job.options.epochs + 1))
+        assert all(np.isfinite(p["loss"]) for p in progress)
+    with pytest.raises(queue.Empty):
+        jobs[0].events.get_nowait()
+    assert mm.in_use_nbytes == 0 and not mm.jobs         # everything released
+    return mm
+
+
+def _assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), f"{k} differs"
+
+
+def test_unlimited_budget_peak_equals_vanilla_peak():
+    job = _job(TRAIN_SPEC, TRAIN_OPTIONS)
+    mm = _run([job], 64 * job.vanilla_peak_nbytes)
+    assert mm.peak_nbytes == job.vanilla_peak_nbytes
+    assert job.memory.swap_outs == 0 and job.memory.swap_ins == 0
+
+
+@pytest.mark.parametrize("spec, options", [
+    (TRAIN_SPEC, TRAIN_OPTIONS),
+    (ModelSpec(Architecture((Layer(48, "sigmoid", 0.3), Layer(24, "none"))), 12, 1, "regression"),
+     TrainOptions(epochs=2, batch_size=24, optimizer="sgd", seed=3)),
+], ids=["classification-adam", "regression-sgd"])
+def test_tight_budget_gives_bit_identical_weights(spec, options):
+    free_job = _job(spec, options)
+    _run([free_job], 64 * free_job.vanilla_peak_nbytes)
+
+    tight_job = _job(spec, options)
+    budget = max(tight_job.min_working_set_nbytes, int(0.45 * tight_job.vanilla_peak_nbytes))
+    budget = -(-budget // UNIT_NBYTES) * UNIT_NBYTES
+    assert budget < tight_job.vanilla_peak_nbytes
+    mm = _run([tight_job], budget)
+
+    mem = tight_job.memory
+    assert mem.swap_outs > 0 and mem.swapped_out_nbytes > 0
+    assert mem.swap_ins > 0 and mem.swapped_in_nbytes > 0
+    assert mm.peak_nbytes <= budget
+    assert mem.peak_nbytes <= budget
+    assert free_job.memory.swap_outs == 0
+    _assert_same_weights(free_job.result, tight_job.result)
+    assert free_job.loss == tight_job.loss
+
+
+def test_concurrent_jobs_under_shared_budget():
+    variants = [
+        (TRAIN_SPEC, TRAIN_OPTIONS, 1),
+        (ModelSpec(Architecture((Layer(40, "tanh"),)), 10, 1, "regression"),
+         TrainOptions(epochs=2, batch_size=16, optimizer="sgd", seed=2), 2),
+        (ModelSpec(Architecture((Layer(32, "sigmoid", 0.2), Layer(16, "relu"))), 8, 4, "classification"),
+         TrainOptions(epochs=2, batch_size=20, optimizer="adam", seed=5), 3),
+    ]
+    solo = []
+    for spec, options, seed in variants:
+        job = _job(spec, options, seed)
+        _run([job], 64 * job.vanilla_peak_nbytes)
+        solo.append(job)
+
+    jobs = [_job(spec, options, seed) for spec, options, seed in variants]
+    total = sum(j.vanilla_peak_nbytes for j in jobs)
+    budget = max(max(j.min_working_set_nbytes for j in jobs), total // 2)
+    budget = -(-budget // UNIT_NBYTES) * UNIT_NBYTES
+    assert budget < total
+    mm = _run(jobs, budget)
+    assert mm.peak_nbytes <= budget
+    assert sum(j.memory.swapped_out_nbytes for j in jobs) > 0
+    for alone, shared in zip(solo, jobs):
+        _assert_same_weights(alone.result, shared.result)
+
+
+def test_submit_refuses_a_job_whose_working_set_exceeds_the_budget():
+    job = _job(TRAIN_SPEC, TRAIN_OPTIONS)
+    budget = job.min_working_set_nbytes - UNIT_NBYTES
+    executor = Executor(MemoryManager(Device("cpu"), budget))
+    with pytest.raises(DeviceOutOfMemory) as info:
+        executor.submit(job)
+    assert info.value.requested_nbytes == job.min_working_set_nbytes
+    assert f"{job.min_working_set_nbytes:,}" in str(info.value)
+    assert not executor.queued and job.state is JobState.QUEUED

@@ -1,0 +1,337 @@
+"""The SQL surface against a real cluster: training, prediction, the registry, the status views,
+errors with their messages, concurrency under one budget, privileges, cancellation, and the
+coordinator's lifecycle."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import site
+import tempfile
+import threading
+import time
+
+import numpy as np
+import psycopg
+import pytest
+
+from conftest import TEST_BUDGET
+
+pytestmark = pytest.mark.db
+
+FEATURES = "ARRAY[" + ", ".join(f"p{i}" for i in range(64)) + "]"
+SMALL = '{"layers": [{"dense": 64}]}'
+
+
+def train(conn, name, source="SELECT * FROM digits_train", label="label", architecture=SMALL,
+          options='{"epochs": 3}', features=None):
+    return conn.execute(
+        "CALL tensile.train_model(model_name => %s, source => %s, label => %s, features => %s, "
+        "architecture => %s, options => %s)", (name, source, label, features, architecture, options)).fetchone()
+
+
+def error_of(conn, fn, *args, **kwargs) -> str:
+    with pytest.raises(psycopg.Error) as info:
+        fn(conn, *args, **kwargs)
+    return str(info.value)
+
+
+def wait_until(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def assert_nothing_left(conn):
+    """No live job and no device bytes held once a call has ended."""
+    assert wait_until(lambda: conn.execute("SELECT count(*) FROM tensile.jobs").fetchone()[0] == 0)
+    mem = conn.execute("SELECT in_use_bytes, peak_bytes, budget_bytes FROM tensile.memory").fetchone()
+    if mem is not None:
+        assert mem[0] == 0 and mem[1] <= mem[2]
+
+
+# --- training and prediction ------------------------------------------------------------------
+
+
+def test_train_store_and_predict(conn, digits):
+    task, metrics = train(conn, "t_digits", architecture='{"layers": [{"dense": 128}, {"dense": 64, "activation": "tanh"}]}',
+                          options='{"epochs": 15, "seed": 1}')
+    assert task == "classification"
+    assert metrics["epochs"] == 15 and metrics["samples"] == 1347
+    assert metrics["peak_device_nbytes"] <= TEST_BUDGET
+    epochs = [n for n in conn.notices if "epoch" in n]
+    assert len(epochs) == 15 and "loss" in epochs[-1] and "device" in epochs[-1]
+
+    row = conn.execute("SELECT owner, task, feature_names, label_name, label_classes, metrics, length(weights) "
+                       "FROM tensile.models WHERE name = 't_digits'").fetchone()
+    assert row[0] == "postgres" and row[1] == "classification"
+    assert row[2] == [f"p{i}" for i in range(64)] and row[3] == "label"
+    assert row[4] == [float(c) for c in range(10)]
+    assert row[5]["train_accuracy"] > 0.95 and row[6] > 0
+
+    accuracy = conn.execute(f"SELECT avg((tensile.predict('t_digits', {FEATURES}) = label)::int) FROM digits_test").fetchone()[0]
+    assert accuracy >= 0.93
+    proba = conn.execute(f"SELECT tensile.predict_proba('t_digits', {FEATURES}) FROM digits_test LIMIT 1").fetchone()[0]
+    assert len(proba) == 10 and abs(sum(proba) - 1) < 1e-5
+    assert_nothing_left(conn)
+
+
+def test_regression_and_default_features(conn, digits):
+    conn.execute("DROP TABLE IF EXISTS reg; CREATE TABLE reg AS "
+                 "SELECT g::float8 / 100 AS a, (g % 7)::float8 AS b, (3 * g::float8 / 100 - (g % 7) + 5) AS target "
+                 "FROM generate_series(1, 600) g")
+    task, metrics = train(conn, "t_reg", source="reg", label="target", options='{"epochs": 40, "lr": 0.01}')
+    assert task == "regression" and metrics["train_rmse"] < 1.0
+    feats = conn.execute("SELECT feature_names FROM tensile.models WHERE name = 't_reg'").fetchone()[0]
+    assert feats == ["a", "b"]
+    value = conn.execute("SELECT tensile.predict('t_reg', ARRAY[2.0, 3.0]::real[])").fetchone()[0]
+    assert abs(value - (3 * 2.0 - 3 + 5)) < 1.5
+
+
+def test_predict_sees_a_replaced_model(conn, digits):
+    train(conn, "t_cache")
+    first = conn.execute(f"SELECT tensile.predict('t_cache', {FEATURES}) FROM digits_test LIMIT 1").fetchone()[0]
+    assert 0 <= first <= 9
+    old_id = conn.execute("SELECT id FROM tensile.models WHERE name = 't_cache'").fetchone()[0]
+    train(conn, "t_cache", source="SELECT p0, p1, label + 100 AS label FROM digits_train",
+          options='{"epochs": 2, "replace": true}')
+    new_id = conn.execute("SELECT id FROM tensile.models WHERE name = 't_cache'").fetchone()[0]
+    assert new_id != old_id
+    second = conn.execute("SELECT tensile.predict('t_cache', ARRAY[p0, p1]) FROM digits_test LIMIT 1").fetchone()[0]
+    assert 100 <= second <= 109
+
+
+def test_python_client(cluster, digits):
+    from tensile_db.client import TensileClient
+
+    client = TensileClient(cluster.url("tensile_test"))
+    notices = []
+    result = client.train("t_client", "SELECT * FROM digits_train", "label", architecture={"layers": [{"dense": 32}]},
+                          options={"epochs": 2}, on_notice=notices.append)
+    assert result["task"] == "classification" and any("epoch 2/2" in n for n in notices)
+    assert "t_client" in [m["name"] for m in client.models()]
+    assert client.predict("t_client", [0.0] * 64) in [float(c) for c in range(10)]
+    client.drop("t_client")
+    assert "t_client" not in [m["name"] for m in client.models()]
+    client.engine.dispose()
+
+
+# --- errors: clear messages, nothing left behind ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def messy(dsn):
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("DROP TABLE IF EXISTS messy; CREATE TABLE messy (a real, b real, name text, label integer)")
+        c.execute("INSERT INTO messy SELECT g, g * 2, 'x' || g, g % 2 FROM generate_series(1, 200) g")
+        c.execute("UPDATE messy SET a = NULL WHERE label = 1 AND b < 40")
+        c.execute("DROP TABLE IF EXISTS empty_t; CREATE TABLE empty_t (a real, label integer)")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(source="SELECT * FROM no_such_table"), 'relation "no_such_table" does not exist'),
+    (dict(source="messy", label="nope"), 'label column "nope" is not in the source; its columns are: a, b, name, label'),
+    (dict(source="messy", features=["a", "zz"]), 'feature column "zz" is not in the source'),
+    (dict(source="messy", features=["a", "name"]), 'feature column "name" has type text; features must be numeric'),
+    (dict(source="messy", label="name", features=["b"]), 'label column "name" has type text'),
+    (dict(source="messy", features=["a", "b"]), 'column "a" has 10 NULLs (of 200 rows)'),
+    (dict(source="empty_t"), "the source returned no rows"),
+    (dict(source="  "), "source is empty"),
+    (dict(architecture='{"layers": [{"dens": 10}]}'), "architecture.layers[0]: unknown key 'dens'; allowed keys: dense, activation, dropout"),
+    (dict(architecture='{"layers": [{"dense": 0}]}'), 'architecture.layers[0]."dense" must be an integer from 1 to 65536, got 0'),
+    (dict(architecture='{"layers": [{"dense": 8, "activation": "gelu"}]}'), '"activation" must be one of relu, tanh, sigmoid, none'),
+    (dict(options='{"epoch": 3}'), "options: unknown key 'epoch'"),
+    (dict(options='{"epochs": "3"}'), 'options.epochs has the wrong type: got "3"'),
+    (dict(options='{"optimizer": "lbfgs"}'), "options.optimizer must be one of adam, sgd, got 'lbfgs'"),
+    (dict(options='{"task": "regression", "epochs": 1}', label="label", source="SELECT a, b, name FROM messy"),
+     'label column "label" is not in the source'),
+])
+def test_training_errors(conn, messy, kwargs, message):
+    name = "t_bad"
+    assert message in error_of(conn, train, name, **kwargs)
+    assert conn.execute("SELECT count(*) FROM tensile.models WHERE name = %s", (name,)).fetchone()[0] == 0
+    assert_nothing_left(conn)
+
+
+def test_skip_nulls_option(conn, messy):
+    train(conn, "t_nulls", source="messy", features=["a", "b"], options='{"epochs": 1, "skip_nulls": true}')
+    assert any("10 rows with NULLs skipped" in n for n in conn.notices)
+    assert conn.execute("SELECT metrics->>'samples' FROM tensile.models WHERE name = 't_nulls'").fetchone()[0] == "190"
+
+
+def test_existing_model_name(conn, digits):
+    train(conn, "t_exists", options='{"epochs": 1}')
+    message = error_of(conn, train, "t_exists", options='{"epochs": 1}')
+    assert 'model "t_exists" already exists (owner postgres)' in message and '"replace": true' in message
+
+
+def test_invalid_json_is_rejected_by_postgres(conn):
+    assert "invalid input syntax for type json" in error_of(conn, train, "t_json", architecture="{layers:")
+
+
+def test_predict_errors(conn, digits):
+    train(conn, "t_pred", options='{"epochs": 1}')
+    assert 'model "nope" does not exist' in error_of(conn, lambda c: c.execute("SELECT tensile.predict('nope', ARRAY[1]::real[])"))
+    message = error_of(conn, lambda c: c.execute("SELECT tensile.predict('t_pred', ARRAY[1, 2, 3]::real[])"))
+    assert 'model "t_pred" expects 64 features (p0, p1' in message and "got 3" in message
+    message = error_of(conn, lambda c: c.execute(
+        "SELECT tensile.predict('t_pred', array_fill(NULL::real, ARRAY[64]))"))
+    assert "features[1] is NULL" in message
+    assert conn.execute("SELECT tensile.predict('t_pred', NULL)").fetchone()[0] is None   # STRICT
+
+
+def test_working_set_larger_than_budget(conn, digits):
+    big = '{"layers": [{"dense": 8192}]}'
+    message = error_of(conn, train, "t_huge", architecture=big, options='{"epochs": 1}')
+    assert "device out of memory" in message and f"budget {TEST_BUDGET:,} bytes" in message
+    assert_nothing_left(conn)
+
+
+# --- concurrency under one budget --------------------------------------------------------------
+
+
+def test_three_concurrent_trainings_share_the_budget(dsn, conn, digits):
+    architectures = {
+        "c_wide": '{"layers": [{"dense": 512, "dropout": 0.1}, {"dense": 256}]}',
+        "c_deep": '{"layers": [{"dense": 256}, {"dense": 256}, {"dense": 128}]}',
+        "c_tanh": '{"layers": [{"dense": 384, "activation": "tanh"}]}',
+    }
+    conn.execute("SELECT tensile.stop_coordinator()")        # a fresh high-water mark
+    results, errors = {}, []
+    seen_running = set()
+
+    def run(name, arch):
+        try:
+            with psycopg.connect(dsn, autocommit=True) as c:
+                results[name] = train(c, name, architecture=arch, options='{"epochs": 6, "replace": true}')
+        except Exception as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=item) for item in architectures.items()]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        for job in conn.execute("SELECT model_name, state, role, backend_pid FROM tensile.jobs").fetchall():
+            assert job[2] == "postgres" and job[3] > 0
+            if job[1] == "running":
+                seen_running.add(job[0])
+        time.sleep(0.05)
+    assert not errors, errors
+    assert len(seen_running) >= 2            # they really ran at the same time
+    vanilla = sum(m["vanilla_peak_nbytes"] for _, m in results.values())
+    assert vanilla > TEST_BUDGET             # the budget is below the sum of unscheduled peaks
+    budget, peak = conn.execute("SELECT budget_bytes, peak_bytes FROM tensile.memory").fetchone()
+    assert peak <= budget <= TEST_BUDGET
+    assert sum(m["swapped_out_nbytes"] for _, m in results.values()) > 0
+    stored = conn.execute("SELECT name FROM tensile.models WHERE name LIKE 'c\\_%' ORDER BY name").fetchall()
+    assert [r[0] for r in stored] == sorted(architectures)
+    assert_nothing_left(conn)
+
+
+# --- privileges ----------------------------------------------------------------------------------
+
+
+def test_roles_train_only_on_what_they_may_select(conn, dsn, digits):
+    conn.execute("DROP TABLE IF EXISTS secret; CREATE TABLE secret AS SELECT * FROM digits_train")
+    for role in ("analyst", "other"):
+        conn.execute(f"DROP OWNED BY {role}" if conn.execute(
+            "SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone() else "SELECT 1")
+        conn.execute(f"DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN")
+    conn.execute("GRANT SELECT ON digits_train TO analyst")
+    analyst_dsn = dsn.replace("user=postgres", "user=analyst")
+    with psycopg.connect(analyst_dsn, autocommit=True) as a:
+        assert "permission denied for table secret" in error_of(a, train, "t_secret", source="secret")
+        train(a, "t_analyst", options='{"epochs": 1}')
+    assert conn.execute("SELECT owner FROM tensile.models WHERE name = 't_analyst'").fetchone()[0] == "analyst"
+    assert conn.execute("SELECT count(*) FROM tensile.models WHERE name = 't_secret'").fetchone()[0] == 0
+    with psycopg.connect(dsn.replace("user=postgres", "user=other"), autocommit=True) as o:
+        assert "does not exist (or is owned by another role)" in error_of(
+            o, lambda c: c.execute("SELECT tensile.drop_model('t_analyst')"))
+        # The registry is readable by every role, so others may use the model.
+        assert o.execute("SELECT tensile.predict('t_analyst', array_fill(0::real, ARRAY[64]))").fetchone()[0] in range(10)
+        assert "permission denied for function stop_coordinator" in error_of(
+            o, lambda c: c.execute("SELECT tensile.stop_coordinator()"))
+
+
+# --- cancellation ----------------------------------------------------------------------------------
+
+
+def test_statement_timeout_cancels_the_job(conn, digits):
+    conn.execute("SET statement_timeout = '1500ms'")
+    message = error_of(conn, train, "t_timeout", architecture='{"layers": [{"dense": 256}]}', options='{"epochs": 5000}')
+    conn.execute("RESET statement_timeout")
+    assert "canceling statement due to statement timeout" in message
+    assert conn.execute("SELECT count(*) FROM tensile.models WHERE name = 't_timeout'").fetchone()[0] == 0
+    assert_nothing_left(conn)
+
+
+def test_pg_cancel_backend_cancels_the_job(conn, dsn, digits):
+    outcome = {}
+
+    def run():
+        with psycopg.connect(dsn, autocommit=True) as c:
+            outcome["pid"] = c.info.backend_pid
+            try:
+                train(c, "t_cancel", options='{"epochs": 5000}')
+            except psycopg.Error as exc:
+                outcome["error"] = str(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert wait_until(lambda: conn.execute("SELECT count(*) FROM tensile.jobs WHERE model_name = 't_cancel' "
+                                           "AND state = 'running'").fetchone()[0] == 1)
+    conn.execute("SELECT pg_cancel_backend(%s)", (outcome["pid"],))
+    t.join(10)
+    assert not t.is_alive()
+    assert "canceling statement due to user request" in outcome["error"]
+    assert_nothing_left(conn)
+
+
+# --- the coordinator's lifecycle -------------------------------------------------------------------
+
+
+def test_racing_starts_share_one_coordinator(conn, dsn):
+    conn.execute("SELECT tensile.stop_coordinator()")
+    pids = []
+
+    def start():
+        with psycopg.connect(dsn, autocommit=True) as c:
+            pids.append(c.execute("SELECT tensile.start_coordinator()").fetchone()[0])
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(pids) == 4 and len(set(pids)) == 1
+
+
+def test_coordinator_exits_with_the_postmaster():
+    from tensile_db.cluster import EmbeddedCluster
+
+    base = tempfile.mkdtemp(prefix="tensile-life-")
+    c = EmbeddedCluster(base, python_paths=[site.getsitepackages()[0]])
+    try:
+        c.start()
+        c.create_database("life")
+        with psycopg.connect(c.conninfo("life"), autocommit=True) as conn:
+            pid = conn.execute("SELECT tensile.start_coordinator()").fetchone()[0]
+            socket_dir = conn.execute("SELECT current_setting('data_directory')").fetchone()[0]
+        os.kill(pid, 0)                              # it runs
+        c.stop()
+
+        def gone():
+            try:
+                os.kill(pid, 0)
+                return False
+            except ProcessLookupError:
+                return True
+        assert wait_until(gone, 10)
+        assert not os.path.exists(os.path.join(socket_dir, "tensile_coordinator", "coordinator.sock"))
+    finally:
+        c.destroy()
+        shutil.rmtree(base, ignore_errors=True)
