@@ -58,5 +58,6 @@ class ProtocolError(TensileError):
 
 #: Errors that may be sent across the coordinator socket by class name.
 WIRE_ERRORS = {cls.__name__: cls for cls in (
-    TensileError, InvalidArgument, ModelNotFound, JobCancelled, CoordinatorUnavailable, ProtocolError,
+    TensileError, InvalidArgument, ModelNotFound, DeviceOutOfMemory, JobCancelled, CoordinatorUnavailable,
+    ProtocolError,
 )}

@@ -34,10 +34,20 @@ class Executor:
         self.queued: collections.deque[TrainingJob] = collections.deque()
         self.running: dict[int, tuple[TrainingJob, object]] = {}
         self._cond = threading.Condition()
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="tensile-executor", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def stop(self) -> None:
+        """Cancel every job and end the thread."""
+        for job in self.jobs():
+            self.cancel(job)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join()
 
     def submit(self, job: TrainingJob) -> None:
         """Queue a job. Raises DeviceOutOfMemory if even its smallest working set cannot fit."""
@@ -68,10 +78,13 @@ class Executor:
     def _loop(self) -> None:
         while True:
             with self._cond:
+                if self._stopping and not self.running:
+                    return
                 while self.queued and len(self.running) < self.max_active_jobs:
                     self._admit(self.queued.popleft())
                 if not self.running:
-                    self._cond.wait()
+                    if not self._stopping:
+                        self._cond.wait()
                     continue
                 turn = list(self.running.values())
             for job, ops in turn:

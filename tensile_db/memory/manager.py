@@ -53,7 +53,7 @@ class Tensor:
     offset: int | None = None            # arena offset, bytes, while on the device
     host: np.ndarray | None = None       # host copy while on the host
     pins: int = 0                        # ops currently using it; pinned tensors are never evicted
-    swapped_out: bool = False            # has been swapped out at least once since its last use
+    swapped_out: bool = False            # has been swapped out at least once (a later load is a swap-in)
 
     @property
     def nbytes(self) -> int:
@@ -121,7 +121,7 @@ class MemoryManager:
         it is copied into the arena on first use."""
         with self._lock:
             t = self._new(job_id, slot, kind, host.shape, host.dtype)
-            t.host = np.ascontiguousarray(host)
+            t.host = np.array(host, order="C", copy=True)
             self._account(t, host=t.nbytes)
             return t
 

@@ -3,12 +3,15 @@
 Validates the arguments, reads the rows as the calling role, ships them to the coordinator, waits
 in 0.1 s slices — calling into SPI between slices so that ``pg_cancel_backend`` and
 ``statement_timeout`` reach the backend, which then cancels the job in the coordinator before
-re-raising — relays progress as NOTICE, and stores the model in the caller's transaction.
+re-raising — relays progress as NOTICE, and stores the model in the caller's transaction. The
+stored metrics add the data path's timings: ``read_s`` (the SPI scan) and ``transfer_s`` (until the
+coordinator has the arrays and has accepted the job).
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 from ..errors import InvalidArgument
 from ..runtime import model as models
@@ -36,7 +39,9 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
         raise InvalidArgument(
             f'model "{model_name}" already exists (owner {existing[0]["owner"]}); pass options => '
             f"'{{\"replace\": true}}' to replace it, or drop it with tensile.drop_model('{model_name}')")
+    started = time.perf_counter()
     data = read_training_data(plpy, source, label, features, opts.skip_nulls)
+    read_s = time.perf_counter() - started
     task = opts.task or ("classification" if data.label_is_integer else "regression")
     y, classes = encode_labels(data, task)
     n_outputs = len(classes) if classes else 1
@@ -47,11 +52,13 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
     header = {"type": "train", "model_name": model_name, "role": s["role"], "backend_pid": s["pid"],
               "architecture": arch.to_json(), "options": opts.to_json(), "task": task, "n_outputs": n_outputs}
     with client:
+        started = time.perf_counter()
         reply, _ = client.request(header, {"x": data.x, "y": y})
+        transfer_s = time.perf_counter() - started
         plpy.notice(f"tensile: job {reply['job_id']} accepted; unscheduled peak {reply['vanilla_peak_nbytes']:,} bytes, "
                     f"device budget {reply['budget_nbytes']:,} bytes")
         result, weights = _await(plpy, GD, client)
-    metrics = result["metrics"]
+    metrics = dict(result["metrics"], read_s=read_s, transfer_s=transfer_s)
     if opts.replace:
         plpy.execute(session.plan(plpy, GD, "DELETE FROM tensile.models WHERE name = $1", ["text"]), [model_name])
     plpy.execute(session.plan(plpy, GD, """

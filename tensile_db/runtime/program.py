@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..memory.arena import ArenaAllocator, round_up
+from ..memory.arena import round_up
 from . import kernels
 from .model import ModelSpec, TrainOptions
 
@@ -131,24 +131,18 @@ class Program:
         return sum(round_up(s.nbytes) for s in self.slots.values() if s.kind.persistent)
 
     def vanilla_peak_nbytes(self) -> int:
-        """Peak arena bytes of one steady-state iteration with unlimited memory and no scheduling.
-
-        Replays the allocation and free events through the same allocator the runtime uses
-        (persistent slots first, then each op's new writes, then its frees); bytes.
-        """
-        total = sum(round_up(s.nbytes) for s in self.slots.values())
-        alloc = ArenaAllocator(total)
-        live: dict[str, int] = {}
-        for name, slot in self.slots.items():
-            if slot.kind.persistent:
-                live[name] = alloc.allocate(slot.nbytes)
+        """Peak arena bytes of one steady-state iteration with unlimited memory and no scheduling:
+        persistent slots plus the largest sum of live (rounded) slots at any op, bytes. This is the
+        allocator's high-water mark of allocated bytes, whatever the offsets."""
+        live = self.persistent_nbytes
+        peak = live
         for i, op in enumerate(self.ops):
-            for name in op.writes:
-                if name not in live:
-                    live[name] = alloc.allocate(self.slots[name].nbytes)
-            for name in self.frees_after[i]:
-                alloc.free(live.pop(name))
-        return alloc.peak_nbytes
+            born = {name for name in op.writes if not self.slots[name].kind.persistent
+                    and self.positions[name][0] == i}
+            live += sum(round_up(self.slots[name].nbytes) for name in born)
+            peak = max(peak, live)
+            live -= sum(round_up(self.slots[name].nbytes) for name in self.frees_after[i])
+        return peak
 
 
 # --- building the training program of an MLP ---------------------------------------------------

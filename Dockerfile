@@ -1,0 +1,62 @@
+# syntax=docker/dockerfile:1
+# PostgreSQL 15 with the tensile_db extension, training on the GPU through CuPy.
+#
+#   docker compose up -d --build        # see docker-compose.yml (GPU reservation, volume, port)
+#
+# Two stages: "build" has the compilers PGXS pulls in (postgresql-server-dev-15 depends on clang and
+# llvm) and builds the virtual environment; the final image keeps only the venv, the extension's
+# files and PL/Python. Both stages start from the same image, so the venv's interpreter
+# (/usr/bin/python3.11) is the one PL/Python embeds in the final image.
+#
+# Run it with an init process as PID 1 (`init: true` in compose, `docker run --init`): the
+# coordinator a backend starts is reparented to PID 1 when that backend exits, and a postmaster
+# that is PID 1 takes any such child exiting abnormally for a crashed backend and restarts them all.
+
+FROM postgres:15-bookworm AS build
+
+RUN set -eux; \
+    apt-get update; \
+    apt-get install -y --no-install-recommends make python3-venv postgresql-server-dev-15; \
+    rm -rf /var/lib/apt/lists/*
+
+# The Python package, installed (not editable) into the venv with the CUDA extra. cupy-cuda12x
+# needs the CUDA runtime libraries (cuBLAS, NVRTC, cuRAND, ...), which this image does not have:
+# its `ctk` extra (CuPy 14 and later) installs them from PyPI. Only the GPU driver comes from the
+# host, through the NVIDIA Container Toolkit.
+WORKDIR /src
+COPY pyproject.toml README* ./
+COPY tensile_db ./tensile_db
+RUN set -eux; \
+    /usr/bin/python3.11 -m venv /opt/tensile/venv; \
+    /opt/tensile/venv/bin/pip install --no-cache-dir ".[cuda]" "cupy-cuda12x[ctk]>=14"; \
+    /opt/tensile/venv/bin/python -c "import tensile_db"
+
+# The extension (control file and install script), staged under /staging for the final image.
+COPY extension/Makefile extension/tensile_db.control ./extension/
+COPY sql ./sql
+RUN make -C extension install DESTDIR=/staging \
+        PG_CONFIG=/usr/lib/postgresql/15/bin/pg_config
+
+FROM postgres:15-bookworm
+
+# PL/Python 3 for PostgreSQL 15 (embeds Debian's libpython3.11), and the interpreter the
+# coordinator runs in (the venv's bin/python links to /usr/bin/python3.11).
+RUN set -eux; \
+    apt-get update; \
+    apt-get install -y --no-install-recommends postgresql-plpython3-15 python3.11; \
+    rm -rf /var/lib/apt/lists/*
+
+COPY --from=build /opt/tensile/venv /opt/tensile/venv
+COPY --from=build /staging/ /
+
+# The postmaster, and so PL/Python in every backend and the coordinator it starts, imports
+# tensile_db (and NumPy, CuPy) from the venv.
+ENV PYTHONPATH=/opt/tensile/venv/lib/python3.11/site-packages \
+    PATH=$PATH:/opt/tensile/venv/bin \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+
+# Run once, on an empty data directory: tensile.* settings and CREATE EXTENSION.
+COPY docker/initdb/10-tensile.sh /docker-entrypoint-initdb.d/10-tensile.sh
+RUN chmod 0755 /docker-entrypoint-initdb.d/10-tensile.sh
+
+# ENTRYPOINT, CMD, STOPSIGNAL, VOLUME and EXPOSE are the postgres image's.

@@ -1,0 +1,184 @@
+"""Check the container setup (``docker-compose.yml``, ``Dockerfile``, the init script) by its structure.
+
+No Docker engine runs here, so nothing is built: the compose file is parsed with PyYAML and the
+Dockerfile and init script are read as text, and the tests assert what a GPU deployment relies on
+(the GPU reservation, loopback-only port, persistent volume, PL/Python, the venv on Python 3.11,
+the PGXS install, and the init script's settings and CREATE EXTENSION).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def db(compose) -> dict:
+    assert "db" in compose.get("services", {}), "docker-compose.yml has no service 'db'"
+    return compose["services"]["db"]
+
+
+def _dockerfile_path(db: dict) -> Path:
+    build = db["build"]
+    if isinstance(build, str):
+        return (ROOT / build / "Dockerfile").resolve()
+    return (ROOT / build.get("context", ".") / build.get("dockerfile", "Dockerfile")).resolve()
+
+
+@pytest.fixture(scope="module")
+def dockerfile(db) -> list[tuple[str, str]]:
+    """The Dockerfile's instructions as (INSTRUCTION, arguments), continuation lines joined."""
+    text = _dockerfile_path(db).read_text()
+    text = re.sub(r"\\\n", " ", text)
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, args = line.partition(" ")
+            out.append((keyword.upper(), " ".join(args.split())))
+    return out
+
+
+def _runs(dockerfile) -> str:
+    return "\n".join(args for keyword, args in dockerfile if keyword == "RUN")
+
+
+def _final_stage(dockerfile) -> list[tuple[str, str]]:
+    starts = [i for i, (keyword, _) in enumerate(dockerfile) if keyword == "FROM"]
+    assert starts, "the Dockerfile has no FROM"
+    return dockerfile[starts[-1]:]
+
+
+def _init_scripts(dockerfile) -> list[Path]:
+    """Repository files the final stage copies into /docker-entrypoint-initdb.d/."""
+    scripts = []
+    for keyword, args in _final_stage(dockerfile):
+        if keyword not in ("COPY", "ADD"):
+            continue
+        words = [w for w in shlex.split(args) if not w.startswith("--")]
+        *sources, dest = words
+        if dest.startswith("/docker-entrypoint-initdb.d"):
+            for source in sources:
+                path = ROOT / source
+                scripts += sorted(path.glob("*.sh")) if path.is_dir() else [path]
+    return scripts
+
+
+# -- docker-compose.yml ------------------------------------------------------------------------
+
+
+def test_db_builds_from_the_repository_dockerfile(db):
+    assert "build" in db, "service db is not built from a Dockerfile"
+    path = _dockerfile_path(db)
+    assert path == ROOT / "Dockerfile"
+    assert path.is_file()
+
+
+def test_db_reserves_an_nvidia_gpu(db):
+    devices = db["deploy"]["resources"]["reservations"]["devices"]
+    gpus = [d for d in devices if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
+    assert gpus, f"no nvidia device reservation with capability gpu: {devices}"
+    assert gpus[0].get("count") == 1 or gpus[0].get("device_ids")
+
+
+def test_db_environment(db):
+    env = db["environment"]
+    if isinstance(env, list):
+        env = dict(item.partition("=")[::2] for item in env)
+    assert "POSTGRES_PASSWORD" in env
+    assert "TENSILE_DEVICE_BUDGET" in env
+    assert "NVIDIA_VISIBLE_DEVICES" in env
+
+
+def test_db_healthcheck_uses_pg_isready(db):
+    test = db["healthcheck"]["test"]
+    command = test if isinstance(test, str) else " ".join(test)
+    assert re.search(r"\bpg_isready\b", command), command
+
+
+def test_db_port_is_published_on_loopback_only(db):
+    ports = db["ports"]
+    assert ports
+    for port in ports:
+        if isinstance(port, dict):
+            assert port.get("host_ip") == "127.0.0.1", port
+            assert int(port["target"]) == 5432
+        else:
+            host_ip, _, rest = str(port).partition(":")
+            assert host_ip == "127.0.0.1", port
+            assert rest.split(":")[-1].split("/")[0] == "5432", port
+
+
+def test_db_data_directory_is_a_declared_named_volume(compose, db):
+    mounts = {}
+    for volume in db["volumes"]:
+        if isinstance(volume, dict):
+            mounts[volume["target"]] = volume["source"]
+        else:
+            source, target = volume.split(":")[:2]
+            mounts[target] = source
+    source = mounts.get("/var/lib/postgresql/data")
+    assert source, f"/var/lib/postgresql/data is not mounted: {db['volumes']}"
+    assert source in (compose.get("volumes") or {}), f"volume {source!r} is not declared"
+
+
+# -- Dockerfile --------------------------------------------------------------------------------
+
+
+def test_dockerfile_is_postgres_15_bookworm_and_keeps_its_entrypoint(dockerfile):
+    froms = [args for keyword, args in dockerfile if keyword == "FROM"]
+    assert froms[-1].split()[0] == "postgres:15-bookworm"
+    assert not any(keyword == "ENTRYPOINT" for keyword, _ in dockerfile)
+
+
+def test_dockerfile_installs_plpython_in_the_final_image(dockerfile):
+    runs = "\n".join(args for keyword, args in _final_stage(dockerfile) if keyword == "RUN")
+    assert re.search(r"apt-get install\b[^\n]*\bpostgresql-plpython3-15\b", runs), runs
+    assert "--no-install-recommends" in runs
+
+
+def test_dockerfile_creates_the_venv_with_python311_and_the_cuda_extra(dockerfile):
+    runs = _runs(dockerfile)
+    assert re.search(r"/usr/bin/python3\.11 -m venv /opt/tensile/venv\b", runs), runs
+    assert re.search(r"/opt/tensile/venv/bin/pip install\b[^\n]*\.\[cuda\]", runs), runs
+
+
+def test_dockerfile_installs_the_extension_with_pgxs(dockerfile):
+    assert re.search(r"\bmake -C extension install\b", _runs(dockerfile))
+
+
+def test_dockerfile_puts_the_venv_on_the_postmasters_pythonpath(dockerfile):
+    env = " ".join(args for keyword, args in _final_stage(dockerfile) if keyword == "ENV")
+    assert re.search(r"\bPYTHONPATH=/opt/tensile/venv/lib/python3\.11/site-packages\b", env), env
+
+
+def test_dockerfile_copies_the_init_script(dockerfile):
+    scripts = _init_scripts(dockerfile)
+    assert scripts, "nothing is copied into /docker-entrypoint-initdb.d/"
+    for script in scripts:
+        assert script.is_file(), f"{script} is copied by the Dockerfile but is not in the repository"
+
+
+# -- the init script ---------------------------------------------------------------------------
+
+
+def test_init_script_sets_the_device_and_creates_the_extension(dockerfile):
+    text = "\n".join(script.read_text() for script in _init_scripts(dockerfile))
+    assert "postgresql.conf" in text
+    assert re.search(r"^tensile\.device = 'cuda'$", text, re.M), text
+    assert re.search(r"^tensile\.device_budget = '\$\{\w+(:-[^}]*)?\}'$", text, re.M), text
+    assert re.search(r"^tensile\.python = '/opt/tensile/venv/bin/python'$", text, re.M), text
+    assert "${TENSILE_DEVICE_BUDGET:-8GB}" in text
+    assert re.search(r"CREATE EXTENSION (IF NOT EXISTS )?tensile_db CASCADE", text), text

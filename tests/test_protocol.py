@@ -1,0 +1,169 @@
+"""The coordinator wire protocol over an in-process ``multiprocessing`` pipe.
+
+Headers and arrays must round trip exactly; anything malformed or outside the allowed dtypes is
+refused with :class:`ProtocolError` before any data is interpreted; errors cross the pipe as
+the same :mod:`tensile_db.errors` class.
+"""
+
+from __future__ import annotations
+
+import json
+from multiprocessing.connection import Pipe
+
+import numpy as np
+import pytest
+
+from tensile_db.coordinator import protocol
+from tensile_db.errors import (
+    WIRE_ERRORS, CoordinatorUnavailable, InvalidArgument, JobCancelled, ModelNotFound, ProtocolError,
+    TensileError,
+)
+
+
+@pytest.fixture
+def pipe():
+    a, b = Pipe()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_header_only_round_trip(pipe):
+    a, b = pipe
+    header = {"type": "ping", "n": 3, "nested": {"x": [1, 2.5, None, "é"]}, "flag": True}
+    protocol.send(a, header)
+    got, arrays = protocol.recv(b)
+    assert got == header and arrays == {}
+
+
+def test_arrays_round_trip_exactly(pipe):
+    a, b = pipe
+    rng = np.random.default_rng(0)
+    f = rng.standard_normal((7, 3)).astype(np.float32)
+    f[0, :3] = [np.nan, -0.0, np.inf]
+    arrays = {
+        "x": f,
+        "y": rng.integers(-5, 5, size=11).astype(np.int32),
+        "empty": np.zeros((0, 4), dtype=np.float64),
+        "big": np.arange(6, dtype=">f8").reshape(2, 3),          # big-endian input
+        "mask": np.array([True, False, True]),
+        "u8": np.arange(5, dtype=np.uint8),
+        "scalar": np.array(2.5, dtype=np.float32),
+        "strided": np.arange(20, dtype=np.int64).reshape(4, 5)[:, ::2],  # not contiguous
+    }
+    protocol.send(a, {"type": "train", "name": "m"}, arrays)
+    header, got = protocol.recv(b)
+    assert header == {"type": "train", "name": "m"}             # "arrays" metadata is consumed
+    assert list(got) == list(arrays)
+    for name, sent in arrays.items():
+        assert got[name].dtype == sent.dtype, name
+        assert got[name].shape == sent.shape, name
+        assert np.array_equal(got[name], sent, equal_nan=sent.dtype.kind == "f"), name
+    assert np.array_equal(got["x"].view(np.uint32), f.view(np.uint32))   # bit exact, -0.0 and NaN
+    assert got["big"].dtype.byteorder == ">"
+
+
+def test_several_messages_in_sequence(pipe):
+    a, b = pipe
+    for i in range(3):
+        protocol.send(a, {"type": "progress", "i": i}, {"v": np.full(i, i, dtype=np.int16)})
+    for i in range(3):
+        header, arrays = protocol.recv(b)
+        assert header["i"] == i and np.array_equal(arrays["v"], np.full(i, i, dtype=np.int16))
+
+
+def _raw(conn, header, *frames: bytes) -> None:
+    conn.send_bytes(json.dumps(header).encode())
+    for f in frames:
+        conn.send_bytes(f)
+
+
+@pytest.mark.parametrize("dtype", ["|O", "<U4", "|S4", "|V8", "<M8[s]", "<c8"])
+def test_refuses_dtypes_outside_bool_int_float(pipe, dtype):
+    a, b = pipe
+    _raw(a, {"type": "x", "arrays": [{"name": "bad", "dtype": dtype, "shape": [2]}]}, b"\0" * 16)
+    with pytest.raises(ProtocolError, match="unsupported dtype"):
+        protocol.recv(b)
+
+
+def test_refuses_object_array(pipe):
+    a, b = pipe
+    # an object array described as send() would describe it: the receiver must not build it
+    obj = np.array([object(), object()], dtype=object)
+    _raw(a, {"type": "x", "arrays": [{"name": "o", "dtype": obj.dtype.str, "shape": [2]}]}, b"\0" * 16)
+    with pytest.raises(ProtocolError, match="'o'"):
+        protocol.recv(b)
+
+
+@pytest.mark.parametrize("nbytes", [0, 11, 13, 24])
+def test_refuses_byte_count_mismatch(pipe, nbytes):
+    a, b = pipe
+    _raw(a, {"type": "x", "arrays": [{"name": "v", "dtype": "<f4", "shape": [3]}]}, b"\1" * nbytes)
+    with pytest.raises(ProtocolError, match="do not match"):
+        protocol.recv(b)
+
+
+@pytest.mark.parametrize("frame", [b"{not json", b"\xff\xfe", b"", b'{"type": 1}', b"[]", b'"ping"', b"{}"])
+def test_refuses_malformed_header(pipe, frame):
+    a, b = pipe
+    a.send_bytes(frame)
+    with pytest.raises(ProtocolError):
+        protocol.recv(b)
+
+
+def test_recv_raises_eof_when_peer_closed():
+    a, b = Pipe()
+    a.close()
+    with pytest.raises(EOFError):
+        protocol.recv(b)
+    b.close()
+
+
+@pytest.mark.parametrize("cls", [InvalidArgument, ModelNotFound, JobCancelled, CoordinatorUnavailable,
+                                 ProtocolError, TensileError])
+def test_errors_keep_their_class(pipe, cls):
+    a, b = pipe
+    protocol.send_error(a, cls("what went wrong: 42"))
+    header, arrays = protocol.recv(b)
+    assert header["type"] == "error" and header["error"] == cls.__name__ and not arrays
+    with pytest.raises(TensileError) as info:
+        protocol.raise_if_error(header)
+    assert type(info.value) is cls
+    assert str(info.value) == "what went wrong: 42"
+
+
+def test_non_tensile_exception_becomes_internal_error(pipe):
+    a, b = pipe
+    protocol.send_error(a, ZeroDivisionError("division by zero"))
+    header, _ = protocol.recv(b)
+    with pytest.raises(TensileError) as info:
+        protocol.raise_if_error(header)
+    assert type(info.value) is TensileError
+    assert "internal error" in str(info.value) and "ZeroDivisionError" in str(info.value)
+
+
+def test_unknown_error_name_becomes_tensile_error():
+    with pytest.raises(TensileError) as info:
+        protocol.raise_if_error({"type": "error", "error": "SystemExit", "message": "nope"})
+    assert type(info.value) is TensileError and str(info.value) == "nope"
+
+
+def test_raise_if_error_passes_other_headers_through():
+    header = {"type": "result", "metrics": {}}
+    assert protocol.raise_if_error(header) is header
+
+
+def test_wire_errors_are_tensile_errors():
+    assert all(issubclass(cls, TensileError) and cls.__name__ == name for name, cls in WIRE_ERRORS.items())
+
+
+def test_out_of_memory_keeps_its_byte_counts_across_the_wire():
+    from tensile_db.errors import DeviceOutOfMemory
+
+    a, b = Pipe()
+    protocol.send_error(a, DeviceOutOfMemory(4096, 1024, 2048, "op dense0"))
+    header, _ = protocol.recv(b)
+    with pytest.raises(DeviceOutOfMemory) as info:
+        protocol.raise_if_error(header)
+    assert (info.value.requested_nbytes, info.value.in_use_nbytes, info.value.budget_nbytes) == (4096, 1024, 2048)
+    assert "requested 4,096 bytes" in str(info.value)
