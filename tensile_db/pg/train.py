@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 
-from ..errors import InvalidArgument
+from ..errors import CoordinatorUnavailable, InvalidArgument
 from ..runtime import model as models
 from . import session
 from .data import encode_labels, read_training_data
@@ -80,7 +80,12 @@ def _await(plpy, GD, client):
             if not client.poll(WAIT_SLICE_S):
                 plpy.execute(check)          # lets PostgreSQL deliver a cancel or statement_timeout
                 continue
-            header, arrays = client.receive()
+            try:
+                header, arrays = client.receive()
+            except (EOFError, OSError) as exc:
+                raise CoordinatorUnavailable(
+                    f"the coordinator closed the connection during training ({exc!r}); see "
+                    f"{session.socket_dir()}/coordinator.log, then call again") from None
             if header["type"] == "result":
                 return header, arrays
             if header["type"] == "progress":
