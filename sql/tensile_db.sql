@@ -28,10 +28,13 @@ CREATE POLICY models_owned ON tensile.models FOR ALL
 GRANT USAGE ON SCHEMA tensile TO PUBLIC;
 GRANT SELECT, INSERT, DELETE ON tensile.models TO PUBLIC;
 
+-- Every PL/Python function here is PARALLEL UNSAFE: plpy.execute runs each query in a
+-- subtransaction, which PostgreSQL forbids during a parallel operation.
+
 -- Loading the Python package once per session -----------------------------------------------------
 
 CREATE FUNCTION tensile._bootstrap() RETURNS void
-LANGUAGE plpython3u VOLATILE PARALLEL SAFE AS $$
+LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$
 import site, sys
 extra = plpy.execute("SELECT current_setting('tensile.python_path', true) AS p")[0]["p"]
 for directory in (extra or "").split(":"):
@@ -69,7 +72,7 @@ COMMENT ON PROCEDURE tensile.train_model(text, text, text, text[], jsonb, jsonb,
 -- Inference --------------------------------------------------------------------------------------
 
 CREATE FUNCTION tensile.predict(model_name text, features real[]) RETURNS real
-LANGUAGE plpython3u STABLE STRICT PARALLEL SAFE AS $$
+LANGUAGE plpython3u STABLE STRICT PARALLEL UNSAFE AS $$
 if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
 return GD["tensile"].predict(plpy, GD, model_name, features)
 $$;
@@ -77,7 +80,7 @@ COMMENT ON FUNCTION tensile.predict(text, real[]) IS
 'Predicts one row on the CPU of this backend: the class label (classification) or the value (regression)';
 
 CREATE FUNCTION tensile.predict_proba(model_name text, features real[]) RETURNS real[]
-LANGUAGE plpython3u STABLE STRICT PARALLEL SAFE AS $$
+LANGUAGE plpython3u STABLE STRICT PARALLEL UNSAFE AS $$
 if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
 return GD["tensile"].predict_proba(plpy, GD, model_name, features)
 $$;

@@ -105,6 +105,18 @@ def test_predict_sees_a_replaced_model(conn, digits):
     assert 100 <= second <= 109
 
 
+def test_predict_under_settings_that_force_parallel_plans(conn, digits):
+    train(conn, "t_parallel", options='{"epochs": 1}')
+    for setting in ("max_parallel_workers_per_gather = 2", "parallel_setup_cost = 0", "parallel_tuple_cost = 0",
+                    "min_parallel_table_scan_size = 0"):
+        conn.execute(f"SET {setting}")
+    try:
+        n = conn.execute(f"SELECT count(tensile.predict('t_parallel', {FEATURES})) FROM digits_test").fetchone()[0]
+        assert n == 450
+    finally:
+        conn.execute("RESET ALL")
+
+
 def test_python_client(cluster, digits):
     from tensile_db.client import TensileClient
 
