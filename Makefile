@@ -9,7 +9,8 @@
 # (running as root, the server runs as `postgres`, which must read the venv and the cluster).
 
 SYSTEM_PYTHON ?= /usr/bin/python3.11
-TENSILE_HOME ?= $(shell if [ "$$(id -u)" = 0 ] && ! runuser -u postgres -- test -r "$(CURDIR)/Makefile" 2>/dev/null; \
+# Decided once (":="), before system-deps can change the answer; override with TENSILE_HOME=dir.
+TENSILE_HOME := $(shell if [ "$$(id -u)" = 0 ] && ! runuser -u postgres -- test -r "$(CURDIR)/Makefile" 2>/dev/null; \
 	then echo /var/lib/tensile_db/$$(printf %s "$(CURDIR)" | sha256sum | cut -c1-12); else echo "$(CURDIR)/.tensile"; fi)
 VENV := $(TENSILE_HOME)/venv
 PY := $(VENV)/bin/python
@@ -35,7 +36,7 @@ system-deps:
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(APT_PACKAGES) >/dev/null; }
 
 $(VENV)/.deps: pyproject.toml | system-deps
-	mkdir -p "$(TENSILE_HOME)" && chmod 755 "$(TENSILE_HOME)"
+	install -d -m 755 "$(TENSILE_HOME)"
 	[ -x "$(PY)" ] || $(SYSTEM_PYTHON) -m venv "$(VENV)"
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q ".[test,demo]"

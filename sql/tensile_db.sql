@@ -19,24 +19,51 @@ CREATE TABLE tensile.models (
 );
 COMMENT ON TABLE tensile.models IS 'Trained models: architecture, options, features, classes, metrics and weights';
 SELECT pg_catalog.pg_extension_config_dump('tensile.models', '');
+SELECT pg_catalog.pg_extension_config_dump('tensile.models_id_seq', '');
 
--- Every role sees the registry; a role changes only the models it owns.
+-- A model is visible to its owner and to members of the owning role (train as a group role, or
+-- GRANT your role, to share); only its owner may create, replace or drop it. Models reveal facts
+-- about their training data (label classes, column means), so nothing is public by default.
 ALTER TABLE tensile.models ENABLE ROW LEVEL SECURITY;
-CREATE POLICY models_visible ON tensile.models FOR SELECT USING (true);
+CREATE POLICY models_visible ON tensile.models FOR SELECT USING (
+    owner = current_user OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
+                                    WHERE r.rolname = owner AND pg_catalog.pg_has_role(current_user, r.oid, 'MEMBER')));
 CREATE POLICY models_owned ON tensile.models FOR ALL
     USING (owner = current_user) WITH CHECK (owner = current_user);
 GRANT USAGE ON SCHEMA tensile TO PUBLIC;
+
+-- Model names are unique across roles, so training checks a name against every model, visible
+-- or not; this reveals a name's owner and nothing else.
+CREATE FUNCTION tensile._model_owner(model_name text) RETURNS name
+LANGUAGE sql STABLE STRICT PARALLEL SAFE SECURITY DEFINER SET search_path = pg_catalog AS $$
+    SELECT owner FROM tensile.models WHERE name = model_name
+$$;
+COMMENT ON FUNCTION tensile._model_owner(text) IS 'The owner of a model name, visible or not (internal)';
 GRANT SELECT, INSERT, DELETE ON tensile.models TO PUBLIC;
 
 -- Every PL/Python function here is PARALLEL UNSAFE: plpy.execute runs each query in a
 -- subtransaction, which PostgreSQL forbids during a parallel operation.
+
+-- Server-level settings ----------------------------------------------------------------------------
+-- The tensile.* settings choose the program the server spawns as its OS user and the device
+-- budget every job shares, so they are read from the configuration files (postgresql.conf,
+-- ALTER SYSTEM) only: a session's SET or connection options cannot change them.
+
+CREATE FUNCTION tensile._server_setting(setting_name text) RETURNS text
+LANGUAGE sql STABLE STRICT PARALLEL SAFE SECURITY DEFINER SET search_path = pg_catalog AS $$
+    SELECT setting FROM pg_catalog.pg_file_settings
+    WHERE name = setting_name AND setting_name LIKE 'tensile.%' AND applied AND error IS NULL
+    ORDER BY seqno DESC LIMIT 1
+$$;
+COMMENT ON FUNCTION tensile._server_setting(text) IS
+'The value of a tensile.* setting in the configuration files, or NULL (internal)';
 
 -- Loading the Python package once per session -----------------------------------------------------
 
 CREATE FUNCTION tensile._bootstrap() RETURNS void
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$
 import site, sys
-extra = plpy.execute("SELECT current_setting('tensile.python_path', true) AS p")[0]["p"]
+extra = plpy.execute("SELECT tensile._server_setting('tensile.python_path') AS p")[0]["p"]
 for directory in (extra or "").split(":"):
     if directory and directory not in sys.path:
         site.addsitedir(directory)
@@ -71,7 +98,7 @@ COMMENT ON PROCEDURE tensile.train_model(text, text, text, text[], jsonb, jsonb,
 
 -- Inference --------------------------------------------------------------------------------------
 
-CREATE FUNCTION tensile.predict(model_name text, features real[]) RETURNS real
+CREATE FUNCTION tensile.predict(model_name text, features real[]) RETURNS double precision
 LANGUAGE plpython3u STABLE STRICT PARALLEL UNSAFE AS $$
 if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
 return GD["tensile"].predict(plpy, GD, model_name, features)

@@ -32,16 +32,22 @@ class TensileClient:
         """``CALL tensile.train_model(...)`` in its own transaction; returns ``{"task", "metrics"}``.
         ``on_notice`` receives each progress NOTICE as it arrives."""
         with self.engine.connect() as conn:
-            if on_notice is not None:
-                conn.connection.driver_connection.add_notice_handler(lambda d: on_notice(d.message_primary))
-            row = conn.execute(text(
-                "CALL tensile.train_model(model_name => :name, source => :source, label => :label, "
-                "features => :features, architecture => coalesce(CAST(:architecture AS jsonb), "
-                "'{\"layers\": [{\"dense\": 64}]}'), options => CAST(:options AS jsonb))"),
-                {"name": model_name, "source": source, "label": label, "features": features,
-                 "architecture": json.dumps(architecture) if architecture else None,
-                 "options": json.dumps(options or {})}).mappings().one()
-            conn.commit()
+            raw = conn.connection.driver_connection
+            handler = (lambda d: on_notice(d.message_primary)) if on_notice else None
+            if handler:
+                raw.add_notice_handler(handler)
+            try:
+                row = conn.execute(text(
+                    "CALL tensile.train_model(model_name => :name, source => :source, label => :label, "
+                    "features => :features, architecture => coalesce(CAST(:architecture AS jsonb), "
+                    "'{\"layers\": [{\"dense\": 64}]}'), options => CAST(:options AS jsonb))"),
+                    {"name": model_name, "source": source, "label": label, "features": features,
+                     "architecture": json.dumps(architecture) if architecture else None,
+                     "options": json.dumps(options or {})}).mappings().one()
+                conn.commit()
+            finally:
+                if handler:
+                    raw.remove_notice_handler(handler)
         return {"task": row["task"], "metrics": row["metrics"]}
 
     def predict(self, model_name: str, features: list[float]) -> float:

@@ -11,16 +11,20 @@ virtual environment named in ``python_paths``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pwd
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from .errors import TensileError
 
 #: The OS user that runs the server when the caller is root.
 SERVER_USER = "postgres"
+#: Longest Unix socket path we use, bytes (the kernel's limit is 107).
+MAX_SOCKET_PATH = 100
 
 
 def pg_bindir() -> Path:
@@ -51,6 +55,9 @@ class EmbeddedCluster:
         self.base_dir = Path(base_dir).resolve()
         self.data_dir = self.base_dir / "pgdata"
         self.socket_dir = self.base_dir / "run"
+        if len(str(self.socket_dir / f".s.PGSQL.{port}")) > MAX_SOCKET_PATH:   # AF_UNIX path limit
+            digest = hashlib.sha256(str(self.base_dir).encode()).hexdigest()[:12]
+            self.socket_dir = Path(tempfile.gettempdir()) / f"tensile-pg-{digest}"
         self.log_file = self.base_dir / "postgres.log"
         self.python_paths = list(python_paths or [])
         self.settings = dict(settings or {})
@@ -78,7 +85,7 @@ class EmbeddedCluster:
     def init(self) -> None:
         """``initdb`` the data directory (skipped if it exists) and write the settings."""
         self.base_dir.mkdir(parents=True, exist_ok=True)
-        self.socket_dir.mkdir(exist_ok=True)
+        self.socket_dir.mkdir(mode=0o700, exist_ok=True)
         if self.as_root:
             user = pwd.getpwnam(SERVER_USER)
             for p in (self.base_dir, self.socket_dir):

@@ -81,8 +81,9 @@ def run(home: str) -> int:
     budget = max(int(vanilla_sum * BUDGET_FRACTION), max(w for _, w in peaks.values()))
     with engine.begin() as conn:
         conn.execute(text("SELECT tensile.stop_coordinator()"))      # start fresh with the new budget
-        conn.execute(text(f"ALTER DATABASE {DATABASE} SET tensile.device_budget = '{budget}'"))
-    engine.dispose()                 # new sessions pick up the database's new setting
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:   # ALTER SYSTEM: no transaction
+        conn.execute(text(f"ALTER SYSTEM SET tensile.device_budget = '{budget}'"))
+        conn.execute(text("SELECT pg_reload_conf()"))
     print(f"device budget {budget:,} bytes = {BUDGET_FRACTION:.0%} of the unscheduled peaks' sum {vanilla_sum:,} bytes")
 
     client = TensileClient(engine)

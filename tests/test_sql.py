@@ -262,13 +262,57 @@ def test_roles_train_only_on_what_they_may_select(conn, dsn, digits):
         train(a, "t_analyst", options='{"epochs": 1}')
     assert conn.execute("SELECT owner FROM tensile.models WHERE name = 't_analyst'").fetchone()[0] == "analyst"
     assert conn.execute("SELECT count(*) FROM tensile.models WHERE name = 't_secret'").fetchone()[0] == 0
-    with psycopg.connect(dsn.replace("user=postgres", "user=other"), autocommit=True) as o:
+    other_dsn = dsn.replace("user=postgres", "user=other")
+    with psycopg.connect(other_dsn, autocommit=True) as o:
+        # Models reveal facts about their data: another role neither sees nor uses them ...
+        assert o.execute("SELECT count(*) FROM tensile.models WHERE name = 't_analyst'").fetchone()[0] == 0
+        assert 'model "t_analyst" does not exist' in error_of(
+            o, lambda c: c.execute("SELECT tensile.predict('t_analyst', array_fill(0::real, ARRAY[64]))"))
         assert "does not exist (or is owned by another role)" in error_of(
             o, lambda c: c.execute("SELECT tensile.drop_model('t_analyst')"))
-        # The registry is readable by every role, so others may use the model.
-        assert o.execute("SELECT tensile.predict('t_analyst', array_fill(0::real, ARRAY[64]))").fetchone()[0] in range(10)
         assert "permission denied for function stop_coordinator" in error_of(
             o, lambda c: c.execute("SELECT tensile.stop_coordinator()"))
+    conn.execute("GRANT SELECT ON digits_train TO other")
+    with psycopg.connect(other_dsn, autocommit=True) as o:
+        message = error_of(o, train, "t_analyst", options='{"epochs": 1}')
+        assert 'model "t_analyst" already exists (owner analyst)' in message
+    conn.execute("GRANT analyst TO other")            # ... until the owner shares its role
+    with psycopg.connect(other_dsn, autocommit=True) as o:
+        assert o.execute("SELECT tensile.predict('t_analyst', array_fill(0::real, ARRAY[64]))").fetchone()[0] in range(10)
+        message = error_of(o, train, "t_analyst", options='{"epochs": 1, "replace": true}')
+        assert 'model "t_analyst" is owned by role analyst; only its owner can replace it' in message
+        assert not any("epoch" in n for n in getattr(o, "notices", []))
+
+
+def test_sessions_cannot_change_server_settings(conn, dsn, digits):
+    """tensile.* settings pick the program spawned as the server's OS user and the shared budget:
+    a session's SET must not reach them."""
+    conn.execute("SELECT tensile.stop_coordinator()")
+    conn.execute("DROP ROLE IF EXISTS mallory; CREATE ROLE mallory LOGIN")
+    conn.execute("GRANT SELECT ON digits_train TO mallory")
+    marker = tempfile.mktemp(prefix="tensile-evil-")
+    script = tempfile.mktemp(prefix="tensile-evil-", suffix=".sh")
+    with open(script, "w") as f:
+        f.write(f"#!/bin/sh\ntouch {marker}\n")
+    os.chmod(script, 0o755)
+    try:
+        with psycopg.connect(dsn.replace("user=postgres", "user=mallory"), autocommit=True) as m:
+            m.execute(f"SET tensile.python = '{script}'")
+            m.execute("SET tensile.max_active_jobs = '0'")
+            m.execute("SET tensile.device_budget = '1kB'")
+            m.execute("SET tensile.python_path = '/tmp'")
+            assert m.execute("SELECT tensile.start_coordinator()").fetchone()[0] > 0
+            train(m, "t_mallory", options='{"epochs": 1}')        # would be refused or stuck with those values
+        assert not os.path.exists(marker)
+        assert conn.execute("SELECT budget_bytes FROM tensile.memory").fetchone()[0] == TEST_BUDGET
+    finally:
+        os.unlink(script)
+        conn.execute("DELETE FROM tensile.models WHERE name = 't_mallory'")
+
+
+def test_source_query_with_a_trailing_comment(conn, digits):
+    train(conn, "t_comment", source="SELECT * FROM digits_train -- every row", options='{"epochs": 1}')
+    assert conn.execute("SELECT count(*) FROM tensile.models WHERE name = 't_comment'").fetchone()[0] == 1
 
 
 # --- cancellation ----------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ import argparse
 import logging
 import sys
 
+from ..memory.arena import UNIT_NBYTES
+
 from .server import Coordinator
 
 
@@ -20,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-active-jobs", type=int, default=8, help="jobs run at once; more wait queued")
     parser.add_argument("--postmaster-pid-file", help="exit when the pid in this file's first line is gone")
     args = parser.parse_args(argv)
+    if args.budget < UNIT_NBYTES:
+        parser.error(f"--budget must be at least {UNIT_NBYTES} bytes, got {args.budget}")
+    if args.max_active_jobs < 1:
+        parser.error(f"--max-active-jobs must be at least 1, got {args.max_active_jobs}")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s tensile-coordinator[%(process)d] %(levelname)s %(message)s")
     coordinator = Coordinator(args.socket_dir, args.device, args.budget, args.max_active_jobs,

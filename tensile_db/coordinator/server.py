@@ -152,7 +152,8 @@ class Coordinator:
     def memory_report(self) -> dict:
         snap = self.manager.snapshot()
         jobs = {j.id: j for j in self.executor.jobs()}
-        per_job = {str(jid): dict(c, model_name=jobs[jid].info.model_name) for jid, c in snap.pop("jobs").items() if jid in jobs}
+        per_job = {str(jid): {k.replace("_nbytes", "_bytes"): v for k, v in dict(c, model_name=jobs[jid].info.model_name).items()}
+                   for jid, c in snap.pop("jobs").items() if jid in jobs}
         return dict(snap, type="memory", per_job=per_job, started_at=self.started_at,
                     running_jobs=sum(j.state.value == "running" for j in jobs.values()),
                     queued_jobs=sum(j.state.value == "queued" for j in jobs.values()))
@@ -170,12 +171,13 @@ class Coordinator:
             raise ProtocolError(f"train request without {exc}") from None
         job = TrainingJob(info, spec, options, x, y)
         self.executor.submit(job)
-        protocol.send(conn, {"type": "accepted", "job_id": job.id, "vanilla_peak_nbytes": job.vanilla_peak_nbytes,
-                             "min_working_set_nbytes": job.min_working_set_nbytes, "budget_nbytes": self.manager.budget_nbytes})
         try:
+            protocol.send(conn, {"type": "accepted", "job_id": job.id, "vanilla_peak_nbytes": job.vanilla_peak_nbytes,
+                                 "min_working_set_nbytes": job.min_working_set_nbytes,
+                                 "budget_nbytes": self.manager.budget_nbytes})
             self._relay(conn, job)
-        except (EOFError, OSError):
-            self.executor.cancel(job)            # the backend has gone: free the job's memory
+        except BaseException:
+            self.executor.cancel(job)            # the backend has gone or broke the protocol: free the job
             raise
         if job.error is not None:
             raise job.error if isinstance(job.error, TensileError) else TensileError(f"training failed: {job.error!r}")

@@ -64,7 +64,7 @@ def read_training_data(plpy, source: str, label: str, features: list[str] | None
     errors of the query itself (unknown table, permission denied) come from PostgreSQL.
     """
     query = source_query(source)
-    probe = plpy.execute(f"SELECT * FROM ({query}) AS tensile_source LIMIT 0")
+    probe = plpy.execute(f"SELECT * FROM ({query}\n) AS tensile_source LIMIT 0")
     types = dict(zip(probe.colnames(), probe.coltypes()))
     if not label:
         raise InvalidArgument("label is empty; name the column to predict")
@@ -105,7 +105,7 @@ def read_training_data(plpy, source: str, label: str, features: list[str] | None
     aggregates.append(f"string_agg(float8send({value(label, 'double precision')}), '') FILTER (WHERE {complete}) AS label")
     plpy.execute("SELECT set_config('max_parallel_workers_per_gather', '0', true)")
     row = plpy.execute(f"SELECT count(*) AS n, count(*) FILTER (WHERE {complete}) AS complete, "
-                       f"{', '.join(aggregates)} FROM ({query}) AS tensile_source")[0]
+                       f"{', '.join(aggregates)} FROM ({query}\n) AS tensile_source")[0]
     n = row["n"]
     if n == 0:
         raise InvalidArgument("the source returned no rows; check its query or WHERE clause")

@@ -1,6 +1,9 @@
 """Per-backend plumbing: settings, the coordinator connection, and prepared plans.
 
-Settings (``postgresql.conf``, ``ALTER SYSTEM``, ``ALTER DATABASE ... SET``):
+Settings, read from the configuration files only (``postgresql.conf`` or ``ALTER SYSTEM`` and
+``SELECT pg_reload_conf()``) through ``tensile._server_setting``: they pick the program the
+server spawns as its OS user and the budget every job shares, so no session may change them
+with ``SET``, ``ALTER ROLE`` / ``ALTER DATABASE ... SET`` or connection options.
 
 - ``tensile.device``: ``cpu`` (default) or ``cuda``.
 - ``tensile.device_budget``: the device arena, with units as ``pg_size_bytes`` reads them
@@ -24,10 +27,10 @@ from ..coordinator import client as coordinator_client
 
 _SETTINGS_SQL = """
 SELECT current_user::text AS role, pg_backend_pid() AS pid,
-       coalesce(nullif(current_setting('tensile.device', true), ''), 'cpu') AS device,
-       pg_size_bytes(coalesce(nullif(current_setting('tensile.device_budget', true), ''), '1GB')) AS budget,
-       coalesce(nullif(current_setting('tensile.max_active_jobs', true), ''), '8')::int AS max_active_jobs,
-       nullif(current_setting('tensile.python', true), '') AS python
+       coalesce(nullif(tensile._server_setting('tensile.device'), ''), 'cpu') AS device,
+       pg_size_bytes(coalesce(nullif(tensile._server_setting('tensile.device_budget'), ''), '1GB')) AS budget,
+       coalesce(nullif(tensile._server_setting('tensile.max_active_jobs'), ''), '8')::int AS max_active_jobs,
+       nullif(tensile._server_setting('tensile.python'), '') AS python
 """
 
 

@@ -33,8 +33,13 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
     check_model_name(model_name)
     arch = models.parse_architecture(architecture)
     opts = models.parse_options(options)
-    existing = plpy.execute(session.plan(plpy, GD, "SELECT owner FROM tensile.models WHERE name = $1", ["text"]),
-                            [model_name])
+    existing = plpy.execute(session.plan(plpy, GD, """
+        SELECT owner, owner = current_user OR (SELECT rolsuper OR rolbypassrls FROM pg_roles WHERE rolname = current_user)
+               AS may_replace
+        FROM tensile._model_owner($1) AS owner WHERE owner IS NOT NULL""", ["text"]), [model_name])
+    if existing and opts.replace and not existing[0]["may_replace"]:
+        raise InvalidArgument(f'model "{model_name}" is owned by role {existing[0]["owner"]}; only its owner can '
+                              f"replace it — choose another model_name")
     if existing and not opts.replace:
         raise InvalidArgument(
             f'model "{model_name}" already exists (owner {existing[0]["owner"]}); pass options => '

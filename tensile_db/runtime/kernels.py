@@ -1,8 +1,9 @@
 """Kernels: the forward and backward arithmetic of every operator, on NumPy or CuPy arrays.
 
-Each kernel writes into output arrays its caller passes in (``out=``) and allocates nothing
-else, so that on the device every byte an operator touches is a tensor the memory manager
-placed in the arena. Shapes use ``B`` for the batch, ``I`` / ``O`` for a dense layer's input and
+Each kernel writes into output arrays its caller passes in (``out=``), so that on the device the
+bytes an operator touches are tensors the memory manager placed in the arena. The exceptions are
+small: cross-entropy builds (B,) index temporaries for the label gather, which on ``cpu`` live
+outside the arena (on ``cuda`` CuPy's allocator is routed into it). Shapes use ``B`` for the batch, ``I`` / ``O`` for a dense layer's input and
 output widths and ``C`` for classes. Kernels are dtype-generic (float32 in training, float64 in
 the gradient tests) and array-module generic: ``xp`` is taken from the arguments.
 
