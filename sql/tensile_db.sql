@@ -46,8 +46,8 @@ GRANT SELECT, INSERT, DELETE ON tensile.models TO PUBLIC;
 
 -- Server-level settings ----------------------------------------------------------------------------
 -- The tensile.* settings choose the program the server spawns as its OS user and the device
--- budget every job shares, so they are read from the configuration files (postgresql.conf,
--- ALTER SYSTEM) only: a session's SET or connection options cannot change them.
+-- budget every job shares, so they are read from the configuration files (postgresql.conf and
+-- what it includes) only: a session's SET or connection options cannot change them.
 
 CREATE FUNCTION tensile._server_setting(setting_name text) RETURNS text
 LANGUAGE sql STABLE STRICT PARALLEL SAFE SECURITY DEFINER SET search_path = pg_catalog AS $$

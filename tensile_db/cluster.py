@@ -96,10 +96,33 @@ class EmbeddedCluster:
                   "--encoding=UTF8", "--locale=C.UTF-8")
         lines = ["", "# tensile_db embedded cluster", "listen_addresses = ''",
                  f"unix_socket_directories = '{self.socket_dir}'", f"port = {self.port}"]
-        lines += [f"{k} = {v}" for k, v in self.settings.items()]
-        conf = "\n".join(lines) + "\n"
         with open(self.data_dir / "postgresql.conf", "a") as f:
-            f.write(conf)
+            f.write("\n".join(lines) + "\n")
+        self._write_settings()
+
+    #: File in the data directory holding the extension's settings (``tensile.*``); PostgreSQL 15's
+    #: ALTER SYSTEM refuses parameters no loaded module defines, so they live in a config file.
+    SETTINGS_FILE = "tensile.conf"
+
+    def configure(self, settings: dict[str, str]) -> None:
+        """Merge ``settings`` (values as written in postgresql.conf, e.g. ``"'8MB'"``) into the
+        cluster's settings file and reload the server's configuration."""
+        self.settings.update(settings)
+        self._write_settings()
+        if self.running:
+            self._run(self.bindir / "pg_ctl", "-D", self.data_dir, "reload")
+
+    def _write_settings(self) -> None:
+        include = f"include_if_exists = '{self.SETTINGS_FILE}'"
+        conf = self.data_dir / "postgresql.conf"
+        if include not in conf.read_text():
+            with open(conf, "a") as f:
+                f.write(include + "\n")
+        path = self.data_dir / self.SETTINGS_FILE
+        path.write_text("".join(f"{k} = {v}\n" for k, v in self.settings.items()))
+        if self.as_root:
+            user = pwd.getpwnam(SERVER_USER)
+            os.chown(path, user.pw_uid, user.pw_gid)
 
     def start(self) -> None:
         """Start the server (``pg_ctl -w``) if it is not running."""
@@ -133,11 +156,13 @@ class EmbeddedCluster:
         """A SQLAlchemy URL (psycopg driver) over the cluster's Unix socket."""
         return f"postgresql+psycopg://{user}@/{dbname}?host={self.socket_dir}&port={self.port}"
 
-    def create_database(self, dbname: str) -> None:
-        """Create ``dbname`` (if missing) with the extension installed."""
+    def create_database(self, dbname: str, fresh: bool = False) -> None:
+        """Create ``dbname`` (if missing; dropped first if ``fresh``) with the extension installed."""
         import psycopg
 
         with psycopg.connect(self.conninfo(), autocommit=True) as conn:
+            if fresh:
+                conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
             if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (dbname,)).fetchone():
                 conn.execute(f'CREATE DATABASE "{dbname}"')
         with psycopg.connect(self.conninfo(dbname), autocommit=True) as conn:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # tensile_db: run by the postgres image's entrypoint (/docker-entrypoint-initdb.d) once, when it
 # initialises an empty data directory, while its temporary server runs. Later changes to
-# TENSILE_DEVICE_BUDGET take no effect on an existing volume: use ALTER SYSTEM SET
-# tensile.device_budget, then SELECT tensile.stop_coordinator() so the next call restarts it.
+# TENSILE_DEVICE_BUDGET take no effect on an existing volume: edit tensile.device_budget in
+# $PGDATA/postgresql.conf (ALTER SYSTEM refuses tensile.* on PostgreSQL 15), reload, then
+# SELECT tensile.stop_coordinator() so that the next call starts the coordinator anew.
 set -euo pipefail
 
 budget="${TENSILE_DEVICE_BUDGET:-8GB}"

@@ -1,9 +1,10 @@
 """Per-backend plumbing: settings, the coordinator connection, and prepared plans.
 
-Settings, read from the configuration files only (``postgresql.conf`` or ``ALTER SYSTEM`` and
-``SELECT pg_reload_conf()``) through ``tensile._server_setting``: they pick the program the
-server spawns as its OS user and the budget every job shares, so no session may change them
-with ``SET``, ``ALTER ROLE`` / ``ALTER DATABASE ... SET`` or connection options.
+Settings, read from the configuration files only (``postgresql.conf`` and the files it
+includes; PostgreSQL 15's ``ALTER SYSTEM`` refuses parameters that no loaded module defines)
+through ``tensile._server_setting``: they pick the program the server spawns as its OS user and
+the budget every job shares, so no session may change them with ``SET``, ``ALTER ROLE`` /
+``ALTER DATABASE ... SET`` or connection options.
 
 - ``tensile.device``: ``cpu`` (default) or ``cuda``.
 - ``tensile.device_budget``: the device arena, with units as ``pg_size_bytes`` reads them
