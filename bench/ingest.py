@@ -31,7 +31,7 @@ def main() -> None:
     args = parser.parse_args()
     cluster = EmbeddedCluster(Path(args.home) / "cluster", python_paths=[site.getsitepackages()[0]])
     cluster.start()
-    cluster.create_database("tensile_bench")
+    cluster.create_database("tensile_bench", fresh=True)
     with psycopg.connect(cluster.conninfo("tensile_bench"), autocommit=True) as conn:
         cols = ", ".join(f"(random() * 10)::real AS f{i}" for i in range(COLUMNS))
         t0 = time.perf_counter()
