@@ -61,19 +61,15 @@ def conn(dsn):
 
 
 @pytest.fixture(scope="session")
-def digits(dsn):
-    """Tables digits_train / digits_test (64 real features p0..p63, integer label)."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+def digits(cluster) -> int:
+    """Tables digits_train / digits_test (64 real features p0..p63, integer label), loaded the
+    way the demo loads them; returns the number of training rows."""
+    from sqlalchemy import create_engine
 
-    x, y = load_digits(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
-    cols = ", ".join(f"p{i} real" for i in range(64))
-    with psycopg.connect(dsn, autocommit=True) as c:
-        for table, xs, ys in (("digits_train", x_train, y_train), ("digits_test", x_test, y_test)):
-            c.execute(f"DROP TABLE IF EXISTS {table}")
-            c.execute(f"CREATE TABLE {table} ({cols}, label integer)")
-            with c.cursor().copy(f"COPY {table} FROM STDIN") as copy:
-                for row, label in zip(xs, ys):
-                    copy.write_row([*row.tolist(), int(label)])
-    return {"x_test": x_test, "y_test": y_test}
+    from tensile_db.demo import load_digits_tables
+
+    engine = create_engine(cluster.url("tensile_test"))
+    try:
+        return load_digits_tables(engine)
+    finally:
+        engine.dispose()

@@ -16,7 +16,7 @@ from tensile_db.errors import DeviceOutOfMemory
 from tensile_db.memory.arena import UNIT_NBYTES as U
 from tensile_db.memory.manager import MemoryManager, Residency
 from tensile_db.runtime.device import Device
-from tensile_db.runtime.program import Kind
+from tensile_db.runtime.program import Kind, Slot
 
 F32_PER_UNIT = U // 4
 ACT = Kind.ACTIVATION
@@ -43,7 +43,7 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 def new(mm: MemoryManager, job: int, slot: str, units: int = 1, fill: np.ndarray | None = None):
     """Allocate one float32 tensor of ``units`` arena units, optionally write ``fill``, release it."""
-    (t,) = mm.acquire(job, [], [(slot, ACT, (units * F32_PER_UNIT,), "float32")])
+    (t,) = mm.acquire(job, [], [Slot(slot, ACT, (units * F32_PER_UNIT,), "float32")])
     if fill is not None:
         mm.array(t)[...] = fill
     mm.release([t])
@@ -55,7 +55,7 @@ def new(mm: MemoryManager, job: int, slot: str, units: int = 1, fill: np.ndarray
 
 def test_acquire_array_release_free():
     mm = make(8)
-    (t,) = mm.acquire(1, [], [("h", ACT, (3, 5), "float32")])
+    (t,) = mm.acquire(1, [], [Slot("h", ACT, (3, 5), "float32")])
     assert t.residency is Residency.DEVICE and t.pins == 1
     assert t.job_id == 1 and t.slot == "h" and t.kind is ACT
     arr = mm.array(t)
@@ -137,13 +137,13 @@ def test_victim_tie_broken_by_size_and_evicts_until_fit():
 def test_pinned_tensors_are_never_evicted():
     mm = make(4, next_use=lambda t: math.inf if t.slot == "pinned" else 1.0)
     value = pattern(2 * F32_PER_UNIT, 3)
-    (p,) = mm.acquire(1, [], [("pinned", ACT, (2 * F32_PER_UNIT,), "float32")])
+    (p,) = mm.acquire(1, [], [Slot("pinned", ACT, (2 * F32_PER_UNIT,), "float32")])
     mm.array(p)[...] = value
     for i in range(6):                                   # churn the other half of the arena
         new(mm, 1, f"t{i}", 1)
         assert p.residency is Residency.DEVICE
     with pytest.raises(DeviceOutOfMemory):               # fits the budget, not beside the pin
-        mm.acquire(1, [], [("big", ACT, (3 * F32_PER_UNIT,), "float32")])
+        mm.acquire(1, [], [Slot("big", ACT, (3 * F32_PER_UNIT,), "float32")])
     assert p.residency is Residency.DEVICE and p.pins == 1
     assert same_bits(np.array(mm.array(p)), value)
     mm.release([p])
@@ -157,26 +157,26 @@ def test_out_of_memory_message_and_attributes():
     mm = make(2000)
     existing = new(mm, 1, "w", 1000)
     with pytest.raises(DeviceOutOfMemory) as info:
-        mm.acquire(1, [existing], [("h", ACT, (1001 * F32_PER_UNIT,), "float32")], what="op dense0")
+        mm.acquire(1, [existing], [Slot("h", ACT, (1001 * F32_PER_UNIT,), "float32")], what="op dense0")
     err = info.value
     assert err.requested_nbytes == 2001 * U and err.budget_nbytes == budget
     msg = str(err)
     assert "1,024,512" in msg and "1,024,000" in msg and "op dense0" in msg
     assert existing.pins == 0 and existing.residency is Residency.DEVICE   # nothing changed
     with pytest.raises(DeviceOutOfMemory, match="1,024,512"):
-        mm.acquire(1, [], [("h", ACT, (2001 * F32_PER_UNIT,), "float32")])
+        mm.acquire(1, [], [Slot("h", ACT, (2001 * F32_PER_UNIT,), "float32")])
 
 
 def test_fragmentation_fallback_packs_the_working_set():
     mm = make(4)
     va, vc = pattern(F32_PER_UNIT, 10), pattern(F32_PER_UNIT, 11)
-    a, b, c, d = mm.acquire(1, [], [(s, ACT, (F32_PER_UNIT,), "float32") for s in "abcd"])
+    a, b, c, d = mm.acquire(1, [], [Slot(s, ACT, (F32_PER_UNIT,), "float32") for s in "abcd"])
     mm.array(a)[...] = va
     mm.array(c)[...] = vc
     mm.release([a, b, c, d])
     assert [t.offset for t in (a, b, c, d)] == [0, U, 2 * U, 3 * U]
     # a and c pinned at units 0 and 2: evicting b and d frees 2 units, but not contiguous
-    (n,) = mm.acquire(1, [a, c], [("n", ACT, (2 * F32_PER_UNIT,), "float32")])
+    (n,) = mm.acquire(1, [a, c], [Slot("n", ACT, (2 * F32_PER_UNIT,), "float32")])
     assert all(t.residency is Residency.DEVICE and t.pins == 1 for t in (a, c, n))
     assert b.residency is Residency.HOST and d.residency is Residency.HOST
     spans = sorted((t.offset, t.offset + t.arena_nbytes) for t in (a, c, n))
@@ -189,10 +189,10 @@ def test_fragmentation_fallback_packs_the_working_set():
 
 def test_working_set_that_cannot_be_packed_raises():
     mm = make(4)
-    (p,) = mm.acquire(1, [], [("p", ACT, (F32_PER_UNIT,), "float32")])  # stays pinned
+    (p,) = mm.acquire(1, [], [Slot("p", ACT, (F32_PER_UNIT,), "float32")])  # stays pinned
     q = new(mm, 1, "q", 3)
     with pytest.raises(DeviceOutOfMemory) as info:       # within budget, but p is in the way
-        mm.acquire(1, [], [("n", ACT, (4 * F32_PER_UNIT,), "float32")])
+        mm.acquire(1, [], [Slot("n", ACT, (4 * F32_PER_UNIT,), "float32")])
     assert info.value.requested_nbytes == 4 * U
     assert p.residency is Residency.DEVICE and p.pins == 1
     assert q.residency is Residency.HOST                 # evicted while trying
@@ -205,7 +205,7 @@ def test_working_set_that_cannot_be_packed_raises():
 def test_per_job_counters_and_release_job():
     mm = make(4, jobs=(1, 2))
     n = 100                                              # 400 bytes: one unit in the arena
-    (t1,) = mm.acquire(1, [], [("a", ACT, (n,), "float32")])
+    (t1,) = mm.acquire(1, [], [Slot("a", ACT, (n,), "float32")])
     mm.array(t1)[...] = pattern(n, 5)
     mm.release([t1])
     assert mm.jobs[1].device_nbytes == U and mm.jobs[1].peak_nbytes == U
@@ -273,9 +273,9 @@ def test_randomized_values_and_budget():
         need = sum(t.arena_nbytes for t in reads) + sum(-(-4 * s // U) * U for s in sizes)
         if need > mm.budget_nbytes:
             with pytest.raises(DeviceOutOfMemory):
-                mm.acquire(job, reads, [(f"s{step}_{i}", ACT, (s,), "float32") for i, s in enumerate(sizes)])
+                mm.acquire(job, reads, [Slot(f"s{step}_{i}", ACT, (s,), "float32") for i, s in enumerate(sizes)])
             continue
-        created = mm.acquire(job, reads, [(f"s{step}_{i}", ACT, (s,), "float32") for i, s in enumerate(sizes)])
+        created = mm.acquire(job, reads, [Slot(f"s{step}_{i}", ACT, (s,), "float32") for i, s in enumerate(sizes)])
         for t in reads + created:
             assert t.residency is Residency.DEVICE and t.pins == 1
         for t in reads:                                  # read, check, modify in place

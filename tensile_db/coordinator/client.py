@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import CoordinatorUnavailable
 from . import protocol
-from .server import SOCKET_NAME
+from .server import SOCKET_NAME, secure_dir
 
 #: Longest Unix socket path the kernel accepts, bytes, less a margin.
 MAX_SOCKET_PATH = 100
@@ -53,8 +53,6 @@ class StartSpec:
 
 def start(socket_dir: str, spec: StartSpec) -> subprocess.Popen:
     """Spawn a detached coordinator for ``socket_dir``."""
-    from .server import secure_dir
-
     secure_dir(socket_dir)
     argv = [spec.python, "-m", "tensile_db.coordinator", "--socket-dir", socket_dir, "--device", spec.device,
             "--budget", str(spec.budget_nbytes), "--max-active-jobs", str(spec.max_active_jobs)]

@@ -134,8 +134,7 @@ class TrainingJob:
 
     def _run_op(self, mm: MemoryManager, position: int, op, ctx: StepContext) -> float | None:
         live = [self.tensors[s] for s in op.accesses if s in self.tensors]
-        slots = self.program.slots
-        new = [(s, slots[s].kind, slots[s].shape, slots[s].dtype) for s in op.writes if s not in self.tensors]
+        new = [self.program.slots[s] for s in op.writes if s not in self.tensors]
         created = mm.acquire(self.id, live, new, what=f"op {op.name} of job {self.id}")
         for t in created:
             self.tensors[t.slot] = t

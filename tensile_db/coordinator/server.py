@@ -152,7 +152,7 @@ class Coordinator:
     def memory_report(self) -> dict:
         snap = self.manager.snapshot()
         jobs = {j.id: j for j in self.executor.jobs()}
-        per_job = {str(jid): {k.replace("_nbytes", "_bytes"): v for k, v in dict(c, model_name=jobs[jid].info.model_name).items()}
+        per_job = {str(jid): dict(c, model_name=jobs[jid].info.model_name)
                    for jid, c in snap.pop("jobs").items() if jid in jobs}
         return dict(snap, type="memory", per_job=per_job, started_at=self.started_at,
                     running_jobs=sum(j.state.value == "running" for j in jobs.values()),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 
-from ..runtime.program import Kind
+from ..runtime.program import Kind, Slot
 
 #: Job id under which library temporaries are counted.
 WORKSPACE_JOB = 0
@@ -24,7 +24,7 @@ def route_cupy_allocator(manager) -> None:  # pragma: no cover - needs a GPU
     base = manager.buffer.data.ptr
 
     def malloc(nbytes: int) -> "cupy.cuda.MemoryPointer":
-        (t,) = manager.acquire(WORKSPACE_JOB, [], [("cupy_workspace", Kind.WORKSPACE, (max(nbytes, 1),), "uint8")],
+        (t,) = manager.acquire(WORKSPACE_JOB, [], [Slot("cupy_workspace", Kind.WORKSPACE, (max(nbytes, 1),), "uint8")],
                                what=f"a CuPy temporary of {nbytes:,} bytes")
         owner = _Owner()
         mem = cupy.cuda.UnownedMemory(base + t.offset, nbytes, owner)

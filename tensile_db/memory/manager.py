@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import DeviceOutOfMemory
-from ..runtime.program import Kind
+from ..runtime.program import Kind, Slot
 from .arena import ArenaAllocator, round_up
 
 
@@ -127,20 +127,18 @@ class MemoryManager:
 
     # -- the op protocol ----------------------------------------------------------------------
 
-    def acquire(self, job_id: int, tensors: list[Tensor],
-                new: list[tuple[str, Kind, tuple[int, ...], str]], what: str = "") -> list[Tensor]:
-        """Make ``tensors`` resident, allocate ``new`` ones (slot, kind, shape, dtype), and pin all
-        of them until :meth:`release`. Returns the new tensors in order.
+    def acquire(self, job_id: int, tensors: list[Tensor], new: list[Slot], what: str = "") -> list[Tensor]:
+        """Make ``tensors`` resident, allocate a tensor for each slot in ``new``, and pin all of
+        them until :meth:`release`. Returns the new tensors in order.
 
         Raises:
             DeviceOutOfMemory: the working set exceeds the budget.
         """
         with self._lock:
-            need = sum(t.arena_nbytes for t in tensors) + sum(
-                round_up(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize) for _, _, shape, dt in new)
+            need = sum(t.arena_nbytes for t in tensors) + sum(s.arena_nbytes for s in new)
             if need > self.budget_nbytes:
                 raise DeviceOutOfMemory(need, self.allocator.in_use_nbytes, self.budget_nbytes, what)
-            created = [self._new(job_id, *spec) for spec in new]
+            created = [self._new(job_id, s.name, s.kind, s.shape, s.dtype) for s in new]
             pinned: list[Tensor] = []
             try:
                 for t in tensors + created:

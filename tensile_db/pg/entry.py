@@ -82,7 +82,7 @@ def memory(plpy, GD) -> list[dict]:
     reply = _ask(plpy, GD, "memory")
     if reply is None:
         return []
-    reply["per_job"] = json.dumps(reply["per_job"])
+    reply["per_job"] = json.dumps({job_id: _sql_row(c) for job_id, c in reply["per_job"].items()})
     reply["started_at"] = _timestamp(reply["started_at"])
     return [_sql_row(reply)]
 
@@ -96,10 +96,4 @@ def start_coordinator(plpy, GD) -> int:
 
 @_sql_errors
 def stop_coordinator(plpy, GD) -> bool:
-    try:
-        client, _ = session.connect(plpy, GD, start=False)
-    except CoordinatorUnavailable:
-        return False
-    with client:
-        client.request({"type": "shutdown"})
-    return True
+    return _ask(plpy, GD, "shutdown") is not None

@@ -53,6 +53,11 @@ class Slot:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
+    @property
+    def arena_nbytes(self) -> int:
+        """Bytes the slot takes in the arena (rounded to the allocation unit)."""
+        return round_up(self.nbytes)
+
 
 @dataclass
 class StepContext:
@@ -119,7 +124,7 @@ class Program:
 
     def working_set_nbytes(self, i: int) -> int:
         """Arena bytes (rounded) the op ``i`` needs resident at once: its reads and writes."""
-        return sum(round_up(self.slots[s].nbytes) for s in self.ops[i].accesses)
+        return sum(self.slots[s].arena_nbytes for s in self.ops[i].accesses)
 
     @property
     def min_working_set_nbytes(self) -> int:
@@ -128,7 +133,7 @@ class Program:
 
     @property
     def persistent_nbytes(self) -> int:
-        return sum(round_up(s.nbytes) for s in self.slots.values() if s.kind.persistent)
+        return sum(s.arena_nbytes for s in self.slots.values() if s.kind.persistent)
 
     def vanilla_peak_nbytes(self) -> int:
         """Peak arena bytes of one steady-state iteration with unlimited memory and no scheduling:
@@ -139,9 +144,9 @@ class Program:
         for i, op in enumerate(self.ops):
             born = {name for name in op.writes if not self.slots[name].kind.persistent
                     and self.positions[name][0] == i}
-            live += sum(round_up(self.slots[name].nbytes) for name in born)
+            live += sum(self.slots[name].arena_nbytes for name in born)
             peak = max(peak, live)
-            live -= sum(round_up(self.slots[name].nbytes) for name in self.frees_after[i])
+            live -= sum(self.slots[name].arena_nbytes for name in self.frees_after[i])
         return peak
 
 
