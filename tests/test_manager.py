@@ -46,7 +46,7 @@ def new(mm: MemoryManager, job: int, slot: str, units: int = 1, fill: np.ndarray
     (t,) = mm.acquire(job, [], [Slot(slot, ACT, (units * F32_PER_UNIT,), "float32")])
     if fill is not None:
         mm.array(t)[...] = fill
-    mm.release([t])
+    mm.unpin([t])
     return t
 
 
@@ -61,7 +61,7 @@ def test_acquire_array_release_free():
     arr = mm.array(t)
     assert arr.shape == (3, 5) and arr.dtype == np.float32
     arr[...] = np.arange(15, dtype=np.float32).reshape(3, 5)
-    mm.release([t])
+    mm.unpin([t])
     assert t.pins == 0
     assert np.array_equal(mm.to_host(t), np.arange(15, dtype=np.float32).reshape(3, 5))
     assert t.nbytes == 60 and t.arena_nbytes == U
@@ -70,7 +70,7 @@ def test_acquire_array_release_free():
     assert t.residency is Residency.FREED
     assert mm.in_use_nbytes == 0 and mm.jobs[1].device_nbytes == 0
     with pytest.raises(AssertionError):
-        mm.release([t])                                  # no longer pinned
+        mm.unpin([t])                                  # no longer pinned
 
 
 def test_to_host_is_a_copy():
@@ -103,7 +103,7 @@ def test_values_survive_swap_out_and_in_exactly():
         mm.acquire(1, [t], [])
         assert t.residency is Residency.DEVICE
         assert same_bits(np.array(mm.array(t)), values[s])
-        mm.release([t])
+        mm.unpin([t])
     assert mm.jobs[1].swap_outs >= 2 and mm.jobs[1].swap_ins >= 1
     assert mm.peak_nbytes <= mm.budget_nbytes
 
@@ -146,7 +146,7 @@ def test_pinned_tensors_are_never_evicted():
         mm.acquire(1, [], [Slot("big", ACT, (3 * F32_PER_UNIT,), "float32")])
     assert p.residency is Residency.DEVICE and p.pins == 1
     assert same_bits(np.array(mm.array(p)), value)
-    mm.release([p])
+    mm.unpin([p])
     new(mm, 1, "big2", 3)                                # unpinned, it can now be evicted
     assert p.residency is Residency.HOST
     assert same_bits(mm.to_host(p), value)
@@ -173,7 +173,7 @@ def test_fragmentation_fallback_packs_the_working_set():
     a, b, c, d = mm.acquire(1, [], [Slot(s, ACT, (F32_PER_UNIT,), "float32") for s in "abcd"])
     mm.array(a)[...] = va
     mm.array(c)[...] = vc
-    mm.release([a, b, c, d])
+    mm.unpin([a, b, c, d])
     assert [t.offset for t in (a, b, c, d)] == [0, U, 2 * U, 3 * U]
     # a and c pinned at units 0 and 2: evicting b and d frees 2 units, but not contiguous
     (n,) = mm.acquire(1, [a, c], [Slot("n", ACT, (2 * F32_PER_UNIT,), "float32")])
@@ -184,7 +184,7 @@ def test_fragmentation_fallback_packs_the_working_set():
     assert spans[-1][1] <= mm.budget_nbytes
     assert same_bits(np.array(mm.array(a)), va) and same_bits(np.array(mm.array(c)), vc)
     assert mm.peak_nbytes <= mm.budget_nbytes
-    mm.release([a, c, n])
+    mm.unpin([a, c, n])
 
 
 def test_working_set_that_cannot_be_packed_raises():
@@ -207,7 +207,7 @@ def test_per_job_counters_and_release_job():
     n = 100                                              # 400 bytes: one unit in the arena
     (t1,) = mm.acquire(1, [], [Slot("a", ACT, (n,), "float32")])
     mm.array(t1)[...] = pattern(n, 5)
-    mm.release([t1])
+    mm.unpin([t1])
     assert mm.jobs[1].device_nbytes == U and mm.jobs[1].peak_nbytes == U
     new(mm, 2, "b", 4)                                   # job 2 needs the whole arena
     j1 = mm.jobs[1]
@@ -215,7 +215,7 @@ def test_per_job_counters_and_release_job():
     assert (j1.swap_outs, j1.swapped_out_nbytes, j1.host_nbytes, j1.device_nbytes) == (1, 400, 400, 0)
     assert mm.jobs[2].device_nbytes == 4 * U and mm.jobs[2].swap_outs == 0
     mm.acquire(1, [t1], [])                              # swap back in: evicts job 2's tensor
-    mm.release([t1])
+    mm.unpin([t1])
     assert (j1.swap_ins, j1.swapped_in_nbytes, j1.host_nbytes, j1.device_nbytes) == (1, 400, 0, U)
     assert mm.jobs[2].swap_outs == 1 and mm.jobs[2].host_nbytes == 4 * U
     assert same_bits(mm.to_host(t1), pattern(n, 5))
@@ -242,14 +242,14 @@ def test_adopt_counts_swap_in_only_after_a_real_swap_out():
     assert w.residency is Residency.HOST
     assert (j.host_nbytes, j.device_nbytes) == (2 * U, 0)
     mm.acquire(1, [w], [])                               # first load: not a swap-in
-    mm.release([w])
+    mm.unpin([w])
     assert w.residency is Residency.DEVICE
     assert (j.swap_ins, j.swapped_in_nbytes, j.swap_outs, j.host_nbytes) == (0, 0, 0, 0)
     assert same_bits(np.array(mm.array(w)), value)
     new(mm, 1, "h", 2)                                   # evicts the weight
     assert w.residency is Residency.HOST and j.swap_outs == 1
     mm.acquire(1, [w], [])                               # now it is a swap-in
-    mm.release([w])
+    mm.unpin([w])
     assert (j.swap_ins, j.swapped_in_nbytes) == (1, 2 * U)
     assert same_bits(mm.to_host(w), value)
 
@@ -286,7 +286,7 @@ def test_randomized_values_and_budget():
             v = rng.standard_normal(t.shape).astype(np.float32)
             mm.array(t)[...] = v
             shadow[t.id] = (t, v)
-        mm.release(reads + created)
+        mm.unpin(reads + created)
         if shadow and rng.random() < 0.3:                # free a random tensor
             tid = list(shadow)[int(rng.integers(len(shadow)))]
             mm.free(shadow.pop(tid)[0])

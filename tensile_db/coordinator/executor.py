@@ -1,9 +1,12 @@
 """The executor: admission control and round-robin execution of every running job's ops.
 
-One thread runs all jobs on the device. Each turn it admits queued jobs while fewer than
-``max_active_jobs`` run, then advances every running job by one op, so the ops of concurrent
-jobs interleave as kernels of concurrent processes would on a GPU, and the memory manager sees
-one combined timeline. A job whose smallest possible working set exceeds the budget is refused at
+One thread runs all jobs on the device, in rounds. Each round it admits queued jobs while fewer
+than ``max_active_jobs`` run, then lets every running job run the ops that are due: with ``R``
+the longest program among the running jobs, a job of ``L`` ops runs op ``p`` of an iteration in
+round ``start + p * R // L``, so every job completes one iteration per ``R`` rounds. The ops of
+concurrent jobs interleave as kernels of concurrent processes would on a GPU, the memory manager
+sees one combined timeline, and that timeline repeats every ``R`` rounds, which is what the
+scheduler plans (:mod:`tensile_db.scheduler`). A job whose smallest possible working set exceeds the budget is refused at
 submission with the bytes it needs; a cancelled job is removed between two ops and its device
 memory freed at once.
 """
@@ -17,20 +20,27 @@ import time
 
 from ..errors import DeviceOutOfMemory, JobCancelled, TensileError
 from ..memory.manager import MemoryManager
-from ..scheduler.reactive import FarthestNextUse
+from ..scheduler.cost import CostModel
+from ..scheduler.engine import Scheduler
 from .jobs import JobState, TrainingJob
 
 log = logging.getLogger(__name__)
 
 
 class Executor:
-    """Runs submitted jobs on ``manager``'s device; ``start()`` launches the thread."""
+    """Runs submitted jobs on ``manager``'s device; ``start()`` launches the thread.
 
-    def __init__(self, manager: MemoryManager, max_active_jobs: int = 8):
+    ``policy`` is the scheduler policy (:data:`tensile_db.scheduler.POLICIES`); ``cost`` the cost
+    model (measured when None). Raises InvalidArgument for an unknown policy.
+    """
+
+    def __init__(self, manager: MemoryManager, max_active_jobs: int = 8, policy: str = "tensile",
+                 cost: CostModel | None = None):
         self.manager = manager
-        self.policy = FarthestNextUse()
-        manager.next_use = self.policy
+        self.scheduler = Scheduler(manager, policy, cost)
         self.max_active_jobs = max_active_jobs
+        self.round = 0
+        self._iteration_start: dict[int, int] = {}      # job id -> round its iteration started
         self.queued: collections.deque[TrainingJob] = collections.deque()
         self.running: dict[int, tuple[TrainingJob, object]] = {}
         self._cond = threading.Condition()
@@ -87,30 +97,51 @@ class Executor:
                         self._cond.wait()
                     continue
                 turn = list(self.running.values())
+            period = self.period
+            if self.scheduler.replan_reasons:
+                self.scheduler.replan({j.id: self._iteration_start[j.id] % period for j, _ in turn})
             for job, ops in turn:
                 if job.cancel_requested.is_set():
                     self._finish(job, JobState.CANCELLED, JobCancelled("cancelled by the caller"))
                     continue
-                try:
-                    next(ops)
-                except StopIteration:
-                    self._finish(job, JobState.DONE)
-                except Exception as exc:  # the job fails; the coordinator goes on
-                    if not isinstance(exc, TensileError):
-                        log.exception("job %s failed", job.id)
-                    self._finish(job, JobState.FAILED, exc)
+                n_ops = len(job.program.ops)
+                while self._iteration_start[job.id] + job.next_position * period // n_ops <= self.round:
+                    try:
+                        next(ops)
+                    except StopIteration:
+                        self._finish(job, JobState.DONE)
+                        break
+                    except Exception as exc:  # the job fails; the coordinator goes on
+                        if not isinstance(exc, TensileError):
+                            log.exception("job %s failed", job.id)
+                        self._finish(job, JobState.FAILED, exc)
+                        break
+                    if job.next_position == 0:
+                        self._iteration_start[job.id] += period
+                        self.scheduler.iteration_done(job)
+            self.round += 1
+
+    @property
+    def period(self) -> int:
+        """Rounds per iteration of every running job: the longest running program, in ops."""
+        return max((len(j.program.ops) for j, _ in list(self.running.values())), default=1)
+
+    def describe(self) -> dict:
+        """The scheduler's figures for ``tensile.memory`` (see :meth:`Scheduler.describe`)."""
+        return self.scheduler.describe()
 
     def _admit(self, job: TrainingJob) -> None:
         self.manager.register_job(job.id)
-        self.policy.track(job.id, job.program)
+        self.scheduler.admit(job)
         job.state, job.started_at = JobState.RUNNING, time.time()
-        ops = job.ops(self.manager, self.manager.device, lambda pos, jid=job.id: self.policy.advance(jid, pos))
-        self.running[job.id] = (job, ops)
+        self._iteration_start[job.id] = self.round
+        self.running[job.id] = (job, job.ops(self.manager, self.manager.device, self.scheduler))
 
     def _finish(self, job: TrainingJob, state: JobState, error: BaseException | None = None) -> None:
         with self._cond:
             self.running.pop(job.id, None)
-        self.policy.forget(job.id)
+        self._iteration_start.pop(job.id, None)
+        self.scheduler.forget(job)
         job.memory = self.manager.release_job(job.id)
         job.state, job.error, job.finished_at = state, error, time.time()
         job.events.put(("done", None) if state is JobState.DONE else ("error", error))

@@ -3,7 +3,10 @@
 A :class:`TrainingJob` holds the caller's data on the host, the training program (its access
 sequence), and the tensors it registered with the memory manager. :meth:`TrainingJob.ops` is a
 generator that runs exactly one op of the program per ``next()``, so the executor can interleave
-the ops of all running jobs on the device. Progress (epoch, loss, device bytes) is published to
+the ops of all running jobs on the device; the scheduler's hooks run before and after each op
+(planned swaps) and receive the op's measured time. A tensor the plan dropped is recomputed by
+re-running the forward ops that produced it, with the same inputs and dropout seed, before the op
+that reads it. Progress (epoch, loss, device bytes) is published to
 the job's event queue, which the connection thread of its backend relays.
 """
 
@@ -15,13 +18,14 @@ import math
 import queue
 import threading
 import time
+from typing import Protocol
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 from ..errors import InvalidArgument
-from ..memory.manager import JobMemory, MemoryManager, Tensor
+from ..memory.manager import JobMemory, MemoryManager, Residency, Tensor
 from ..runtime import model as models
 from ..runtime.program import Program, StepContext, build_training_program
 
@@ -34,6 +38,14 @@ class JobState(str, enum.Enum):
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
+
+
+class OpHooks(Protocol):
+    """What the executor's scheduler does around each op of a job."""
+
+    def before(self, job: "TrainingJob", position: int) -> None: ...
+
+    def after(self, job: "TrainingJob", position: int, seconds: float) -> None: ...
 
 
 @dataclass
@@ -76,6 +88,10 @@ class TrainingJob:
         self.x, self.y, self.scaling = _standardize(spec, options, x, y)
         self.tensors: dict[str, Tensor] = {}
         self.memory: JobMemory | None = None     # the job's memory counters, once finished
+        self.next_position = 0                   # index of the op the next ``next()`` runs
+        self.iterations = 0                      # iterations completed
+        self.schedule = "cold start"             # 'cold start' | 'planned' | 'reactive'
+        self.policy = ""
 
     @cached_property
     def vanilla_peak_nbytes(self) -> int:
@@ -90,11 +106,11 @@ class TrainingJob:
     def steps_per_epoch(self) -> int:
         return len(self.x) // self.batch
 
-    def ops(self, mm: MemoryManager, device, advance):
+    def ops(self, mm: MemoryManager, device, hooks: OpHooks):
         """Generator: run the whole training, one op per ``next()``.
 
-        ``advance(position)`` is called after each op with its index in the program (the
-        scheduler follows the job's position in its access sequence). On completion
+        ``hooks.before(job, position)`` runs before each op and ``hooks.after(job, position,
+        seconds)`` after it, with the op's measured compute time in seconds. On completion
         ``self.result`` holds the trained weights and scaling on the host.
         """
         weights = models.init_weights(self.spec, self.options.seed)
@@ -113,10 +129,14 @@ class TrainingJob:
                 ctx.step += 1
                 ctx.seed = self.options.seed * 1_000_003 + ctx.step
                 for position, op in enumerate(self.program.ops):
-                    loss = self._run_op(mm, position, op, ctx)
+                    hooks.before(self, position)
+                    loss, seconds = self._run_op(mm, position, op, ctx)
                     if loss is not None:
                         loss_sum += loss
-                    advance(position)
+                    hooks.after(self, position, seconds)
+                    self.next_position = (position + 1) % len(self.program.ops)
+                    if self.next_position == 0:
+                        self.iterations += 1
                     yield
             self.epoch = epoch
             self.loss = loss_sum / self.steps_per_epoch
@@ -132,7 +152,11 @@ class TrainingJob:
         result.update(self.scaling)
         self.result = result
 
-    def _run_op(self, mm: MemoryManager, position: int, op, ctx: StepContext) -> float | None:
+    def _run_op(self, mm: MemoryManager, position: int, op, ctx: StepContext) -> tuple[float | None, float]:
+        """Run op ``position``; returns (the loss if the op computes it, the op's seconds)."""
+        for s in op.reads:
+            if s in self.tensors and self.tensors[s].residency is Residency.DROPPED:
+                self._recompute(mm, s, ctx)
         live = [self.tensors[s] for s in op.accesses if s in self.tensors]
         new = [self.program.slots[s] for s in op.writes if s not in self.tensors]
         created = mm.acquire(self.id, live, new, what=f"op {op.name} of job {self.id}")
@@ -140,13 +164,35 @@ class TrainingJob:
             self.tensors[t.slot] = t
         try:
             arrays = {s: mm.array(self.tensors[s]) for s in op.accesses}
+            start = time.perf_counter()
             op.run(arrays, ctx)
+            mm.device.synchronize()
+            seconds = time.perf_counter() - start
             loss = float(arrays["loss"][0]) if "loss" in op.writes else None
         finally:
-            mm.release(live + created)
+            mm.unpin(live + created)
         for s in self.program.frees_after[position]:
             mm.free(self.tensors.pop(s))
-        return loss
+        return loss, seconds
+
+    def _recompute(self, mm: MemoryManager, name: str, ctx: StepContext) -> None:
+        """Re-run the forward ops that produced the dropped tensor ``name`` (its recipe); their
+        inputs are unchanged since the first run, so the values are identical."""
+        recipe = self.program.recipe(name)
+        assert recipe is not None, f"{name} was dropped but cannot be recomputed"
+        target = self.tensors[name]
+        for p in recipe:
+            op = self.program.ops[p]
+            for s in op.reads:
+                if s != name and self.tensors[s].residency is Residency.DROPPED:
+                    self._recompute(mm, s, ctx)
+            live = [self.tensors[s] for s in op.accesses]
+            mm.acquire(self.id, live, [], what=f"recompute of {name} by op {op.name} of job {self.id}")
+            try:
+                op.run({s: mm.array(self.tensors[s]) for s in op.accesses}, ctx)
+            finally:
+                mm.unpin(live)
+        mm.note_recompute(target)
 
     def describe(self, mm: MemoryManager | None) -> dict:
         """A JSON-able row for ``tensile.jobs``."""
@@ -160,6 +206,10 @@ class TrainingJob:
             "swapped_out_nbytes": mem.swapped_out_nbytes if mem else 0,
             "swapped_in_nbytes": mem.swapped_in_nbytes if mem else 0,
             "host_nbytes": mem.host_nbytes if mem else 0,
+            "policy": self.policy, "schedule": self.schedule,
+            "planned_swap_ins": mem.planned_swap_ins if mem else 0,
+            "passive_swap_ins": mem.passive_swap_ins if mem else 0,
+            "recomputes": mem.recomputes if mem else 0,
             "vanilla_peak_nbytes": self.vanilla_peak_nbytes,
             "created_at": self.created_at, "started_at": self.started_at,
         }

@@ -63,6 +63,10 @@ class ArenaAllocator:
         free = self.free_nbytes
         return 0.0 if free == 0 else 1.0 - self.largest_free_nbytes / free
 
+    def reset_peak(self) -> None:
+        """Start a new high-water mark from the bytes allocated now."""
+        self.peak_nbytes = self.in_use_nbytes
+
     def blocks(self) -> list[tuple[int, int]]:
         """Allocated blocks as sorted ``(offset, size)`` pairs."""
         return sorted(self._used.items())
@@ -102,6 +106,35 @@ class ArenaAllocator:
             self._remove_free(before_start, before)
             offset, size = before_start, size + before
         self._add_free(offset, size)
+
+    def compact(self, movable) -> list[tuple[int, int, int]]:
+        """Slide the allocated blocks whose offsets are in ``movable`` toward offset 0, in address
+        order, past no immovable block; returns the moves as ``(old, new, size)`` in the order they
+        must be copied (each moves down, so copying in this order never overwrites bytes still to
+        be copied from). Free blocks are rebuilt; sizes and statistics are unchanged."""
+        moves = []
+        layout = {}
+        cursor = 0
+        for offset, size in sorted(self._used.items()):
+            if offset in movable:
+                if cursor != offset:
+                    moves.append((offset, cursor, size))
+                layout[cursor] = size
+                cursor += size
+            else:
+                layout[offset] = size
+                cursor = offset + size
+        if moves:
+            self._used = layout
+            self._free_by_size, self._free_start, self._free_end = [], {}, {}
+            end = 0
+            for offset, size in sorted(layout.items()):
+                if offset > end:
+                    self._add_free(end, offset - end)
+                end = offset + size
+            if end < self.capacity_nbytes:
+                self._add_free(end, self.capacity_nbytes - end)
+        return moves
 
     def size_of(self, offset: int) -> int:
         """Size in bytes of the allocated block at ``offset``."""

@@ -39,5 +39,5 @@ class _Owner:
 
 
 def _release(manager, t) -> None:  # pragma: no cover - needs a GPU
-    manager.release([t])
+    manager.unpin([t])
     manager.free(t)

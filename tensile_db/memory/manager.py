@@ -6,13 +6,20 @@ dtype, bytes, and its residency — on the device at an arena offset, or on the 
 copy. Operators get their tensors through :meth:`MemoryManager.acquire`, which makes them resident
 and pins them for the duration of the op.
 
+A plan (:mod:`tensile_db.scheduler`) moves tensors ahead of time through the asynchronous
+operations :meth:`MemoryManager.swap_out`, :meth:`~MemoryManager.release`,
+:meth:`~MemoryManager.swap_in` and :meth:`~MemoryManager.drop`; the copies run on the swap engine
+(:mod:`tensile_db.memory.transfer`) while ops compute. A swapped-out tensor keeps its arena block
+until it is released, so the bytes in use follow the plan exactly.
+
 Correctness never depends on a plan. When an allocation does not fit, the manager swaps out the
 unpinned resident tensor whose next use is farthest away, across all jobs (Belady's rule over
 the jobs' access sequences, supplied by the scheduler as ``next_use``), until the block fits; a
-tensor that is on the host is swapped back in when an op reads it. If the free space is too
-fragmented for the op's working set even then, everything is swapped out and the working set is
-placed from offset 0, largest first. An op whose working set exceeds the budget raises
-:class:`DeviceOutOfMemory`.
+tensor that is on the host when an op needs it is swapped back in at once (a *passive* swap-in:
+a miss of the plan). A dropped tensor is given a block without values and its job recomputes it.
+If the free space is too fragmented for the op's working set even then, everything is swapped out
+and the working set is placed from offset 0, largest first. An op whose working set exceeds the
+budget raises :class:`DeviceOutOfMemory`.
 
 Device and host byte counters change only in :meth:`MemoryManager._account`.
 """
@@ -31,11 +38,15 @@ import numpy as np
 from ..errors import DeviceOutOfMemory
 from ..runtime.program import Kind, Slot
 from .arena import ArenaAllocator, round_up
+from .transfer import Transfer, TransferEngine
 
 
 class Residency(str, enum.Enum):
     DEVICE = "device"
+    SWAPPING_OUT = "swapping out"    # being copied to the host; still holds its arena block
     HOST = "host"
+    SWAPPING_IN = "swapping in"      # holds its block; the copy from the host is in flight
+    DROPPED = "dropped"              # values discarded; recomputed from its producer when needed
     FREED = "freed"
 
 
@@ -54,6 +65,7 @@ class Tensor:
     host: np.ndarray | None = None       # host copy while on the host
     pins: int = 0                        # ops currently using it; pinned tensors are never evicted
     swapped_out: bool = False            # has been swapped out at least once (a later load is a swap-in)
+    transfer: Transfer | None = None     # the copy in flight while swapping out or in
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +86,10 @@ class JobMemory:
     swapped_out_nbytes: int = 0     # bytes copied device -> host by eviction, cumulative
     swapped_in_nbytes: int = 0      # bytes copied host -> device for evicted tensors, cumulative
     swap_outs: int = 0
-    swap_ins: int = 0
+    swap_ins: int = 0               # planned + passive
+    planned_swap_ins: int = 0       # issued ahead of the access by a plan
+    passive_swap_ins: int = 0       # made when an op needed the tensor: misses of the plan
+    recomputes: int = 0             # dropped tensors recomputed
 
 
 NextUse = Callable[[Tensor], float]
@@ -97,11 +112,15 @@ class MemoryManager:
         self.allocator = ArenaAllocator(budget_nbytes)
         self.budget_nbytes = self.allocator.capacity_nbytes
         self.buffer = device.arena_buffer(self.budget_nbytes)
+        self.engine = TransferEngine(device)
+        self.compactions = 0           # times the arena was defragmented
+        self.compacted_nbytes = 0      # bytes moved by defragmenting, cumulative
         self.next_use: NextUse = next_use or (lambda t: math.inf)
         self.jobs: dict[int, JobMemory] = {}
         self._tensors: dict[int, Tensor] = {}
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._acquiring: set[int] = set()
+        self._lock = threading.RLock()      # CuPy temporaries re-enter on cuda
 
     # -- registration -------------------------------------------------------------------------
 
@@ -139,28 +158,76 @@ class MemoryManager:
             if need > self.budget_nbytes:
                 raise DeviceOutOfMemory(need, self.allocator.in_use_nbytes, self.budget_nbytes, what)
             created = [self._new(job_id, s.name, s.kind, s.shape, s.dtype) for s in new]
-            pinned: list[Tensor] = []
+            working = tensors + created
+            self._acquiring = {t.id for t in working}      # not evicted, but may be moved
             try:
-                for t in tensors + created:
+                for t in working:
                     self._make_resident(t)
-                    t.pins += 1
-                    pinned.append(t)
             except _Fragmented:
-                for t in pinned:
-                    t.pins -= 1
-                self._pack(tensors + created, what)
+                self._pack(working, what)
+            finally:
+                self._acquiring = set()
+            for t in working:
+                t.pins += 1
             return created
 
-    def release(self, tensors: list[Tensor]) -> None:
+    def unpin(self, tensors: list[Tensor]) -> None:
         """Unpin tensors pinned by :meth:`acquire`."""
         with self._lock:
             for t in tensors:
-                assert t.pins > 0, f"release of unpinned tensor {t.slot}"
+                assert t.pins > 0, f"unpin of unpinned tensor {t.slot}"
                 t.pins -= 1
 
-    def array(self, t: Tensor):
+    # -- planned moves ------------------------------------------------------------------------
+
+    def swap_out(self, t: Tensor) -> None:
+        """Start copying a resident, unpinned tensor to the host; its block stays taken until
+        :meth:`release`. A no-op for a tensor in any other state."""
+        with self._lock:
+            if t.residency is Residency.DEVICE and not t.pins:
+                t.transfer = self.engine.to_host(self.array(t))
+                t.residency = Residency.SWAPPING_OUT
+
+    def release(self, t: Tensor) -> None:
+        """Finish a swap-out started by :meth:`swap_out` (waiting for the copy if it is late)
+        and free the tensor's arena block. A no-op unless the tensor is swapping out."""
+        with self._lock:
+            if t.residency is Residency.SWAPPING_OUT:
+                self._finish_swap_out(t)
+
+    def swap_in(self, t: Tensor) -> None:
+        """Take an arena block for a tensor on the host and start copying it in (a planned
+        swap-in); an op that accesses it waits for the copy. Makes room by eviction if the block
+        does not fit. A no-op unless the tensor is on the host."""
+        with self._lock:
+            if t.residency is not Residency.HOST:
+                return
+            try:
+                t.offset = self._make_room(t.arena_nbytes)
+            except _Fragmented:
+                return                          # the op that needs it will swap it in
+            t.residency = Residency.SWAPPING_IN
+            self._account(t, device=t.arena_nbytes)
+            t.transfer = self.engine.to_device(t.host, self.array(t, Residency.SWAPPING_IN))
+            self.jobs[t.job_id].planned_swap_ins += 1
+
+    def drop(self, t: Tensor) -> None:
+        """Discard a resident, unpinned tensor's values and free its block; the owning job
+        recomputes it before its next access. A no-op for a tensor in any other state."""
+        with self._lock:
+            if t.residency is Residency.DEVICE and not t.pins:
+                self.allocator.free(t.offset)
+                self._account(t, device=-t.arena_nbytes)
+                t.offset, t.residency = None, Residency.DROPPED
+
+    def note_recompute(self, t: Tensor) -> None:
+        with self._lock:
+            self.jobs[t.job_id].recomputes += 1
+
+    def array(self, t: Tensor, state: Residency = Residency.DEVICE):
         """The device array of a resident tensor (a view into the arena)."""
-        assert t.residency is Residency.DEVICE, f"tensor {t.slot} of job {t.job_id} is not resident"
+        assert t.residency in (state, Residency.SWAPPING_OUT), \
+            f"tensor {t.slot} of job {t.job_id} is {t.residency.value}, not resident"
         return self.device.view(self.buffer, t.offset, t.shape, t.dtype)
 
     def free(self, t: Tensor) -> None:
@@ -171,6 +238,7 @@ class MemoryManager:
     def to_host(self, t: Tensor) -> np.ndarray:
         """A host copy of the tensor's current values, wherever it lives."""
         with self._lock:
+            self._settle(t)
             if t.residency is Residency.DEVICE:
                 return self.device.to_host(self.array(t))
             return t.host.copy()
@@ -198,6 +266,8 @@ class MemoryManager:
                 "free_blocks": a.free_blocks,
                 "largest_free_nbytes": a.largest_free_nbytes,
                 "fragmentation": round(a.fragmentation, 4),
+                "compactions": self.compactions,
+                "compacted_nbytes": self.compacted_nbytes,
                 "host_nbytes": sum(j.host_nbytes for j in self.jobs.values()),
                 "jobs": {job_id: vars(j).copy() for job_id, j in self.jobs.items()},
             }
@@ -217,12 +287,41 @@ class MemoryManager:
         assert j.device_nbytes >= 0 and j.host_nbytes >= 0
         j.peak_nbytes = max(j.peak_nbytes, j.device_nbytes)
 
+    def _settle(self, t: Tensor) -> None:
+        """Complete a copy in flight: a swap-in becomes resident; a swap-out is called off (the
+        device copy is still valid and is kept)."""
+        if t.residency is Residency.SWAPPING_IN:
+            t.transfer.wait()
+            t.transfer, t.residency = None, Residency.DEVICE
+            self._account(t, host=-t.nbytes)
+            t.host = None
+            j = self.jobs[t.job_id]
+            j.swapped_in_nbytes += t.nbytes
+            j.swap_ins += 1
+        elif t.residency is Residency.SWAPPING_OUT:
+            t.transfer.wait()
+            t.transfer, t.residency = None, Residency.DEVICE
+
+    def _finish_swap_out(self, t: Tensor) -> None:
+        t.host = t.transfer.wait().host
+        t.transfer = None
+        self.allocator.free(t.offset)
+        self._account(t, device=-t.arena_nbytes, host=t.nbytes)
+        t.offset, t.residency, t.swapped_out = None, Residency.HOST, True
+        j = self.jobs[t.job_id]
+        j.swapped_out_nbytes += t.nbytes
+        j.swap_outs += 1
+
     def _make_resident(self, t: Tensor) -> None:
+        self._settle(t)
         if t.residency is Residency.DEVICE:
             return
         t.offset = self._make_room(t.arena_nbytes)
-        t.residency = Residency.DEVICE
         self._account(t, device=t.arena_nbytes)
+        if t.residency is Residency.DROPPED:        # the job recomputes the values
+            t.residency = Residency.DEVICE
+            return
+        t.residency = Residency.DEVICE
         if t.host is not None:                      # bring values back (swap-in or first load)
             self.device.to_device(t.host, self.array(t))
             self._account(t, host=-t.nbytes)
@@ -231,15 +330,42 @@ class MemoryManager:
                 j = self.jobs[t.job_id]
                 j.swapped_in_nbytes += t.nbytes
                 j.swap_ins += 1
+                j.passive_swap_ins += 1
 
     def _make_room(self, nbytes: int) -> int:
-        """An arena offset for ``nbytes``, evicting farthest-next-use tensors as needed."""
+        """An arena offset for ``nbytes``: completes swap-outs in flight first, then evicts
+        farthest-next-use tensors as needed."""
         while (offset := self.allocator.allocate(nbytes)) is None:
-            victims = [t for t in self._tensors.values() if t.residency is Residency.DEVICE and not t.pins]
+            leaving = [t for t in self._tensors.values() if t.residency is Residency.SWAPPING_OUT]
+            if leaving:
+                for t in leaving:
+                    self._finish_swap_out(t)
+                continue
+            if self.allocator.free_nbytes >= round_up(nbytes):
+                for t in [t for t in self._tensors.values() if t.residency is Residency.SWAPPING_IN]:
+                    self._settle(t)
+                if self._compact():
+                    continue
+            victims = [t for t in self._tensors.values()
+                       if t.residency is Residency.DEVICE and not t.pins and t.id not in self._acquiring]
             if not victims:
                 raise _Fragmented
             self._swap_out(max(victims, key=lambda t: (self.next_use(t), t.arena_nbytes)))
         return offset
+
+    def _compact(self) -> bool:
+        """Defragment: slide resident tensors that no op is using and no copy is reading toward
+        the start of the arena (device-to-device copies), so the free bytes coalesce. Bytes in use
+        do not change. Returns whether anything moved."""
+        movable = {t.offset: t for t in self._tensors.values()
+                   if t.residency is Residency.DEVICE and not t.pins and t.job_id != 0}
+        moves = self.allocator.compact(movable)
+        for old, new, size in moves:
+            self.device.move_down(self.buffer, old, new, size)
+            movable[old].offset = new
+        self.compactions += bool(moves)
+        self.compacted_nbytes += sum(size for _, _, size in moves)
+        return bool(moves)
 
     def _swap_out(self, t: Tensor) -> None:
         t.host = self.device.to_host(self.array(t))
@@ -251,25 +377,29 @@ class MemoryManager:
         j.swap_outs += 1
 
     def _pack(self, working_set: list[Tensor], what: str) -> None:
-        """Fragmentation fallback: swap out every unpinned tensor, then place the working set
-        largest first into the emptied arena, and pin it."""
+        """Last resort when nothing is left to evict: swap out every other unpinned tensor, then
+        place the working set largest first (compacting the arena as needed)."""
+        for t in list(self._tensors.values()):
+            self._settle(t)
         for t in [t for t in self._tensors.values() if t.residency is Residency.DEVICE and not t.pins]:
-            self._swap_out(t)
+            if t.id not in self._acquiring:
+                self._swap_out(t)
         try:
             for t in sorted(working_set, key=lambda t: -t.arena_nbytes):
                 self._make_resident(t)
-                t.pins += 1
         except _Fragmented:
             need = sum(t.arena_nbytes for t in working_set)
             raise DeviceOutOfMemory(need, self.allocator.in_use_nbytes, self.budget_nbytes, what) from None
 
     def _drop(self, t: Tensor) -> None:
-        if t.residency is Residency.DEVICE:
+        if t.transfer is not None:                  # never free a block a copy still uses
+            t.transfer.wait()
+        if t.residency in (Residency.DEVICE, Residency.SWAPPING_OUT, Residency.SWAPPING_IN):
             self.allocator.free(t.offset)
             self._account(t, device=-t.arena_nbytes)
-        elif t.residency is Residency.HOST and t.host is not None:
+        if t.residency in (Residency.HOST, Residency.SWAPPING_IN) and t.host is not None:
             self._account(t, host=-t.nbytes)
-        t.residency, t.offset, t.host = Residency.FREED, None, None
+        t.residency, t.offset, t.host, t.transfer = Residency.FREED, None, None, None
         self._tensors.pop(t.id, None)
 
 

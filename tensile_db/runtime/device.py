@@ -54,6 +54,15 @@ class Device:
         else:  # pragma: no cover - cuda only
             array.set(np.ascontiguousarray(host))
 
+    def move_down(self, buffer, src: int, dst: int, nbytes: int) -> None:
+        """Copy ``buffer[src:src + nbytes]`` to ``buffer[dst:dst + nbytes]`` with ``dst < src``;
+        overlapping ranges are copied in chunks of ``src - dst`` bytes, low addresses first."""
+        assert dst < src
+        chunk = min(src - dst, nbytes)
+        for i in range(0, nbytes, chunk):
+            n = min(chunk, nbytes - i)
+            buffer[dst + i:dst + i + n] = buffer[src + i:src + i + n]
+
     def uniform(self, seed: int, out) -> None:
         """Fill ``out`` (float32 or float64) with uniform draws in [0, 1) from a stream fixed by
         ``seed``, so that a recomputed dropout mask equals the first one."""
@@ -63,6 +72,7 @@ class Device:
             out[...] = self.xp.random.default_rng(seed).random(out.shape, dtype=out.dtype)
 
     def synchronize(self) -> None:
-        """Wait for queued device work (a no-op on ``cpu``)."""
+        """Wait for the work queued on the compute stream (a no-op on ``cpu``); copies on the swap
+        engine's stream go on."""
         if self.xp is not np:  # pragma: no cover - cuda only
-            self.xp.cuda.Device().synchronize()
+            self.xp.cuda.get_current_stream().synchronize()

@@ -122,6 +122,33 @@ class Program:
             return pos[0] + len(self.ops) - position
         return 2 * len(self.ops)
 
+    def recipe(self, name: str) -> tuple[int, ...] | None:
+        """The op indices that recompute ``name`` exactly, or None if it is not recomputable.
+
+        A slot is recomputable when it is an activation whose writers are the first ops that
+        access it, each writing nothing else (a dense op and its in-place activation), and when
+        no op after the writers and up to its last access writes any slot they read. Re-running
+        the writers in backward then reproduces the value bit for bit. Dropout is excluded: it
+        writes its mask and output together.
+        """
+        if self.slots[name].kind is not Kind.ACTIVATION:
+            return None
+        pos = self.positions[name]
+        writers = [p for p in pos if name in self.ops[p].writes]
+        if not writers or writers != pos[:len(writers)] or len(writers) == len(pos):
+            return None
+        if any(self.ops[p].writes != (name,) for p in writers):
+            return None
+        inputs = self.recipe_inputs_of(writers, name)
+        for p in range(writers[-1] + 1, pos[-1] + 1):
+            if inputs & set(self.ops[p].writes):
+                return None
+        return tuple(writers)
+
+    def recipe_inputs_of(self, recipe, name: str) -> set[str]:
+        """Slots other than ``name`` that the ops of ``recipe`` read."""
+        return {s for p in recipe for s in self.ops[p].reads if s != name}
+
     def working_set_nbytes(self, i: int) -> int:
         """Arena bytes (rounded) the op ``i`` needs resident at once: its reads and writes."""
         return sum(self.slots[s].arena_nbytes for s in self.ops[i].accesses)
@@ -206,12 +233,15 @@ def build_training_program(spec: ModelSpec, options: TrainOptions, batch: int) -
             mask = slot(f"mask{i}", Kind.ACTIVATION, (batch, fan_out))
             d = slot(f"d{i}", Kind.ACTIVATION, (batch, fan_out))
 
-            def dropout(a, ctx, i=i, h=h, mask=mask, d=d, p=layer.dropout):
+            def dropout_mask(a, ctx, i=i, mask=mask, p=layer.dropout):
                 ctx.device.uniform(ctx.seed * 4099 + i, a[mask])
                 kernels.dropout_mask(a[mask], p, a[mask])
-                kernels.dropout_forward(a[h], a[mask], a[d])
 
-            op(f"dropout{i}", (h,), (mask, d), dropout)
+            # The mask is its own op, a function of the iteration's seed only, so a dropped mask
+            # (and a dropped dropout output) is recomputed exactly from the same random stream.
+            op(f"dropout_mask{i}", (), (mask,), dropout_mask)
+            op(f"dropout{i}", (h, mask), (d,),
+               lambda a, ctx, h=h, mask=mask, d=d: kernels.dropout_forward(a[h], a[mask], a[d]))
             inp = d
 
     # Backward. g{i} is dL/d(output of hidden layer i) (after dropout), gz{i} is dL/d(dense i's

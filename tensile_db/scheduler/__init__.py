@@ -1,6 +1,13 @@
-"""Scheduling of tensors: which tensor leaves the device when memory is short, and when.
+"""Scheduling of tensors: which tensor leaves the device, how (swap or recompute), and when.
 
-``reactive.py`` holds the only policy so far: evict the resident tensor whose next access, read
-off the owning job's access sequence (``runtime.program.Program``), is farthest away. Planned
-swap-out / swap-in and recompute (TENSILE) are not built yet; they will use the same sequences.
+- ``trace.py``: access sequences with measured op times (the cold-start record).
+- ``cost.py``: the cost model, host<->device bandwidth measured at start.
+- ``timeline.py``: the combined timeline of all running jobs and the simulator of a plan.
+- ``planners.py``: TENSILE's planner, the swap selection of arXiv 1903.06631, and vDNN.
+- ``reactive.py``: farthest next use, the fallback that keeps every job inside the budget.
+- ``engine.py``: the :class:`Scheduler` the executor runs around every op.
 """
+
+from .engine import POLICIES, Scheduler
+
+__all__ = ["POLICIES", "Scheduler"]

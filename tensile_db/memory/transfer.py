@@ -1,0 +1,90 @@
+"""The swap engine: copies between the device arena and host memory, off the compute path.
+
+On ``cpu`` a single copy thread performs the copies (NumPy releases the GIL while copying, so they
+overlap the executor's arithmetic on another core). On ``cuda`` copies go to a separate copy
+stream from and to pinned host buffers; a swap-out first waits (on the copy stream) for the work
+already queued on the compute stream, and a :class:`Transfer` completes when its event has.
+
+Copies are issued in order and run one at a time, which is how the scheduler's cost model sees the
+channel (:mod:`tensile_db.scheduler.timeline`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import numpy as np
+
+
+class Transfer:
+    """A copy in flight. ``host`` is the destination host array of a device -> host copy."""
+
+    def __init__(self, done, wait, host: np.ndarray | None = None):
+        self._done, self._wait, self.host = done, wait, host
+
+    def done(self) -> bool:
+        return self._done()
+
+    def wait(self) -> "Transfer":
+        """Block until the copy has completed; returns self."""
+        self._wait()
+        return self
+
+
+class TransferEngine:
+    """Asynchronous copies for ``device`` (a :class:`~tensile_db.runtime.device.Device`)."""
+
+    def __init__(self, device):
+        self.device = device
+        if device.name == "cpu":
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-copy")
+        else:  # pragma: no cover - cuda only
+            import cupy
+            self._cupy = cupy
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+
+    def to_host(self, array) -> Transfer:
+        """Start copying the device array ``array`` into a new host array (``Transfer.host``)."""
+        if self.device.name == "cpu":
+            host = np.empty(array.shape, array.dtype)
+            future = self._pool.submit(np.copyto, host, array)
+            return Transfer(future.done, future.result, host)
+        return self._cuda_copy(array, None)  # pragma: no cover - cuda only
+
+    def to_device(self, host: np.ndarray, array) -> Transfer:
+        """Start copying ``host`` into the device array ``array`` (same shape and dtype)."""
+        if self.device.name == "cpu":
+            future = self._pool.submit(np.copyto, array, host)
+            return Transfer(future.done, future.result)
+        return self._cuda_copy(array, host)  # pragma: no cover - cuda only
+
+    def close(self) -> None:
+        if self.device.name == "cpu":
+            self._pool.shutdown(wait=True)
+
+    def _cuda_copy(self, array, host):  # pragma: no cover - cuda only
+        cupy = self._cupy
+        queued = cupy.cuda.get_current_stream().record()
+        self._stream.wait_event(queued)
+        if host is None:
+            pinned = _pinned(cupy, array.shape, array.dtype)
+            array.get(stream=self._stream, out=pinned)
+        else:
+            pinned = _pinned(cupy, host.shape, host.dtype)
+            pinned[...] = host
+            array.set(pinned, stream=self._stream)
+        done = self._stream.record()
+
+        def wait():
+            done.synchronize()
+            cupy.cuda.get_current_stream().wait_event(done)
+
+        return Transfer(lambda: done.done, wait, pinned if host is None else None)
+
+
+def _pinned(cupy, shape, dtype) -> np.ndarray:  # pragma: no cover - cuda only
+    """A host array in page-locked memory (from CuPy's pinned memory pool)."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    mem = cupy.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
+    return np.frombuffer(mem, dtype, count).reshape(shape)

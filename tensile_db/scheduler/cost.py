@@ -1,0 +1,55 @@
+"""The cost model: how long a swap takes, measured on this machine when the coordinator starts.
+
+TENSILE hard-codes a host/device bandwidth (12 MB/ms); here both directions are measured through
+the same transfer engine that performs the swaps (a copy thread on ``cpu``, the copy stream with
+pinned host buffers on ``cuda``). The cost of recomputing a tensor is the measured time of the
+ops that produce it (:mod:`tensile_db.scheduler.trace`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Bandwidths in bytes per second, and a fixed latency per transfer in seconds."""
+
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    latency_s: float = 0.0
+
+    def swap_in_s(self, nbytes: int) -> float:
+        """Seconds to copy ``nbytes`` host -> device."""
+        return self.latency_s + nbytes / self.h2d_bytes_per_s
+
+    def swap_out_s(self, nbytes: int) -> float:
+        """Seconds to copy ``nbytes`` device -> host."""
+        return self.latency_s + nbytes / self.d2h_bytes_per_s
+
+
+def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) -> CostModel:
+    """Measure host<->device bandwidth through ``engine`` (a
+    :class:`~tensile_db.memory.transfer.TransferEngine`): the best of ``repeats`` copies of
+    ``nbytes`` bytes each way, plus the latency of a 512-byte copy. Returns a :class:`CostModel`.
+    """
+    host = np.ones(nbytes, dtype=np.uint8)
+    dev = device.xp.zeros(nbytes, dtype=np.uint8)
+
+    def best(copy) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            copy().wait()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    h2d = best(lambda: engine.to_device(host, dev))
+    d2h = best(lambda: engine.to_host(dev))
+    small_host, small_dev = host[:512], dev[:512]
+    latency = min(best(lambda: engine.to_device(small_host, small_dev)), best(lambda: engine.to_host(small_dev)))
+    return CostModel(h2d_bytes_per_s=nbytes / max(h2d - latency, 1e-9),
+                     d2h_bytes_per_s=nbytes / max(d2h - latency, 1e-9), latency_s=latency)

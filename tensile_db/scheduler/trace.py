@@ -1,0 +1,55 @@
+"""Access sequences: the accesses of one training iteration of a job, with measured op times.
+
+TENSILE (Zhang et al., arXiv 2105.13336, section 3.1) records each job's tensor access sequence
+in a cold-start iteration. Here the order of accesses, the tensors each op reads and writes and
+their sizes come from the job's :class:`~tensile_db.runtime.program.Program`, which is exact from
+the first iteration; what the cold-start iteration records is the time of every op, measured
+around the op's arithmetic (without waits for transfers). Later iterations keep the times current
+with an exponential moving average.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..runtime.program import Program
+
+
+class AccessSequence:
+    """One job's access sequence and its op times.
+
+    Attributes:
+        program: the job's program (op order, reads, writes, slot sizes).
+        times_s: (ops,) float64, smoothed op times in seconds; NaN until first measured.
+        iterations: complete iterations recorded.
+    """
+
+    def __init__(self, program: Program, smoothing: float = 0.2):
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self.program = program
+        self.smoothing = smoothing
+        self.times_s = np.full(len(program.ops), np.nan)
+        self.iterations = 0
+
+    def record(self, position: int, seconds: float) -> None:
+        """Fold one measured time of op ``position`` (seconds) into the moving average."""
+        old = self.times_s[position]
+        self.times_s[position] = seconds if np.isnan(old) else old + self.smoothing * (seconds - old)
+
+    def end_iteration(self) -> None:
+        self.iterations += 1
+
+    @property
+    def measured(self) -> bool:
+        """True once every op has a measured time (after the cold-start iteration)."""
+        return self.iterations > 0 and not np.isnan(self.times_s).any()
+
+    @property
+    def iteration_s(self) -> float:
+        return float(np.nansum(self.times_s))
+
+    def drift(self, reference_s: np.ndarray) -> float:
+        """Relative change of the iteration time since ``reference_s`` (the times a plan used)."""
+        ref = float(np.sum(reference_s))
+        return abs(self.iteration_s - ref) / ref if ref > 0 else 0.0

@@ -1,0 +1,298 @@
+"""The planned scheduler (issue 3): combined timeline, planners, and the invariants of execution.
+
+Invariants checked on real runs of the executor on ``cpu``: the budget is never exceeded under
+any policy; training under every policy gives the same losses and weights as unlimited memory,
+bit for bit (recompute included); every tensor an op touches is resident when the op runs; plans
+are re-made when jobs arrive and leave and no job is lost; the plan's predicted combined peak
+matches the measured one within 2%.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+from tensile_db.coordinator.executor import Executor
+from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
+from tensile_db.errors import InvalidArgument
+from tensile_db.memory.arena import UNIT_NBYTES
+from tensile_db.memory.manager import MemoryManager, Residency
+from tensile_db.runtime.device import Device
+from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
+from tensile_db.runtime.program import Op, build_training_program
+from tensile_db.scheduler import POLICIES
+from tensile_db.scheduler.cost import CostModel
+from tensile_db.scheduler.planners import plan_swap_score, plan_tensile, plan_vdnn
+from tensile_db.scheduler.timeline import JobTrace, Timeline, simulate
+from tensile_db.scheduler.trace import AccessSequence
+
+SPEC = ModelSpec(Architecture((Layer(96, "relu", 0.2), Layer(64, "tanh"), Layer(48, "relu"))), 16, 4,
+                 "classification")
+OPTIONS = TrainOptions(epochs=2, batch_size=64, optimizer="adam", lr=0.005, seed=11)
+FAST = CostModel(h2d_bytes_per_s=8e9, d2h_bytes_per_s=8e9)
+SLOW = CostModel(h2d_bytes_per_s=1e6, d2h_bytes_per_s=1e6)      # swaps cost more than recomputing
+
+
+def sequence(spec=SPEC, options=OPTIONS, batch=64, seconds=1e-3) -> AccessSequence:
+    seq = AccessSequence(build_training_program(spec, options, batch))
+    for p in range(len(seq.program.ops)):
+        seq.record(p, seconds * (1 + p % 3))
+    seq.end_iteration()
+    return seq
+
+
+def make_job(spec=SPEC, options=OPTIONS, seed=0, n=512) -> TrainingJob:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, spec.n_features)).astype(np.float32)
+    y = rng.integers(0, spec.n_outputs, n).astype(np.int32)
+    return TrainingJob(JobInfo(1, "tester", f"m{seed}"), spec, options, x, y)
+
+
+def run(jobs, budget_nbytes, policy, cost=FAST, check_residency=False, between=None):
+    """Run ``jobs`` to completion on a fresh cpu executor; returns (manager, executor)."""
+    mm = MemoryManager(Device("cpu"), budget_nbytes)
+    ex = Executor(mm, policy=policy, cost=cost)
+    if check_residency:
+        for job in jobs:
+            _check_residency(job, mm)
+    ex.start()
+    try:
+        for i, job in enumerate(jobs):
+            if between is not None and i:
+                between(ex, jobs[:i])
+            ex.submit(job)
+        for job in jobs:
+            while (event := job.events.get(timeout=120))[0] == "progress":
+                pass
+            assert event[0] == "done", f"job {job.id} under {policy}: {event[1]!r}"
+    finally:
+        ex.stop()
+    assert mm.in_use_nbytes == 0
+    return mm, ex
+
+
+def _check_residency(job: TrainingJob, mm: MemoryManager) -> None:
+    """Wrap every op of the job so it asserts that each tensor it touches is on the device with
+    no copy in flight."""
+
+    def wrap(op: Op) -> Op:
+        def run(arrays, ctx):
+            for s in op.accesses:
+                t = job.tensors[s]
+                assert t.residency is Residency.DEVICE and t.transfer is None, \
+                    f"{op.name}: {s} is {t.residency.value}"
+            op.run(arrays, ctx)
+        return Op(op.name, op.reads, op.writes, run)
+
+    job.program.ops[:] = [wrap(op) for op in job.program.ops]
+
+
+def budget_of(jobs, fraction: float) -> int:
+    total = sum(j.vanilla_peak_nbytes for j in jobs)
+    budget = max(max(j.min_working_set_nbytes for j in jobs), int(fraction * total))
+    return -(-budget // UNIT_NBYTES) * UNIT_NBYTES
+
+
+# --- timeline ---------------------------------------------------------------------------------
+
+
+def test_single_job_timeline_peak_is_the_program_peak():
+    seq = sequence()
+    tl = Timeline([JobTrace(1, seq)])
+    assert tl.n == len(seq.program.ops) and tl.events[0] == (1, 0)
+    assert tl.vanilla_peak_nbytes() == seq.program.vanilla_peak_nbytes()
+
+
+def test_round_robin_order_and_phases():
+    long_seq, short_seq = sequence(), sequence(ModelSpec(Architecture((Layer(8, "relu"),)), 16, 4, "classification"))
+    n_long, n_short = len(long_seq.program.ops), len(short_seq.program.ops)
+    tl = Timeline([JobTrace(1, long_seq, phase=0, order=0), JobTrace(2, short_seq, phase=5, order=1)])
+    assert tl.period == n_long and tl.n == n_long + n_short
+    rounds = {e: ((5 if e[0] == 2 else 0) + e[1] * n_long // (n_short if e[0] == 2 else n_long)) % n_long
+              for e in tl.events}
+    keys = [(rounds[e], e[0]) for e in tl.events]
+    assert keys == sorted(keys)                       # by round, then admission order
+    for job in (1, 2):
+        positions = [p for j, p in tl.events if j == job]
+        start = positions.index(0)
+        assert positions[start:] + positions[:start] == sorted(positions)   # each job in program order
+
+
+def test_combined_peak_of_shifted_jobs_is_below_the_sum_of_peaks():
+    seq = sequence()
+    peak = seq.program.vanilla_peak_nbytes()
+    aligned = Timeline([JobTrace(1, seq, 0, 0), JobTrace(2, seq, 0, 1)])
+    shifted = Timeline([JobTrace(1, seq, 0, 0), JobTrace(2, seq, tl_half(seq), 1)])
+    assert peak < aligned.vanilla_peak_nbytes() <= 2 * peak
+    assert shifted.vanilla_peak_nbytes() < aligned.vanilla_peak_nbytes()
+
+
+def tl_half(seq: AccessSequence) -> int:
+    return len(seq.program.ops) // 2
+
+
+def test_simulation_without_decisions_has_no_extra_time():
+    seq = sequence()
+    sim = simulate(Timeline([JobTrace(1, seq)]), [], FAST)
+    assert sim.extra_s == pytest.approx(0.0, abs=1e-12)
+    assert sim.period_s == pytest.approx(float(np.sum(seq.times_s)))
+
+
+# --- planners ---------------------------------------------------------------------------------
+
+
+def _assert_valid(plan, timeline: Timeline) -> None:
+    """No absent window covers an access of its tensor, and each tensor has at most one
+    decision per absence."""
+    seen = set()
+    for d in plan.decisions:
+        key = (d.job_id, d.slot, d.a)
+        assert key not in seen
+        seen.add(key)
+        start, length = d.window(timeline.n)
+        assert length > 0
+        prog = timeline.program(d.job_id)
+        for p in prog.positions[d.slot]:
+            k = timeline.index[(d.job_id, p)]
+            assert timeline.cyclic(start, k) >= length, f"{d.slot} absent at its access {prog.ops[p].name}"
+
+
+@pytest.mark.parametrize("planner", [plan_tensile, plan_swap_score])
+@pytest.mark.parametrize("fraction", [0.7, 0.5])
+def test_planners_reach_a_reachable_target(planner, fraction):
+    seqs = [sequence(), sequence(seconds=2e-3)]
+    tl = Timeline([JobTrace(1, seqs[0], 0, 0), JobTrace(2, seqs[1], 7, 1)])
+    target = int(fraction * tl.vanilla_peak_nbytes())
+    plan = planner(tl, FAST, target)
+    _assert_valid(plan, tl)
+    assert plan.predicted_peak_nbytes <= target < plan.vanilla_peak_nbytes
+    assert plan.predicted_peak_nbytes == tl.usage(plan.decisions).max()
+    if planner is plan_swap_score:
+        assert {d.method for d in plan.decisions} == {"swap"}
+
+
+def test_tensile_recomputes_when_swaps_are_expensive():
+    seq = sequence()
+    tl = Timeline([JobTrace(1, seq)])
+    plan = plan_tensile(tl, SLOW, int(0.7 * tl.vanilla_peak_nbytes()))
+    _assert_valid(plan, tl)
+    recomputed = [d for d in plan.decisions if d.method == "recompute"]
+    assert recomputed
+    for d in recomputed:
+        assert seq.program.recipe(d.slot) is not None
+    fast = plan_tensile(tl, FAST, int(0.7 * tl.vanilla_peak_nbytes()))
+    assert plan.predicted_extra_s >= fast.predicted_extra_s
+
+
+def test_parameters_and_optimizer_state_swap_across_iterations_when_the_peak_needs_it():
+    seq = sequence()
+    tl = Timeline([JobTrace(1, seq)])
+    plan = plan_tensile(tl, FAST, int(0.35 * tl.vanilla_peak_nbytes()))
+    across = [d for d in plan.decisions if seq.program.slots[d.slot].kind.persistent and d.b <= d.a]
+    assert across, "expected a weight or optimizer state swapped from one iteration to the next"
+
+
+def test_vdnn_swaps_every_layer_input():
+    seq = sequence()
+    tl = Timeline([JobTrace(1, seq)])
+    plan = plan_vdnn(tl, FAST)
+    _assert_valid(plan, tl)
+    inputs = {op.reads[0] for op in seq.program.ops if op.name.startswith("dense") and "backward" not in op.name}
+    assert {d.slot for d in plan.decisions} == inputs
+    assert {d.method for d in plan.decisions} == {"swap"}
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(InvalidArgument, match="'belady'.*tensile"):
+        Executor(MemoryManager(Device("cpu"), 1 << 20), policy="belady", cost=FAST)
+
+
+# --- execution --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vanilla():
+    jobs = [make_job(seed=s) for s in (1, 2)]
+    mm, _ = run(jobs, 64 * sum(j.vanilla_peak_nbytes for j in jobs), "reactive")
+    return jobs, mm.peak_nbytes
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_stays_in_budget_and_matches_vanilla_bit_for_bit(vanilla, policy):
+    reference, _ = vanilla
+    jobs = [make_job(seed=s) for s in (1, 2)]
+    budget = budget_of(jobs, 0.5)
+    mm, ex = run(jobs, budget, policy, check_residency=True)
+    assert mm.peak_nbytes <= budget
+    assert all(j.memory.peak_nbytes <= budget for j in jobs)
+    assert sum(j.memory.swap_outs for j in jobs) > 0
+    if policy != "reactive":
+        assert ex.scheduler.plans_made > 0 and sum(j.memory.planned_swap_ins for j in jobs) > 0
+    for ref, job in zip(reference, jobs):
+        assert job.loss == ref.loss
+        for name, value in ref.result.items():
+            assert np.array_equal(job.result[name], value), f"{policy}: {name} differs"
+
+
+def test_recompute_reproduces_values_exactly(vanilla):
+    reference, _ = vanilla
+    jobs = [make_job(seed=s) for s in (1, 2)]
+    mm, _ = run(jobs, budget_of(jobs, 0.5), "tensile", cost=SLOW, check_residency=True)
+    assert sum(j.memory.recomputes for j in jobs) > 0
+    for ref, job in zip(reference, jobs):
+        assert job.loss == ref.loss
+        for name, value in ref.result.items():
+            assert np.array_equal(job.result[name], value), f"{name} differs after recompute"
+
+
+def test_replans_on_arrival_and_departure_without_losing_a_job():
+    options = TrainOptions(epochs=3, batch_size=64, optimizer="adam", lr=0.005, seed=11)
+    jobs = [make_job(options=options, seed=s) for s in (1, 2, 3)]
+
+    def after_two_iterations(ex, started):
+        while started[-1].iterations < 2 and started[-1].state is not JobState.DONE:
+            time.sleep(0.001)
+
+    mm, ex = run(jobs, budget_of(jobs, 0.5), "tensile", between=after_two_iterations)
+    reasons = [reason for why, _ in ex.scheduler.history for reason in why]
+    for job in jobs:
+        assert job.state is JobState.DONE
+        assert f"job {job.id} arrived" in reasons
+        assert f"job {job.id} measured" in reasons or f"job {job.id} left" in reasons
+    assert any(r.endswith("left") for r in reasons)
+    assert reasons.index(f"job {jobs[1].id} arrived") > reasons.index(f"job {jobs[0].id} measured")
+    assert sum(j.memory.planned_swap_ins for j in jobs) > 0
+
+
+def test_predicted_peak_matches_the_measured_peak():
+    options = TrainOptions(epochs=4, batch_size=64, optimizer="adam", lr=0.005, seed=11)
+    jobs = [make_job(options=options, seed=s) for s in (1, 2)]
+    mm = MemoryManager(Device("cpu"), budget_of(jobs, 0.5))
+    ex = Executor(mm, policy="tensile", cost=FAST)
+    ex.scheduler.drift = math.inf                    # keep one plan once both jobs are measured
+    ex.start()
+    try:
+        for job in jobs:
+            ex.submit(job)
+
+        def wait_iterations(n):
+            while min(j.iterations for j in jobs) < n:
+                assert all(j.state in (JobState.QUEUED, JobState.RUNNING) for j in jobs)
+                time.sleep(0.001)
+
+        wait_iterations(1)                           # both measured: the plan covers both
+        wait_iterations(3)                           # one whole iteration under that plan
+        plan, made = ex.scheduler.plan, ex.scheduler.plans_made
+        assert plan is not None and len(plan.timeline.traces) == 2
+        mm.allocator.reset_peak()
+        wait_iterations(8)
+        measured = mm.peak_nbytes
+        assert ex.scheduler.plans_made == made, "re-planned while measuring"
+    finally:
+        ex.stop()
+    assert measured <= mm.budget_nbytes
+    assert abs(measured - plan.predicted_peak_nbytes) <= 0.02 * plan.predicted_peak_nbytes, \
+        (measured, plan.predicted_peak_nbytes)
