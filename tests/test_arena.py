@@ -217,3 +217,44 @@ def test_randomized_invariants():
         a.free(off)
     _check_invariants(a, {})
     assert a.free_blocks == 1
+
+
+# --- compaction --------------------------------------------------------------------------------
+
+
+def test_compact_slides_movable_blocks_down_past_no_fixed_block():
+    a = ArenaAllocator(16 * U)
+    offs = [a.allocate(2 * U) for _ in range(6)]         # 0, 2, 4, 6, 8, 10 (units)
+    for i in (0, 2, 4):
+        a.free(offs[i])
+    fixed = offs[3]                                      # at 6 U: must not move
+    assert a.largest_free_nbytes == 4 * U                # [12, 16)
+    moves = a.compact({offs[1], offs[5]})
+    assert moves == [(offs[1], 0, 2 * U), (offs[5], fixed + 2 * U, 2 * U)]
+    assert a.blocks() == [(0, 2 * U), (fixed, 2 * U), (fixed + 2 * U, 2 * U)]
+    assert a.in_use_nbytes == 6 * U and a.free_blocks == 2
+    assert a.largest_free_nbytes == 6 * U                # [10, 16) coalesced
+    assert a.compact({0, fixed + 2 * U}) == []           # already compact: nothing moves
+    assert a.allocate(6 * U) == fixed + 4 * U
+
+
+def test_compact_then_random_work_keeps_the_invariants():
+    rng = np.random.default_rng(5)
+    a = ArenaAllocator(256 * U)
+    live = []
+    for step in range(2000):
+        if live and (rng.random() < 0.45 or a.free_nbytes == 0):
+            a.free(live.pop(rng.integers(len(live))))
+        else:
+            off = a.allocate(int(rng.integers(1, 12)) * U)
+            if off is not None:
+                live.append(off)
+        if step % 97 == 0:
+            keep = set(live[::2])
+            moved = dict((old, new) for old, new, _ in a.compact(keep))
+            live = [moved.get(o, o) for o in live]
+        blocks = a.blocks()
+        assert sorted(live) == [o for o, _ in blocks]
+        assert all(o1 + s1 <= o2 for (o1, s1), (o2, _) in zip(blocks, blocks[1:]))
+        assert a.in_use_nbytes == sum(s for _, s in blocks) <= a.capacity_nbytes
+        assert a.in_use_nbytes + sum(s for s, _ in a._free_by_size) == a.capacity_nbytes

@@ -305,3 +305,63 @@ def test_randomized_values_and_budget():
     mm.release_job(1)
     mm.release_job(2)
     assert mm.in_use_nbytes == 0 and mm.allocator.free_blocks == 1
+
+
+# --- planned moves and compaction ----------------------------------------------------------------
+
+
+def test_planned_swap_out_release_swap_in_are_exact_and_counted():
+    mm = make(8)
+    value = pattern(2 * F32_PER_UNIT, 3)
+    t = new(mm, 1, "h", 2, value)
+    mm.swap_out(t)
+    assert t.residency is Residency.SWAPPING_OUT and mm.in_use_nbytes == 2 * U   # block kept
+    mm.release(t)
+    assert t.residency is Residency.HOST and mm.in_use_nbytes == 0
+    assert mm.jobs[1].swap_outs == 1 and mm.jobs[1].host_nbytes == t.nbytes
+    mm.swap_in(t)
+    assert t.residency is Residency.SWAPPING_IN and mm.in_use_nbytes == 2 * U
+    mm.acquire(1, [t], [])
+    assert t.residency is Residency.DEVICE and same_bits(mm.array(t), value)
+    mm.unpin([t])
+    j = mm.jobs[1]
+    assert (j.planned_swap_ins, j.passive_swap_ins, j.swap_ins, j.host_nbytes) == (1, 0, 1, 0)
+
+
+def test_access_during_a_swap_out_calls_it_off_and_a_missed_swap_in_is_passive():
+    mm = make(8)
+    value = pattern(F32_PER_UNIT, 4)
+    t = new(mm, 1, "h", 1, value)
+    mm.swap_out(t)
+    mm.acquire(1, [t], [])                               # still needed: keep the device copy
+    assert t.residency is Residency.DEVICE and same_bits(mm.array(t), value)
+    mm.unpin([t])
+    mm.swap_out(t)
+    mm.release(t)
+    mm.acquire(1, [t], [])                               # nobody swapped it in: a plan miss
+    mm.unpin([t])
+    assert same_bits(mm.array(t), value)
+    assert (mm.jobs[1].planned_swap_ins, mm.jobs[1].passive_swap_ins) == (0, 1)
+
+
+def test_dropped_tensor_comes_back_as_an_empty_block():
+    mm = make(8)
+    t = new(mm, 1, "h", 2, pattern(2 * F32_PER_UNIT, 5))
+    mm.drop(t)
+    assert t.residency is Residency.DROPPED and mm.in_use_nbytes == 0 and mm.jobs[1].host_nbytes == 0
+    mm.acquire(1, [t], [])
+    assert t.residency is Residency.DEVICE and mm.in_use_nbytes == 2 * U
+    mm.unpin([t])
+
+
+def test_fragmented_arena_is_compacted_instead_of_evicting():
+    mm = make(8)
+    values = [pattern(2 * F32_PER_UNIT, s) for s in range(4)]
+    ts = [new(mm, 1, f"t{i}", 2, v) for i, v in enumerate(values)]
+    mm.free(ts[0])
+    mm.free(ts[2])                                       # 4 units free, in two 2-unit holes
+    (big,) = mm.acquire(1, [], [Slot("big", ACT, (4 * F32_PER_UNIT,), "float32")])
+    mm.unpin([big])
+    assert mm.compactions == 1 and mm.jobs[1].swap_outs == 0
+    for t, v in ((ts[1], values[1]), (ts[3], values[3])):
+        assert t.residency is Residency.DEVICE and same_bits(mm.array(t), v)

@@ -296,3 +296,43 @@ def test_predicted_peak_matches_the_measured_peak():
     assert measured <= mm.budget_nbytes
     assert abs(measured - plan.predicted_peak_nbytes) <= 0.02 * plan.predicted_peak_nbytes, \
         (measured, plan.predicted_peak_nbytes)
+
+
+def test_transfer_engine_round_trip_and_measured_bandwidth():
+    from tensile_db.memory.transfer import TransferEngine
+    from tensile_db.scheduler.cost import measure_bandwidth
+
+    device = Device("cpu")
+    engine = TransferEngine(device)
+    try:
+        host = np.arange(1 << 16, dtype=np.float32)
+        dev = np.zeros_like(host)
+        engine.to_device(host, dev).wait()
+        back = engine.to_host(dev).wait().host
+        assert np.array_equal(back, host) and back is not host
+        cost = measure_bandwidth(device, engine, nbytes=1 << 20, repeats=2)
+        assert cost.h2d_bytes_per_s > 0 and cost.d2h_bytes_per_s > 0 and cost.latency_s >= 0
+        assert cost.swap_in_s(2 << 20) > cost.swap_in_s(1 << 20)
+    finally:
+        engine.close()
+
+
+def test_tensile_staggers_an_arriving_job_away_from_the_running_peak():
+    from tensile_db.scheduler import Scheduler
+
+    a, b = make_job(seed=1), make_job(seed=2)
+    period = len(a.program.ops)
+
+    def peak(phase_b):
+        return Timeline([JobTrace(a.id, AccessSequence(a.program), 0, 0),
+                         JobTrace(b.id, AccessSequence(b.program), phase_b, 1)]).vanilla_peak_nbytes()
+
+    for policy, staggers in (("tensile", True), ("reactive", False)):
+        sched = Scheduler(MemoryManager(Device("cpu"), 1 << 24), policy, FAST)
+        sched.admit(a)
+        delay = sched.stagger(b, {a.id: 0}, period, now=period)
+        if staggers:
+            assert 0 < delay < period
+            assert peak(delay) == min(peak(d) for d in range(period)) < peak(0)
+        else:
+            assert delay == 0

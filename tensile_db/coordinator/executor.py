@@ -131,10 +131,13 @@ class Executor:
         return self.scheduler.describe()
 
     def _admit(self, job: TrainingJob) -> None:
+        period = max(self.period, len(job.program.ops))
+        phases = {j: start % period for j, start in self._iteration_start.items()}
+        delay = self.scheduler.stagger(job, phases, period, self.round)
         self.manager.register_job(job.id)
         self.scheduler.admit(job)
         job.state, job.started_at = JobState.RUNNING, time.time()
-        self._iteration_start[job.id] = self.round
+        self._iteration_start[job.id] = self.round + delay
         self.running[job.id] = (job, job.ops(self.manager, self.manager.device, self.scheduler))
 
     def _finish(self, job: TrainingJob, state: JobState, error: BaseException | None = None) -> None:

@@ -119,6 +119,25 @@ class Scheduler:
 
     # -- planning ------------------------------------------------------------------------------
 
+    def stagger(self, job, phases: dict[int, int], period: int, now: int) -> int:
+        """Rounds (0 to ``period - 1``) to hold a newly admitted job back so that its memory peak
+        falls where the running jobs' combined usage is lowest: the shortest delay among those
+        whose combined unscheduled peak is least. ``phases``: running job id -> round (mod
+        ``period``) its iteration starts in; ``now``: the current round. Only the ``tensile``
+        policy staggers; TENSILE itself starts a job whenever it arrives."""
+        if self.policy != "tensile" or not phases:
+            return 0
+        order = {job_id: i for i, job_id in enumerate(self.jobs)}
+        running = [JobTrace(j, self.sequences[j], phases[j], order[j]) for j in phases]
+        new = AccessSequence(job.program)
+        best, best_peak = 0, None
+        for delay in range(period):
+            trace = JobTrace(job.id, new, (now + delay) % period, len(order))
+            peak = Timeline(running + [trace]).vanilla_peak_nbytes()
+            if best_peak is None or peak < best_peak:
+                best, best_peak = delay, peak
+        return best
+
     def replan(self, phases: dict[int, int]) -> Plan | None:
         """Make a new plan for the running jobs. ``phases``: job id -> the round (mod the period)
         its current iteration started in. Returns the plan (None under ``reactive`` or while no
