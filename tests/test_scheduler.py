@@ -336,3 +336,28 @@ def test_tensile_staggers_an_arriving_job_away_from_the_running_peak():
             assert peak(delay) == min(peak(d) for d in range(period)) < peak(0)
         else:
             assert delay == 0
+
+
+def test_replans_when_measured_times_drift():
+    from tensile_db.scheduler import Scheduler
+
+    job = make_job(seed=1)
+    sched = Scheduler(MemoryManager(Device("cpu"), job.vanilla_peak_nbytes // 2), "tensile", FAST,
+                      drift=0.25, drift_every=2)
+    sched.admit(job)
+    n_ops = len(job.program.ops)
+
+    def iteration(seconds):
+        for p in range(n_ops):
+            sched.after(job, p, seconds)
+        sched.iteration_done(job)
+
+    iteration(1e-3)
+    assert f"job {job.id} measured" in sched.replan_reasons
+    sched.replan({job.id: 0})
+    assert job.schedule == "planned" and sched.plan is not None
+    iteration(1.1e-3)                                  # within the drift: no re-plan
+    iteration(1.1e-3)
+    assert sched.replan_reasons == []
+    iteration(5e-3)                                    # the moving average moves past 25%
+    assert sched.replan_reasons == [f"op times of job {job.id} drifted"]

@@ -45,6 +45,7 @@ class Scheduler:
         policy: one of :data:`POLICIES`.
         cost: the cost model; measured through the manager's swap engine when None.
         drift: relative change of a job's iteration time that triggers a re-plan.
+        drift_every: iterations of a job between two re-plans for its drift, at least.
         headroom: fraction of the budget the plan leaves free (for fragmentation of the arena).
 
     Raises:
@@ -52,12 +53,13 @@ class Scheduler:
     """
 
     def __init__(self, manager, policy: str = "tensile", cost: CostModel | None = None,
-                 drift: float = 0.25, headroom: float = 0.03):
+                 drift: float = 0.25, drift_every: int = 8, headroom: float = 0.03):
         if policy not in POLICIES:
             raise InvalidArgument(f"unknown scheduler policy {policy!r}; use one of {', '.join(POLICIES)}")
         self.mm = manager
         self.policy = policy
         self.drift = drift
+        self.drift_every = drift_every
         self.headroom = headroom
         self.reactive = FarthestNextUse()
         manager.next_use = self.reactive
@@ -71,6 +73,7 @@ class Scheduler:
         self.replan_reasons: list[str] = []              # why the next re-plan is wanted
         self.history: list[tuple[tuple[str, ...], int]] = []   # (reasons, decisions) of recent re-plans
         self._plan_times: dict[int, np.ndarray] = {}
+        self._plan_iteration: dict[int, int] = {}         # job id -> its iterations at the last plan
 
     # -- job lifecycle -------------------------------------------------------------------------
 
@@ -95,7 +98,8 @@ class Scheduler:
             return
         if seq.iterations == 1:
             self._want_replan(f"job {job.id} measured")
-        elif job.id in self._plan_times and seq.drift(self._plan_times[job.id]) > self.drift:
+        elif (job.id in self._plan_times and seq.drift(self._plan_times[job.id]) > self.drift
+              and seq.iterations - self._plan_iteration[job.id] >= self.drift_every):
             self._want_replan(f"op times of job {job.id} drifted")
 
     # -- around every op -----------------------------------------------------------------------
@@ -156,6 +160,7 @@ class Scheduler:
             self.plans_made += 1
         self.plan = plan
         self._plan_times = {j.id: self.sequences[j.id].times_s.copy() for j in measured}
+        self._plan_iteration = {j.id: self.sequences[j.id].iterations for j in measured}
         for j in self.jobs.values():
             j.schedule = ("planned" if plan is not None and j.id in plan.timeline.traces
                           else "reactive" if self.policy == "reactive" else "cold start")
