@@ -47,7 +47,8 @@ GRANT SELECT, INSERT, DELETE ON tensile.models TO PUBLIC;
 -- Server-level settings ----------------------------------------------------------------------------
 -- The tensile.* settings choose the program the server spawns as its OS user and the device
 -- budget every job shares, so they are read from the configuration files (postgresql.conf and
--- what it includes) only: a session's SET or connection options cannot change them.
+-- what it includes) only: a session's SET or connection options cannot change them. The scheduler
+-- policy (tensile.policy) is one of them: one coordinator schedules the tensors of every job.
 
 CREATE FUNCTION tensile._server_setting(setting_name text) RETURNS text
 LANGUAGE sql STABLE STRICT PARALLEL SAFE SECURITY DEFINER SET search_path = pg_catalog AS $$
@@ -128,20 +129,29 @@ CREATE FUNCTION tensile.job_status(
     OUT epoch integer, OUT epochs integer, OUT loss double precision,
     OUT device_bytes bigint, OUT peak_device_bytes bigint, OUT vanilla_peak_bytes bigint,
     OUT swapped_out_bytes bigint, OUT swapped_in_bytes bigint, OUT host_bytes bigint,
+    OUT policy text, OUT schedule text, OUT planned_swap_ins bigint, OUT passive_swap_ins bigint,
+    OUT recomputes bigint,
     OUT created_at timestamptz, OUT started_at timestamptz)
 RETURNS SETOF record
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$
 if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
 return GD["tensile"].jobs(plpy, GD)
 $$;
-COMMENT ON FUNCTION tensile.job_status() IS 'Live jobs of every backend, from the coordinator';
+COMMENT ON FUNCTION tensile.job_status() IS
+'Live jobs of every backend, from the coordinator: progress, device and swapped bytes, the scheduler '
+'policy, whether the job runs on a plan (schedule: cold start, planned or reactive), and its counts of '
+'planned swap-ins, passive (unplanned) swap-ins and recomputes';
 CREATE VIEW tensile.jobs AS SELECT * FROM tensile.job_status();
-COMMENT ON VIEW tensile.jobs IS 'Live training jobs of every backend: state, epoch, loss, device and swapped bytes';
+COMMENT ON VIEW tensile.jobs IS
+'Live training jobs of every backend: state, epoch, loss, device and swapped bytes, policy, schedule, '
+'planned and passive swap-ins, recomputes';
 
 CREATE FUNCTION tensile.memory_status(
     OUT device text, OUT budget_bytes bigint, OUT in_use_bytes bigint, OUT peak_bytes bigint,
     OUT host_bytes bigint, OUT free_blocks integer, OUT largest_free_bytes bigint,
     OUT fragmentation double precision, OUT running_jobs integer, OUT queued_jobs integer,
+    OUT policy text, OUT h2d_bytes_per_s double precision, OUT d2h_bytes_per_s double precision,
+    OUT plans_made integer, OUT predicted_peak_bytes bigint, OUT predicted_extra_s double precision,
     OUT per_job jsonb, OUT started_at timestamptz)
 RETURNS SETOF record
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$
@@ -149,9 +159,13 @@ if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
 return GD["tensile"].memory(plpy, GD)
 $$;
 COMMENT ON FUNCTION tensile.memory_status() IS
-'The device arena: budget, bytes in use, high-water mark since the coordinator started, per-job bytes';
+'The device arena: budget, bytes in use, high-water mark since the coordinator started, per-job bytes; '
+'and the scheduler: policy, host-to-device and device-to-host bandwidth measured at start (bytes per '
+'second), plans made, and the latest plan''s predicted peak bytes and extra seconds per period';
 CREATE VIEW tensile.memory AS SELECT * FROM tensile.memory_status();
-COMMENT ON VIEW tensile.memory IS 'The device: budget, in use, peak, host bytes, fragmentation, per job';
+COMMENT ON VIEW tensile.memory IS
+'The device: budget, in use, peak, host bytes, fragmentation, per job; the scheduler: policy, '
+'bandwidths, plans made, predicted peak and extra time';
 
 CREATE FUNCTION tensile.start_coordinator() RETURNS integer
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$

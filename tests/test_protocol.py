@@ -2,7 +2,8 @@
 
 Headers and arrays must round trip exactly; anything malformed or outside the allowed dtypes is
 refused with :class:`ProtocolError` before any data is interpreted; errors cross the pipe as
-the same :mod:`tensile_db.errors` class.
+the same :mod:`tensile_db.errors` class. Last, the command line a backend starts a coordinator
+with: what ``StartSpec`` holds reaches the ``Coordinator``, and a bad value is refused by name.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from multiprocessing.connection import Pipe
 import numpy as np
 import pytest
 
+from tensile_db.coordinator import __main__ as coordinator_main
+from tensile_db.coordinator import client as coordinator_client
 from tensile_db.coordinator import protocol
 from tensile_db.errors import (
     WIRE_ERRORS, CoordinatorUnavailable, InvalidArgument, JobCancelled, ModelNotFound, ProtocolError,
     TensileError,
 )
+from tensile_db.scheduler import POLICIES
 
 
 @pytest.fixture
@@ -167,3 +171,38 @@ def test_out_of_memory_keeps_its_byte_counts_across_the_wire():
         protocol.raise_if_error(header)
     assert (info.value.requested_nbytes, info.value.in_use_nbytes, info.value.budget_nbytes) == (4096, 1024, 2048)
     assert "requested 4,096 bytes" in str(info.value)
+
+
+# --- the command line that starts a coordinator ------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_start_command_carries_the_policy_to_the_coordinator(monkeypatch, tmp_path, policy):
+    made = {}
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            made["args"], made["kwargs"] = args, kwargs
+
+        def serve_forever(self):
+            return True
+
+    monkeypatch.setattr(coordinator_main, "Coordinator", Recorder)
+    argv = coordinator_client.command(str(tmp_path), coordinator_client.StartSpec(policy=policy, max_active_jobs=3))
+    assert coordinator_main.main(argv[argv.index("tensile_db.coordinator") + 1:]) == 0
+    assert made["kwargs"]["policy"] == policy
+    assert made["args"][0] == str(tmp_path) and made["args"][3] == 3
+
+
+def test_default_policy_is_tensile():
+    assert POLICIES[0] == "tensile" and coordinator_client.StartSpec().policy == "tensile"
+
+
+def test_unknown_policy_on_the_command_line_is_refused(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(coordinator_main, "Coordinator", None)     # must not be reached
+    with pytest.raises(SystemExit) as info:
+        coordinator_main.main(["--socket-dir", str(tmp_path), "--policy", "belady"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--policy: invalid choice: 'belady'" in err
+    assert all(repr(p) in err for p in POLICIES)

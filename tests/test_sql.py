@@ -1,6 +1,6 @@
 """The SQL surface against a real cluster: training, prediction, the registry, the status views,
-errors with their messages, concurrency under one budget, privileges, cancellation, and the
-coordinator's lifecycle."""
+errors with their messages, concurrency under one budget, privileges, cancellation, the scheduler
+policy setting, and the coordinator's lifecycle."""
 
 from __future__ import annotations
 
@@ -17,11 +17,16 @@ import psycopg
 import pytest
 
 from conftest import TEST_BUDGET
+from tensile_db.scheduler import POLICIES
 
 pytestmark = pytest.mark.db
 
 FEATURES = "ARRAY[" + ", ".join(f"p{i}" for i in range(64)) + "]"
 SMALL = '{"layers": [{"dense": 64}]}'
+#: What tensile.jobs.schedule may say.
+SCHEDULES = {"cold start", "planned", "reactive"}
+#: The scheduler's counters of a job, in train_model's metrics.
+SCHEDULER_COUNTERS = ("planned_swap_ins", "passive_swap_ins", "recomputes")
 
 
 def train(conn, name, source="SELECT * FROM digits_train", label="label", architecture=SMALL,
@@ -44,6 +49,12 @@ def wait_until(predicate, timeout_s=10.0):
             return True
         time.sleep(0.05)
     return False
+
+
+def assert_scheduler_metrics(metrics, policy):
+    assert metrics["policy"] == policy
+    for key in SCHEDULER_COUNTERS:
+        assert isinstance(metrics[key], int) and metrics[key] >= 0, (key, metrics[key])
 
 
 def assert_nothing_left(conn):
@@ -205,6 +216,38 @@ def test_working_set_larger_than_budget(conn, digits):
     assert_nothing_left(conn)
 
 
+# --- the status views --------------------------------------------------------------------------
+
+
+def columns(conn, view):
+    return conn.execute("SELECT column_name, data_type FROM information_schema.columns "
+                        "WHERE table_schema = 'tensile' AND table_name = %s ORDER BY ordinal_position",
+                        (view,)).fetchall()
+
+
+def test_jobs_view_has_the_scheduler_columns_after_host_bytes(conn):
+    names = [c for c, _ in columns(conn, "jobs")]
+    at = names.index("host_bytes")
+    assert columns(conn, "jobs")[at + 1:at + 6] == [
+        ("policy", "text"), ("schedule", "text"), ("planned_swap_ins", "bigint"), ("passive_swap_ins", "bigint"),
+        ("recomputes", "bigint")]
+
+
+def test_memory_view_has_the_scheduler_columns(conn):
+    types = dict(columns(conn, "memory"))
+    assert {k: types.get(k) for k in ("policy", "h2d_bytes_per_s", "d2h_bytes_per_s", "plans_made",
+                                      "predicted_peak_bytes", "predicted_extra_s")} == {
+        "policy": "text", "h2d_bytes_per_s": "double precision", "d2h_bytes_per_s": "double precision",
+        "plans_made": "integer", "predicted_peak_bytes": "bigint", "predicted_extra_s": "double precision"}
+
+
+def test_status_functions_stay_volatile_and_parallel_unsafe(conn):
+    rows = conn.execute("SELECT proname, provolatile, proparallel FROM pg_proc "
+                        "WHERE pronamespace = 'tensile'::regnamespace AND proname IN ('job_status', 'memory_status') "
+                        "ORDER BY proname").fetchall()
+    assert rows == [("job_status", "v", "u"), ("memory_status", "v", "u")]
+
+
 # --- concurrency under one budget --------------------------------------------------------------
 
 
@@ -229,13 +272,22 @@ def test_three_concurrent_trainings_share_the_budget(dsn, conn, digits):
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):
-        for job in conn.execute("SELECT model_name, state, role, backend_pid FROM tensile.jobs").fetchall():
+        for job in conn.execute("SELECT model_name, state, role, backend_pid, policy, schedule "
+                                "FROM tensile.jobs").fetchall():
             assert job[2] == "postgres" and job[3] > 0
             if job[1] == "running":
                 seen_running.add(job[0])
+                assert job[4] == "tensile" and job[5] in SCHEDULES      # the default policy
         time.sleep(0.05)
     assert not errors, errors
     assert len(seen_running) >= 2            # they really ran at the same time
+    for _, metrics in results.values():
+        assert_scheduler_metrics(metrics, "tensile")
+        assert metrics["planned_swap_ins"] + metrics["passive_swap_ins"] == metrics["swap_ins"]
+    assert sum(m["planned_swap_ins"] for _, m in results.values()) > 0       # the plan moved tensors ahead
+    policy, h2d, d2h, plans = conn.execute("SELECT policy, h2d_bytes_per_s, d2h_bytes_per_s, plans_made "
+                                           "FROM tensile.memory").fetchone()
+    assert policy == "tensile" and h2d > 0 and d2h > 0 and plans >= 1
     vanilla = sum(m["vanilla_peak_nbytes"] for _, m in results.values())
     assert vanilla > TEST_BUDGET             # the budget is below the sum of unscheduled peaks
     budget, peak = conn.execute("SELECT budget_bytes, peak_bytes FROM tensile.memory").fetchone()
@@ -301,10 +353,11 @@ def test_sessions_cannot_change_server_settings(conn, dsn, digits):
             m.execute("SET tensile.max_active_jobs = '0'")
             m.execute("SET tensile.device_budget = '1kB'")
             m.execute("SET tensile.python_path = '/tmp'")
+            m.execute("SET tensile.policy = 'belady'")
             assert m.execute("SELECT tensile.start_coordinator()").fetchone()[0] > 0
             train(m, "t_mallory", options='{"epochs": 1}')        # would be refused or stuck with those values
         assert not os.path.exists(marker)
-        assert conn.execute("SELECT budget_bytes FROM tensile.memory").fetchone()[0] == TEST_BUDGET
+        assert conn.execute("SELECT budget_bytes, policy FROM tensile.memory").fetchone() == (TEST_BUDGET, "tensile")
     finally:
         os.unlink(script)
         conn.execute("DELETE FROM tensile.models WHERE name = 't_mallory'")
@@ -347,6 +400,63 @@ def test_pg_cancel_backend_cancels_the_job(conn, dsn, digits):
     assert not t.is_alive()
     assert "canceling statement due to user request" in outcome["error"]
     assert_nothing_left(conn)
+
+
+# --- the scheduler policy, from the configuration file ---------------------------------------------
+
+
+@pytest.fixture
+def configure_policy(cluster, conn):
+    """``configure_policy("'vdnn'")`` writes tensile.policy into tensile.conf and stops the
+    coordinator so that the next call starts one with it; the default comes back afterwards."""
+    def configure(value):
+        conn.execute("SELECT tensile.stop_coordinator()")
+        cluster.configure({"tensile.policy": value})
+    yield configure
+    configure("'tensile'")
+
+
+def test_configured_policy_reaches_a_fresh_coordinator(configure_policy, conn, dsn, digits):
+    policy = "vdnn"
+    configure_policy(f"'{policy}'")
+    outcome = {}
+
+    def run():
+        with psycopg.connect(dsn, autocommit=True) as c:
+            outcome["pid"] = c.info.backend_pid
+            try:
+                train(c, "t_policy_running", options='{"epochs": 5000}')
+            except psycopg.Error as exc:
+                outcome["error"] = str(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert wait_until(lambda: conn.execute("SELECT count(*) FROM tensile.jobs "
+                                               "WHERE model_name = 't_policy_running' AND state = 'running'"
+                                               ).fetchone()[0] == 1)
+        job = conn.execute("SELECT policy, schedule, planned_swap_ins, passive_swap_ins, recomputes FROM tensile.jobs "
+                           "WHERE model_name = 't_policy_running'").fetchone()
+        assert job[0] == policy and job[1] in SCHEDULES and all(n >= 0 for n in job[2:])
+        assert conn.execute("SELECT policy FROM tensile.memory").fetchone()[0] == policy
+    finally:
+        if "pid" in outcome:
+            conn.execute("SELECT pg_cancel_backend(%s)", (outcome["pid"],))
+        t.join(10)
+    assert "canceling statement due to user request" in outcome["error"]
+    _, metrics = train(conn, "t_policy", options='{"epochs": 1, "replace": true}')
+    assert_scheduler_metrics(metrics, policy)
+    stored = conn.execute("SELECT metrics FROM tensile.models WHERE name = 't_policy'").fetchone()[0]
+    assert stored["policy"] == policy
+    assert_nothing_left(conn)
+
+
+def test_unknown_policy_in_the_configuration_is_refused(configure_policy, conn):
+    configure_policy("'belady'")
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as info:      # SQLSTATE 22023
+        conn.execute("SELECT tensile.start_coordinator()")
+    assert f"tensile.policy is 'belady'; it must be one of {', '.join(POLICIES)}" in str(info.value)
+    assert conn.execute("SELECT count(*) FROM tensile.memory").fetchone()[0] == 0   # none was started
 
 
 # --- the coordinator's lifecycle -------------------------------------------------------------------

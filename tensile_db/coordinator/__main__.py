@@ -10,7 +10,7 @@ import logging
 import sys
 
 from ..memory.arena import UNIT_NBYTES
-
+from ..scheduler import POLICIES
 from .server import Coordinator
 
 
@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--budget", type=int, default=1 << 30, help="device arena size, bytes")
     parser.add_argument("--max-active-jobs", type=int, default=8, help="jobs run at once; more wait queued")
+    parser.add_argument("--policy", choices=POLICIES, default="tensile", help="the scheduler policy")
     parser.add_argument("--postmaster-pid-file", help="exit when the pid in this file's first line is gone")
     args = parser.parse_args(argv)
     if args.budget < UNIT_NBYTES:
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s tensile-coordinator[%(process)d] %(levelname)s %(message)s")
     coordinator = Coordinator(args.socket_dir, args.device, args.budget, args.max_active_jobs,
-                              args.postmaster_pid_file)
+                              args.postmaster_pid_file, policy=args.policy)
     coordinator.serve_forever()
     return 0
 

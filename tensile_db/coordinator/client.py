@@ -40,24 +40,33 @@ def socket_dir_for(data_dir: str) -> str:
 
 @dataclass(frozen=True)
 class StartSpec:
-    """How to start a coordinator: interpreter, device, budget (bytes), admission limit, and the
-    postmaster pid file whose disappearance stops it."""
+    """How to start a coordinator: interpreter, device, budget (bytes), admission limit, scheduler
+    policy (one of ``tensile_db.scheduler.POLICIES``), and the postmaster pid file whose
+    disappearance stops it."""
 
     python: str = sys.executable
     device: str = "cpu"
     budget_nbytes: int = 1 << 30
     max_active_jobs: int = 8
+    policy: str = "tensile"
     postmaster_pid_file: str | None = None
     python_path: str | None = None      # prepended to PYTHONPATH, so the interpreter finds this package
+
+
+def command(socket_dir: str, spec: StartSpec) -> list[str]:
+    """The command line that runs a coordinator for ``socket_dir`` (see ``__main__.py``)."""
+    argv = [spec.python, "-m", "tensile_db.coordinator", "--socket-dir", socket_dir, "--device", spec.device,
+            "--budget", str(spec.budget_nbytes), "--max-active-jobs", str(spec.max_active_jobs),
+            "--policy", spec.policy]
+    if spec.postmaster_pid_file:
+        argv += ["--postmaster-pid-file", spec.postmaster_pid_file]
+    return argv
 
 
 def start(socket_dir: str, spec: StartSpec) -> subprocess.Popen:
     """Spawn a detached coordinator for ``socket_dir``."""
     secure_dir(socket_dir)
-    argv = [spec.python, "-m", "tensile_db.coordinator", "--socket-dir", socket_dir, "--device", spec.device,
-            "--budget", str(spec.budget_nbytes), "--max-active-jobs", str(spec.max_active_jobs)]
-    if spec.postmaster_pid_file:
-        argv += ["--postmaster-pid-file", spec.postmaster_pid_file]
+    argv = command(socket_dir, spec)
     env = dict(os.environ)
     if spec.python_path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (spec.python_path, env.get("PYTHONPATH")) if p)

@@ -66,6 +66,7 @@ class Executor:
             raise DeviceOutOfMemory(need, self.manager.in_use_nbytes, self.manager.budget_nbytes,
                                     f"the largest operator of model {job.info.model_name!r} "
                                     f"(batch {job.batch})")
+        job.policy = self.scheduler.policy
         with self._cond:
             self.queued.append(job)
             self._cond.notify()

@@ -53,14 +53,19 @@ def secure_dir(path: str) -> str:
 
 
 class Coordinator:
-    """The server. ``serve_forever()`` blocks; returns False at once if another holds the lock."""
+    """The server. ``serve_forever()`` blocks; returns False at once if another holds the lock.
+
+    ``policy`` is the scheduler policy, one of ``tensile_db.scheduler.POLICIES``; the executor
+    raises InvalidArgument for another when the server starts.
+    """
 
     def __init__(self, socket_dir: str, device: str = "cpu", budget_nbytes: int = 1 << 30,
-                 max_active_jobs: int = 8, postmaster_pid_file: str | None = None):
+                 max_active_jobs: int = 8, postmaster_pid_file: str | None = None, policy: str = "tensile"):
         self.socket_dir = secure_dir(socket_dir)
         self.device_name = device
         self.budget_nbytes = budget_nbytes
         self.max_active_jobs = max_active_jobs
+        self.policy = policy
         self.postmaster_pid_file = postmaster_pid_file
         self.started_at = time.time()
         self.manager: MemoryManager | None = None
@@ -84,7 +89,7 @@ class Coordinator:
             from ..memory.cuda import route_cupy_allocator
 
             route_cupy_allocator(self.manager)
-        self.executor = Executor(self.manager, self.max_active_jobs)
+        self.executor = Executor(self.manager, self.max_active_jobs, policy=self.policy)
         self.executor.start()
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)          # stale: we hold the lock, nobody serves it
@@ -92,8 +97,8 @@ class Coordinator:
         os.chmod(self.socket_path, 0o600)
         if self.postmaster_pid_file:
             threading.Thread(target=self._watch_postmaster, name="tensile-watch", daemon=True).start()
-        log.info("coordinator %d serving %s on %s, budget %d bytes", os.getpid(), self.socket_path,
-                 self.device_name, self.manager.budget_nbytes)
+        log.info("coordinator %d serving %s on %s, budget %d bytes, policy %s", os.getpid(), self.socket_path,
+                 self.device_name, self.manager.budget_nbytes, self.policy)
         while True:
             conn = listener.accept()
             threading.Thread(target=self._serve, args=(conn,), name="tensile-conn", daemon=True).start()
@@ -150,11 +155,13 @@ class Coordinator:
             conn.close()
 
     def memory_report(self) -> dict:
+        """The reply to ``memory``: the manager's counters, per job too, and the executor's
+        scheduler figures (policy, bandwidths, plans)."""
         snap = self.manager.snapshot()
         jobs = {j.id: j for j in self.executor.jobs()}
         per_job = {str(jid): dict(c, model_name=jobs[jid].info.model_name)
                    for jid, c in snap.pop("jobs").items() if jid in jobs}
-        return dict(snap, type="memory", per_job=per_job, started_at=self.started_at,
+        return dict(snap, **self.executor.describe(), type="memory", per_job=per_job, started_at=self.started_at,
                     running_jobs=sum(j.state.value == "running" for j in jobs.values()),
                     queued_jobs=sum(j.state.value == "queued" for j in jobs.values()))
 
@@ -212,4 +219,6 @@ class Coordinator:
                     peak_device_nbytes=m.peak_nbytes, vanilla_peak_nbytes=job.vanilla_peak_nbytes,
                     min_working_set_nbytes=job.min_working_set_nbytes,
                     swapped_out_nbytes=m.swapped_out_nbytes, swapped_in_nbytes=m.swapped_in_nbytes,
-                    swap_outs=m.swap_outs, swap_ins=m.swap_ins, n_parameters=job.spec.n_parameters())
+                    swap_outs=m.swap_outs, swap_ins=m.swap_ins, policy=self.policy,
+                    planned_swap_ins=m.planned_swap_ins, passive_swap_ins=m.passive_swap_ins,
+                    recomputes=m.recomputes, n_parameters=job.spec.n_parameters())

@@ -333,19 +333,24 @@ class MemoryManager:
                 j.passive_swap_ins += 1
 
     def _make_room(self, nbytes: int) -> int:
-        """An arena offset for ``nbytes``: completes swap-outs in flight first, then evicts
-        farthest-next-use tensors as needed."""
+        """An arena offset for ``nbytes``. When no free block fits: if the free bytes suffice,
+        compact the arena (after letting the copies in flight land, so that their blocks can
+        move too); else complete the swap-outs in flight ahead of their planned release; else
+        evict farthest-next-use tensors."""
         while (offset := self.allocator.allocate(nbytes)) is None:
+            if self.allocator.free_nbytes >= round_up(nbytes):
+                for t in [t for t in self._tensors.values() if t.transfer is not None]:
+                    if t.residency is Residency.SWAPPING_IN:
+                        self._settle(t)
+                    else:
+                        t.transfer.wait()       # copied out; the block is released as planned
+                if self._compact():
+                    continue
             leaving = [t for t in self._tensors.values() if t.residency is Residency.SWAPPING_OUT]
             if leaving:
                 for t in leaving:
                     self._finish_swap_out(t)
                 continue
-            if self.allocator.free_nbytes >= round_up(nbytes):
-                for t in [t for t in self._tensors.values() if t.residency is Residency.SWAPPING_IN]:
-                    self._settle(t)
-                if self._compact():
-                    continue
             victims = [t for t in self._tensors.values()
                        if t.residency is Residency.DEVICE and not t.pins and t.id not in self._acquiring]
             if not victims:
@@ -358,7 +363,8 @@ class MemoryManager:
         the start of the arena (device-to-device copies), so the free bytes coalesce. Bytes in use
         do not change. Returns whether anything moved."""
         movable = {t.offset: t for t in self._tensors.values()
-                   if t.residency is Residency.DEVICE and not t.pins and t.job_id != 0}
+                   if t.offset is not None and not t.pins and t.job_id != 0
+                   and (t.transfer is None or t.transfer.done())}
         moves = self.allocator.compact(movable)
         for old, new, size in moves:
             self.device.move_down(self.buffer, old, new, size)
