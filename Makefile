@@ -26,9 +26,10 @@ demo: package extension
 test: package extension
 	$(PY) -m pytest
 
-bench: package extension
+bench: $(VENV)/.bench-deps package extension
 	$(PY) bench/ingest.py --home "$(TENSILE_HOME)"
 	$(PY) bench/throughput.py
+	$(PY) bench/scheduler.py
 
 system-deps:
 	@dpkg -s $(APT_PACKAGES) >/dev/null 2>&1 || { \
@@ -40,6 +41,11 @@ $(VENV)/.deps: pyproject.toml | system-deps
 	[ -x "$(PY)" ] || $(SYSTEM_PYTHON) -m venv "$(VENV)"
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q ".[test,demo]"
+	touch $@
+
+# The bench extra (matplotlib), only for `make bench`; installed before `package` reinstalls the package.
+$(VENV)/.bench-deps: pyproject.toml $(VENV)/.deps
+	$(PY) -m pip install -q ".[bench]"
 	touch $@
 
 # Reinstall the package itself on every run (no dependencies): the server imports the installed copy.

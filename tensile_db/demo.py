@@ -123,12 +123,14 @@ def run(home: str) -> int:
             m = results[name]["metrics"]
             rows.append({"model": name, "test accuracy": float(acc), "train s": m["train_time_s"],
                          "peak device bytes": m["peak_device_nbytes"], "unscheduled peak": m["vanilla_peak_nbytes"],
-                         "swapped out bytes": m["swapped_out_nbytes"], "swapped in bytes": m["swapped_in_nbytes"]})
+                         "swapped out bytes": m["swapped_out_nbytes"], "planned swap-ins": m["planned_swap_ins"],
+                         "passive swap-ins": m["passive_swap_ins"], "recomputes": m["recomputes"]})
     memory = client.memory()
     print(f"\nthree concurrent CALL tensile.train_model, {OPTIONS['epochs']} epochs each, {total_s:.1f} s wall\n")
     print(tabulate(rows, headers="keys", floatfmt=".3f", intfmt=","))
     print()
-    print(tabulate([["device", memory["device"]], ["budget bytes", f"{memory['budget_bytes']:,}"],
+    print(tabulate([["device", memory["device"]], ["scheduler policy", memory["policy"]],
+                    ["plans made", memory["plans_made"]], ["budget bytes", f"{memory['budget_bytes']:,}"],
                     ["combined peak bytes (coordinator high-water mark)", f"{memory['peak_bytes']:,}"],
                     ["sum of unscheduled peaks, bytes", f"{vanilla_sum:,}"]], colalign=("left", "right")))
     checks = {

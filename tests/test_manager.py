@@ -365,3 +365,17 @@ def test_fragmented_arena_is_compacted_instead_of_evicting():
     assert mm.compactions == 1 and mm.jobs[1].swap_outs == 0
     for t, v in ((ts[1], values[1]), (ts[3], values[3])):
         assert t.residency is Residency.DEVICE and same_bits(mm.array(t), v)
+
+
+def test_limit_evicts_early_but_a_lone_working_set_may_use_the_whole_budget():
+    mm = make(8)
+    mm.limit_nbytes = 4 * U
+    a = new(mm, 1, "a", 2)
+    b = new(mm, 1, "b", 2)
+    c = new(mm, 1, "c", 2)                               # over the limit: one of a, b leaves
+    assert mm.in_use_nbytes == 4 * U and mm.jobs[1].swap_outs == 1
+    assert c.residency is Residency.DEVICE
+    (big,) = mm.acquire(1, [], [Slot("big", ACT, (7 * F32_PER_UNIT,), "float32")])
+    assert mm.in_use_nbytes == 7 * U                     # nothing left to evict: up to the budget
+    assert all(t.residency is Residency.HOST for t in (a, b, c))
+    mm.unpin([big])

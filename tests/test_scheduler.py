@@ -283,10 +283,11 @@ def test_predicted_peak_matches_the_measured_peak():
                 assert all(j.state in (JobState.QUEUED, JobState.RUNNING) for j in jobs)
                 time.sleep(0.001)
 
-        wait_iterations(1)                           # both measured: the plan covers both
-        wait_iterations(3)                           # one whole iteration under that plan
+        wait_iterations(1)                           # both measured
+        while ex.scheduler.plan is None or len(ex.scheduler.plan.timeline.traces) < 2:
+            time.sleep(0.001)                        # the plan that covers both is installed
         plan, made = ex.scheduler.plan, ex.scheduler.plans_made
-        assert plan is not None and len(plan.timeline.traces) == 2
+        wait_iterations(min(j.iterations for j in jobs) + 2)   # one whole iteration under it
         mm.allocator.reset_peak()
         wait_iterations(8)
         measured = mm.peak_nbytes
@@ -333,7 +334,8 @@ def test_tensile_staggers_an_arriving_job_away_from_the_running_peak():
         delay = sched.stagger(b, {a.id: 0}, period, now=period)
         if staggers:
             assert 0 < delay < period
-            assert peak(delay) == min(peak(d) for d in range(period)) < peak(0)
+            assert peak(delay) < peak(0)
+            assert peak(delay) <= 1.05 * min(peak(d) for d in range(period))
         else:
             assert delay == 0
 
@@ -354,7 +356,7 @@ def test_replans_when_measured_times_drift():
 
     iteration(1e-3)
     assert f"job {job.id} measured" in sched.replan_reasons
-    sched.replan({job.id: 0})
+    sched.replan({job.id: 0}, wait=True)
     assert job.schedule == "planned" and sched.plan is not None
     iteration(1.1e-3)                                  # within the drift: no re-plan
     iteration(1.1e-3)

@@ -51,13 +51,17 @@ class Executor:
         self._thread.start()
 
     def stop(self) -> None:
-        """Cancel every job and end the thread."""
+        """Cancel every job and end the thread; the planning thread and the manager's swap
+        engine stop too."""
         for job in self.jobs():
             self.cancel(job)
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.scheduler.close()
+        self.manager.engine.close()
 
     def submit(self, job: TrainingJob) -> None:
         """Queue a job. Raises DeviceOutOfMemory if even its smallest working set cannot fit."""
@@ -101,6 +105,7 @@ class Executor:
             period = self.period
             if self.scheduler.replan_reasons:
                 self.scheduler.replan({j.id: self._iteration_start[j.id] % period for j, _ in turn})
+            self.scheduler.poll()
             for job, ops in turn:
                 if job.cancel_requested.is_set():
                     self._finish(job, JobState.CANCELLED, JobCancelled("cancelled by the caller"))

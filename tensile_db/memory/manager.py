@@ -104,6 +104,10 @@ class MemoryManager:
         next_use: distance to a tensor's next access (any unit common to all jobs); larger is
             evicted first. Unknown tensors should return ``math.inf``.
 
+    ``limit_nbytes`` (default: the budget) is where eviction starts: a scheduler that keeps
+    headroom for fragmentation lowers it. An op whose working set needs more still gets up to the
+    budget once nothing is left to evict.
+
     Thread safety: one executor thread mutates; other threads may call :meth:`snapshot`.
     """
 
@@ -111,6 +115,7 @@ class MemoryManager:
         self.device = device
         self.allocator = ArenaAllocator(budget_nbytes)
         self.budget_nbytes = self.allocator.capacity_nbytes
+        self.limit_nbytes = self.budget_nbytes      # bytes in use kept below this while evicting helps
         self.buffer = device.arena_buffer(self.budget_nbytes)
         self.engine = TransferEngine(device)
         self.compactions = 0           # times the arena was defragmented
@@ -333,30 +338,36 @@ class MemoryManager:
                 j.passive_swap_ins += 1
 
     def _make_room(self, nbytes: int) -> int:
-        """An arena offset for ``nbytes``. When no free block fits: if the free bytes suffice,
-        compact the arena (after letting the copies in flight land, so that their blocks can
-        move too); else complete the swap-outs in flight ahead of their planned release; else
-        evict farthest-next-use tensors."""
-        while (offset := self.allocator.allocate(nbytes)) is None:
-            if self.allocator.free_nbytes >= round_up(nbytes):
-                for t in [t for t in self._tensors.values() if t.transfer is not None]:
-                    if t.residency is Residency.SWAPPING_IN:
-                        self._settle(t)
-                    else:
-                        t.transfer.wait()       # copied out; the block is released as planned
-                if self._compact():
-                    continue
+        """An arena offset for ``nbytes``, keeping the bytes in use within ``limit_nbytes`` while
+        anything can be evicted (and within the budget always). When no free block fits: if the
+        free bytes suffice, compact the arena (after letting the copies in flight land, so that
+        their blocks can move too); else complete the swap-outs in flight ahead of their planned
+        release; else evict farthest-next-use tensors."""
+        size = round_up(nbytes)
+        while True:
+            victims = [t for t in self._tensors.values()
+                       if t.residency is Residency.DEVICE and not t.pins and t.id not in self._acquiring]
             leaving = [t for t in self._tensors.values() if t.residency is Residency.SWAPPING_OUT]
+            within = self.allocator.in_use_nbytes + size <= self.limit_nbytes or not (victims or leaving)
+            if within:
+                offset = self.allocator.allocate(size)
+                if offset is not None:
+                    return offset
+                if self.allocator.free_nbytes >= size:
+                    for t in [t for t in self._tensors.values() if t.transfer is not None]:
+                        if t.residency is Residency.SWAPPING_IN:
+                            self._settle(t)
+                        else:
+                            t.transfer.wait()   # copied out; the block is released as planned
+                    if self._compact():
+                        continue
             if leaving:
                 for t in leaving:
                     self._finish_swap_out(t)
                 continue
-            victims = [t for t in self._tensors.values()
-                       if t.residency is Residency.DEVICE and not t.pins and t.id not in self._acquiring]
             if not victims:
                 raise _Fragmented
             self._swap_out(max(victims, key=lambda t: (self.next_use(t), t.arena_nbytes)))
-        return offset
 
     def _compact(self) -> bool:
         """Defragment: slide resident tensors that no op is using and no copy is reading toward

@@ -10,7 +10,9 @@ arrives (the new job then runs its cold-start iteration under the reactive polic
 plan reserves for it: its unscheduled peak), when a job's cold-start iteration completes (its times
 are now known), when a job leaves, and when a job's measured iteration time has drifted by more
 than ``drift`` since the plan was made. The executor calls :meth:`Scheduler.replan` between two
-rounds when :attr:`Scheduler.replan_reasons` is not empty.
+rounds when :attr:`Scheduler.replan_reasons` is not empty; the plan is made on a planning thread
+from a snapshot of the access sequences and installed by :meth:`Scheduler.poll` when it is
+ready, so jobs never wait for the planner.
 
 Policies (:data:`POLICIES`): ``tensile`` (the planner of :func:`~.planners.plan_tensile`),
 ``swap_score`` (arXiv 1903.06631), ``vdnn`` (vDNN_all) and ``reactive`` (no plan). Unlimited
@@ -19,12 +21,16 @@ memory ("vanilla") is the reactive policy with a budget above the combined peak.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import logging
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import InvalidArgument
+from ..memory.arena import UNIT_NBYTES
 from .cost import CostModel, measure_bandwidth
 from .planners import Plan, plan_swap_score, plan_tensile, plan_vdnn
 from .reactive import FarthestNextUse
@@ -46,7 +52,8 @@ class Scheduler:
         cost: the cost model; measured through the manager's swap engine when None.
         drift: relative change of a job's iteration time that triggers a re-plan.
         drift_every: iterations of a job between two re-plans for its drift, at least.
-        headroom: fraction of the budget the plan leaves free (for fragmentation of the arena).
+        headroom: fraction of the budget the plans leave free (for fragmentation of the arena);
+            under ``tensile`` the reactive fallback evicts at that limit too.
 
     Raises:
         InvalidArgument: an unknown policy.
@@ -63,6 +70,8 @@ class Scheduler:
         self.headroom = headroom
         self.reactive = FarthestNextUse()
         manager.next_use = self.reactive
+        if policy == "tensile":        # the fallback keeps the plans' headroom too
+            manager.limit_nbytes = int(manager.budget_nbytes * (1.0 - headroom)) // UNIT_NBYTES * UNIT_NBYTES
         self.cost = cost or measure_bandwidth(manager.device, manager.engine,
                                               nbytes=min(16 << 20, max(manager.budget_nbytes // 4, 4096)))
         self.jobs: dict[int, object] = {}                 # running jobs, in admission order
@@ -71,9 +80,13 @@ class Scheduler:
         self.plans_made = 0
         self.plan_seconds = 0.0                           # time spent planning, cumulative
         self.replan_reasons: list[str] = []              # why the next re-plan is wanted
-        self.history: list[tuple[tuple[str, ...], int]] = []   # (reasons, decisions) of recent re-plans
+        # recent re-plan requests: [reasons, decisions of the plan installed, or None if superseded]
+        self.history: list[list] = []
         self._plan_times: dict[int, np.ndarray] = {}
         self._plan_iteration: dict[int, int] = {}         # job id -> its iterations at the last plan
+        self._planning = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-plan")
+        self._pending: concurrent.futures.Future | None = None
+        self._request: _Request | None = None
 
     # -- job lifecycle -------------------------------------------------------------------------
 
@@ -126,52 +139,75 @@ class Scheduler:
     def stagger(self, job, phases: dict[int, int], period: int, now: int) -> int:
         """Rounds (0 to ``period - 1``) to hold a newly admitted job back so that its memory peak
         falls where the running jobs' combined usage is lowest: the shortest delay among those
-        whose combined unscheduled peak is least. ``phases``: running job id -> round (mod
-        ``period``) its iteration starts in; ``now``: the current round. Only the ``tensile``
-        policy staggers; TENSILE itself starts a job whenever it arrives."""
+        whose combined unscheduled peak, counted per round, is least. ``phases``: running job id
+        -> round (mod ``period``) its iteration starts in; ``now``: the current round. Only the
+        ``tensile`` policy staggers; TENSILE itself starts a job whenever it arrives."""
         if self.policy != "tensile" or not phases:
             return 0
-        order = {job_id: i for i, job_id in enumerate(self.jobs)}
-        running = [JobTrace(j, self.sequences[j], phases[j], order[j]) for j in phases]
-        new = AccessSequence(job.program)
-        best, best_peak = 0, None
-        for delay in range(period):
-            trace = JobTrace(job.id, new, (now + delay) % period, len(order))
-            peak = Timeline(running + [trace]).vanilla_peak_nbytes()
-            if best_peak is None or peak < best_peak:
-                best, best_peak = delay, peak
-        return best
+        combined = np.zeros(period)
+        for job_id, phase in phases.items():
+            combined += np.roll(_round_usage(self.sequences[job_id].program, period), phase)
+        mine = _round_usage(job.program, period)
+        peaks = [float(np.max(combined + np.roll(mine, (now + delay) % period))) for delay in range(period)]
+        return int(np.argmin(peaks))
 
-    def replan(self, phases: dict[int, int]) -> Plan | None:
-        """Make a new plan for the running jobs. ``phases``: job id -> the round (mod the period)
-        its current iteration started in. Returns the plan (None under ``reactive`` or while no
-        job is measured)."""
+    def replan(self, phases: dict[int, int], wait: bool = False) -> None:
+        """Start making a new plan for the running jobs, on the planning thread, from a snapshot
+        of their access sequences; :meth:`poll` installs it when it is ready (with ``wait``, at
+        once). ``phases``: job id -> the round (mod the period) its current iteration started in.
+        Jobs run meanwhile under the previous plan, so planning never stalls them."""
         reasons, self.replan_reasons = tuple(self.replan_reasons), []
-        started = time.perf_counter()
         measured = [j for j in self.jobs.values() if self.sequences[j.id].measured]
         cold = [j for j in self.jobs.values() if not self.sequences[j.id].measured]
-        plan = None
+        request = _Request(reasons, {j.id: self.sequences[j.id].iterations for j in measured})
         if self.policy != "reactive" and measured:
             reserve = sum(j.vanilla_peak_nbytes for j in cold)
-            target = max(int((self.mm.budget_nbytes - reserve) * (1.0 - self.headroom)), 0)
+            request.target = max(int((self.mm.budget_nbytes - reserve) * (1.0 - self.headroom)), 0)
             order = {job_id: i for i, job_id in enumerate(self.jobs)}
-            timeline = Timeline([JobTrace(j.id, self.sequences[j.id], phases[j.id], order[j.id]) for j in measured])
-            plan = _PLANNERS[self.policy](timeline, self.cost, target)
-            self.plans_made += 1
+            request.traces = [JobTrace(j.id, self.sequences[j.id].snapshot(), phases[j.id], order[j.id])
+                              for j in measured]
+        self._request = request
+        self.history = (self.history + [request.record])[-64:]
+        self._pending = self._planning.submit(self._make, request)
+        if wait:
+            self._pending.result()
+            self.poll()
+
+    def poll(self) -> bool:
+        """Install a finished plan (the executor calls this every round); True if one was."""
+        future = self._pending
+        if future is None or not future.done():
+            return False
+        self._pending = None
+        request, plan, seconds = future.result()
+        if request is not self._request:
+            return False                                 # superseded by a newer request
         self.plan = plan
-        self._plan_times = {j.id: self.sequences[j.id].times_s.copy() for j in measured}
-        self._plan_iteration = {j.id: self.sequences[j.id].iterations for j in measured}
+        self.plan_seconds += seconds
+        self.plans_made += plan is not None
+        self._plan_times = {t.job_id: t.sequence.times_s for t in request.traces}
+        self._plan_iteration = request.iterations
         for j in self.jobs.values():
             j.schedule = ("planned" if plan is not None and j.id in plan.timeline.traces
                           else "reactive" if self.policy == "reactive" else "cold start")
-        self.plan_seconds += time.perf_counter() - started
-        self.history = (self.history + [(reasons, len(plan.decisions) if plan else 0)])[-64:]
+        request.record[1] = len(plan.decisions) if plan else 0
         if plan is not None:
             log.info("plan %d (%s, %s): %d decisions, predicted peak %d of target %d bytes, "
-                     "predicted extra %.4f s per period", self.plans_made, self.policy, "; ".join(reasons),
-                     len(plan.decisions), plan.predicted_peak_nbytes, plan.target_nbytes,
-                     plan.predicted_extra_s)
-        return plan
+                     "predicted extra %.4f s per period, %.3f s to plan", self.plans_made, self.policy,
+                     "; ".join(request.reasons), len(plan.decisions), plan.predicted_peak_nbytes,
+                     plan.target_nbytes, plan.predicted_extra_s, seconds)
+        return True
+
+    def close(self) -> None:
+        """Stop the planning thread."""
+        self._planning.shutdown(wait=True, cancel_futures=True)
+
+    def _make(self, request: "_Request"):
+        started = time.perf_counter()
+        plan = None
+        if request.traces:
+            plan = _PLANNERS[self.policy](Timeline(request.traces), self.cost, request.target)
+        return request, plan, time.perf_counter() - started
 
     def _want_replan(self, reason: str) -> None:
         self.replan_reasons.append(reason)
@@ -187,3 +223,35 @@ class Scheduler:
             "predicted_peak_nbytes": plan.predicted_peak_nbytes if plan else None,
             "predicted_extra_s": plan.predicted_extra_s if plan else None,
         }
+
+
+@dataclass(eq=False)
+class _Request:
+    """What one plan is made from: the measured jobs' traces (with copied op times) and the
+    target, bytes."""
+
+    reasons: tuple[str, ...]
+    iterations: dict[int, int]
+    traces: list[JobTrace] = field(default_factory=list)
+    target: int = 0
+    record: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.record = [self.reasons, None]
+
+
+@functools.lru_cache(maxsize=64)
+def _round_usage(program, period: int) -> np.ndarray:
+    """(period,) float64: bytes a job of ``program`` holds in each round of an iteration spread
+    over ``period`` rounds (the largest at its ops in that round; an empty round keeps the
+    previous op's)."""
+    per_op = Timeline([JobTrace(0, AccessSequence(program))]).usage([])
+    n_ops = len(program.ops)
+    rounds = np.full(period, np.nan)
+    for p in range(n_ops):
+        r = p * period // n_ops
+        rounds[r] = per_op[p] if np.isnan(rounds[r]) else max(rounds[r], per_op[p])
+    for r in range(period):
+        if np.isnan(rounds[r]):
+            rounds[r] = rounds[r - 1]
+    return rounds

@@ -111,8 +111,16 @@ class _State:
         self.taken: set[tuple[int, str, int]] = set()       # (job, slot, a) already decided
         self.extra: dict[tuple[int, str], set[int]] = {}    # positions read by planned recomputes
         self.sim = simulate(timeline, [], cost)
+        self._gaps: dict[tuple[int, str], list[_Gap]] = {}
 
     def gaps(self, t: TensorInfo) -> list[_Gap]:
+        """The absences of ``t`` not decided yet (cached until a decision touches ``t``)."""
+        key = (t.job_id, t.slot)
+        if key not in self._gaps:
+            self._gaps[key] = self._find_gaps(t)
+        return self._gaps[key]
+
+    def _find_gaps(self, t: TensorInfo) -> list[_Gap]:
         pos = sorted(set(t.positions) | self.extra.get((t.job_id, t.slot), set()))
         pairs = list(zip(pos, pos[1:]))
         if t.persistent:
@@ -171,10 +179,12 @@ class _State:
     def add(self, d: Decision) -> None:
         self.decisions.append(d)
         self.taken.add((d.job_id, d.slot, d.a))
+        self._gaps.pop((d.job_id, d.slot), None)
         if d.method == "recompute":
             pb = self.tl.events[d.b][1]
             for name in d.recipe_inputs:
                 self.extra.setdefault((d.job_id, name), set()).add(pb)
+                self._gaps.pop((d.job_id, name), None)
         self.sim = simulate(self.tl, self.decisions, self.cost)
 
 

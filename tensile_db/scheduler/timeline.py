@@ -18,7 +18,7 @@ timing; only the predicted time does, which :func:`simulate` computes with one F
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -168,63 +168,54 @@ class Simulation:
         return self.period_s - self.compute_s
 
 
-@dataclass
-class _EventActions:
-    release: list = field(default_factory=list)
-    swap_in: list = field(default_factory=list)
-    swap_out: list = field(default_factory=list)
-    recompute_s: float = 0.0
-
-
 def simulate(timeline: Timeline, decisions: list[Decision], cost: CostModel) -> Simulation:
     """Predict the timing of ``decisions`` on ``timeline``: ops run back to back on the compute
-    stream; swaps run one at a time on the copy channel in issue order; an op waits for the
-    swap-ins of the tensors it accesses, a release waits for its swap-out, and a recompute adds
+    stream; swaps run one at a time on the copy channel in issue order; the op that next accesses
+    a swapped tensor waits for its swap-in, a release waits for its swap-out, and a recompute adds
     the producing ops' measured times before the op that needs the tensor."""
     n = timeline.n
-    acts = [_EventActions() for _ in range(n)]
-    for d in decisions:
-        key = (d.job_id, d.slot)
+    release: dict[int, list] = {}
+    swap_in: dict[int, list] = {}
+    swap_out: dict[int, list] = {}
+    wait_in: dict[int, list] = {}
+    recompute_s = np.zeros(n)
+    for i, d in enumerate(decisions):
         if d.method == "swap":
-            acts[d.a].swap_out.append((key, cost.swap_out_s(d.nbytes)))
-            acts[d.free].release.append(key)
-            acts[d.back].swap_in.append((key, cost.swap_in_s(d.nbytes)))
+            swap_out.setdefault(d.a, []).append((i, cost.swap_out_s(d.nbytes)))
+            release.setdefault(d.free, []).append(i)
+            swap_in.setdefault(d.back, []).append((i, cost.swap_in_s(d.nbytes)))
+            wait_in.setdefault(d.b, []).append(i)
         else:
-            acts[d.b].recompute_s += d.recipe_s
-    accesses = [timeline.program(j).ops[p].accesses for j, p in timeline.events]
-    t = channel = 0.0
-    out_end: dict = {}
-    in_end: dict = {}
-    start = np.zeros(n)
-    stall = recompute = busy = 0.0
-    period_start = 0.0
+            recompute_s[d.b] += d.recipe_s
+    durations = timeline.durations_s.tolist()
+    recompute_list = recompute_s.tolist()
+    out_end = [0.0] * len(decisions)
+    in_end = [0.0] * len(decisions)
+    start = [0.0] * n
+    t = channel = stall = busy = period_start = 0.0
     for rep in range(2):
         if rep == 1:
-            period_start, stall, recompute, busy = t, 0.0, 0.0, 0.0
+            period_start, stall, busy = t, 0.0, 0.0
         for k in range(n):
-            ev = acts[k]
-            for key in ev.release:
-                if out_end.get(key, 0.0) > t:
-                    stall += out_end[key] - t
-                    t = out_end[key]
-            for key, seconds in ev.swap_in:
+            for i in release.get(k, ()):
+                if out_end[i] > t:
+                    stall += out_end[i] - t
+                    t = out_end[i]
+            for i, seconds in swap_in.get(k, ()):
                 channel = max(channel, t) + seconds
                 busy += seconds
-                in_end[key] = channel
-            job = timeline.events[k][0]
-            for slot in accesses[k]:
-                end = in_end.pop((job, slot), None)
-                if end is not None and end > t:
-                    stall += end - t
-                    t = end
-            t += ev.recompute_s
-            recompute += ev.recompute_s
+                in_end[i] = channel
+            for i in wait_in.get(k, ()):
+                if in_end[i] > t:
+                    stall += in_end[i] - t
+                    t = in_end[i]
+            t += recompute_list[k]
             start[k] = t - period_start
-            t += timeline.durations_s[k]
-            for key, seconds in ev.swap_out:
+            t += durations[k]
+            for i, seconds in swap_out.get(k, ()):
                 channel = max(channel, t) + seconds
                 busy += seconds
-                out_end[key] = channel
+                out_end[i] = channel
     nbytes = sum(2 * d.nbytes for d in decisions if d.method == "swap")
-    return Simulation(start, t - period_start, float(timeline.durations_s.sum()), stall, recompute,
-                      nbytes, busy)
+    return Simulation(np.array(start), t - period_start, float(timeline.durations_s.sum()), stall,
+                      float(recompute_s.sum()), nbytes, busy)

@@ -32,6 +32,12 @@ class AccessSequence:
         self.times_s = np.full(len(program.ops), np.nan)
         self.iterations = 0
 
+    def snapshot(self) -> "AccessSequence":
+        """A copy whose times no longer change (the program is shared)."""
+        copy = AccessSequence(self.program, self.smoothing)
+        copy.times_s, copy.iterations = self.times_s.copy(), self.iterations
+        return copy
+
     def record(self, position: int, seconds: float) -> None:
         """Fold one measured time of op ``position`` (seconds) into the moving average."""
         old = self.times_s[position]
