@@ -279,3 +279,20 @@ def test_submit_refuses_a_job_whose_working_set_exceeds_the_budget():
     assert info.value.requested_nbytes == job.min_working_set_nbytes
     assert f"{job.min_working_set_nbytes:,}" in str(info.value)
     assert not executor.queued and job.state is JobState.QUEUED
+
+
+def test_recipes_read_only_slots_that_outlive_the_target():
+    spec = ModelSpec(Architecture((Layer(12, "none", 0.5), Layer(10, "relu", 0.2), Layer(8, "tanh"))), 6, 3,
+                     "classification")
+    prog = build_training_program(spec, TrainOptions(), 5)
+    recipes = {name: prog.recipe(name) for name in prog.slots}
+    assert recipes["d0"] is None                     # h0 (no activation) dies at dropout0
+    assert recipes["h1"] is not None and recipes["mask0"] is not None and recipes["d1"] is not None
+    assert recipes["probs"] is None and recipes["W0"] is None and recipes["x"] is None
+    for name, recipe in recipes.items():
+        if recipe is None:
+            continue
+        last = prog.positions[name][-1]
+        for s in prog.recipe_inputs_of(recipe, name):
+            assert prog.slots[s].kind.persistent or prog.positions[s][-1] >= last
+            assert not any(s in prog.ops[p].writes for p in range(recipe[-1] + 1, last + 1))

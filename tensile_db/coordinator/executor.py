@@ -103,9 +103,13 @@ class Executor:
                     continue
                 turn = list(self.running.values())
             period = self.period
-            if self.scheduler.replan_reasons:
-                self.scheduler.replan({j.id: self._iteration_start[j.id] % period for j, _ in turn})
-            self.scheduler.poll()
+            try:
+                if self.scheduler.replan_reasons:
+                    self.scheduler.replan({j.id: self._iteration_start[j.id] % period for j, _ in turn}, period)
+                self.scheduler.poll()
+            except Exception:  # planning is an optimisation: never let it stop the jobs
+                log.exception("scheduling failed; the jobs go on under the reactive fallback")
+                self.scheduler.plan = None
             for job, ops in turn:
                 if job.cancel_requested.is_set():
                     self._finish(job, JobState.CANCELLED, JobCancelled("cancelled by the caller"))

@@ -24,7 +24,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, TensileError
 from ..memory.manager import JobMemory, MemoryManager, Residency, Tensor
 from ..runtime import model as models
 from ..runtime.program import Program, StepContext, build_training_program
@@ -179,7 +179,9 @@ class TrainingJob:
         """Re-run the forward ops that produced the dropped tensor ``name`` (its recipe); their
         inputs are unchanged since the first run, so the values are identical."""
         recipe = self.program.recipe(name)
-        assert recipe is not None, f"{name} was dropped but cannot be recomputed"
+        if recipe is None:
+            raise TensileError(f"internal error: tensor {name!r} of job {self.id} was dropped but "
+                               "cannot be recomputed; report this with the model's architecture")
         target = self.tensors[name]
         for p in recipe:
             op = self.program.ops[p]

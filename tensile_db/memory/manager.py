@@ -214,7 +214,8 @@ class MemoryManager:
             t.residency = Residency.SWAPPING_IN
             self._account(t, device=t.arena_nbytes)
             t.transfer = self.engine.to_device(t.host, self.array(t, Residency.SWAPPING_IN))
-            self.jobs[t.job_id].planned_swap_ins += 1
+            if t.swapped_out:
+                self.jobs[t.job_id].planned_swap_ins += 1
 
     def drop(self, t: Tensor) -> None:
         """Discard a resident, unpinned tensor's values and free its block; the owning job
@@ -300,9 +301,10 @@ class MemoryManager:
             t.transfer, t.residency = None, Residency.DEVICE
             self._account(t, host=-t.nbytes)
             t.host = None
-            j = self.jobs[t.job_id]
-            j.swapped_in_nbytes += t.nbytes
-            j.swap_ins += 1
+            if t.swapped_out:
+                j = self.jobs[t.job_id]
+                j.swapped_in_nbytes += t.nbytes
+                j.swap_ins += 1
         elif t.residency is Residency.SWAPPING_OUT:
             t.transfer.wait()
             t.transfer, t.residency = None, Residency.DEVICE
@@ -347,20 +349,25 @@ class MemoryManager:
         while True:
             victims = [t for t in self._tensors.values()
                        if t.residency is Residency.DEVICE and not t.pins and t.id not in self._acquiring]
-            leaving = [t for t in self._tensors.values() if t.residency is Residency.SWAPPING_OUT]
+            leaving = [t for t in self._tensors.values()
+                       if t.residency is Residency.SWAPPING_OUT and t.id not in self._acquiring]
             within = self.allocator.in_use_nbytes + size <= self.limit_nbytes or not (victims or leaving)
             if within:
                 offset = self.allocator.allocate(size)
                 if offset is not None:
                     return offset
                 if self.allocator.free_nbytes >= size:
-                    for t in [t for t in self._tensors.values() if t.transfer is not None]:
-                        if t.residency is Residency.SWAPPING_IN:
-                            self._settle(t)
-                        else:
-                            t.transfer.wait()   # copied out; the block is released as planned
-                    if self._compact():
+                    if self._compact():         # around the blocks copies still use
                         continue
+                    in_flight = [t for t in self._tensors.values() if t.transfer is not None]
+                    if in_flight:               # let them land so that their blocks can move too
+                        for t in in_flight:
+                            if t.residency is Residency.SWAPPING_IN:
+                                self._settle(t)
+                            else:
+                                t.transfer.wait()   # copied out; released as planned
+                        if self._compact():
+                            continue
             if leaving:
                 for t in leaving:
                     self._finish_swap_out(t)

@@ -55,13 +55,19 @@ class Device:
             array.set(np.ascontiguousarray(host))
 
     def move_down(self, buffer, src: int, dst: int, nbytes: int) -> None:
-        """Copy ``buffer[src:src + nbytes]`` to ``buffer[dst:dst + nbytes]`` with ``dst < src``;
-        overlapping ranges are copied in chunks of ``src - dst`` bytes, low addresses first."""
+        """Copy ``buffer[src:src + nbytes]`` to ``buffer[dst:dst + nbytes]`` with ``dst < src``.
+        NumPy copies overlapping slices correctly; on ``cuda`` overlapping ranges go through the
+        host when the shift is small, else in non-overlapping chunks of ``src - dst`` bytes."""
         assert dst < src
-        chunk = min(src - dst, nbytes)
-        for i in range(0, nbytes, chunk):
-            n = min(chunk, nbytes - i)
-            buffer[dst + i:dst + i + n] = buffer[src + i:src + i + n]
+        if self.xp is np or src - dst >= nbytes:
+            buffer[dst:dst + nbytes] = buffer[src:src + nbytes]
+        elif (src - dst) * 16 < nbytes:  # pragma: no cover - cuda only
+            buffer[dst:dst + nbytes].set(self.xp.asnumpy(buffer[src:src + nbytes]))
+        else:  # pragma: no cover - cuda only
+            chunk = src - dst
+            for i in range(0, nbytes, chunk):
+                n = min(chunk, nbytes - i)
+                buffer[dst + i:dst + i + n] = buffer[src + i:src + i + n]
 
     def uniform(self, seed: int, out) -> None:
         """Fill ``out`` (float32 or float64) with uniform draws in [0, 1) from a stream fixed by

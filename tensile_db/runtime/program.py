@@ -126,8 +126,10 @@ class Program:
         """The op indices that recompute ``name`` exactly, or None if it is not recomputable.
 
         A slot is recomputable when it is an activation whose writers are the first ops that
-        access it, each writing nothing else (a dense op and its in-place activation), and when
-        no op after the writers and up to its last access writes any slot they read. Re-running
+        access it, each writing nothing else (a dense op and its in-place activation), when every
+        slot they read lives at least as long as it (persistent, or accessed again no earlier
+        than its last access), and when no op after the writers and up to its last access writes
+        any of those slots. Re-running
         the writers in backward then reproduces the value bit for bit. Dropout is excluded: it
         writes its mask and output together.
         """
@@ -140,6 +142,8 @@ class Program:
         if any(self.ops[p].writes != (name,) for p in writers):
             return None
         inputs = self.recipe_inputs_of(writers, name)
+        if any(not self.slots[s].kind.persistent and self.positions[s][-1] < pos[-1] for s in inputs):
+            return None
         for p in range(writers[-1] + 1, pos[-1] + 1):
             if inputs & set(self.ops[p].writes):
                 return None

@@ -34,7 +34,9 @@ class CostModel:
 def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) -> CostModel:
     """Measure host<->device bandwidth through ``engine`` (a
     :class:`~tensile_db.memory.transfer.TransferEngine`): the best of ``repeats`` copies of
-    ``nbytes`` bytes each way, plus the latency of a 512-byte copy. Returns a :class:`CostModel`.
+    ``nbytes`` bytes each way, and the latency (best of a 512-byte copy each way); the bandwidth
+    is the slope between the two sizes, or ``nbytes`` over the large copy's time when noise makes
+    the slope meaningless. Returns a :class:`CostModel`.
     """
     host = np.ones(nbytes, dtype=np.uint8)
     dev = device.xp.zeros(nbytes, dtype=np.uint8)
@@ -51,5 +53,9 @@ def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) 
     d2h = best(lambda: engine.to_host(dev))
     small_host, small_dev = host[:512], dev[:512]
     latency = min(best(lambda: engine.to_device(small_host, small_dev)), best(lambda: engine.to_host(small_dev)))
-    return CostModel(h2d_bytes_per_s=nbytes / max(h2d - latency, 1e-9),
-                     d2h_bytes_per_s=nbytes / max(d2h - latency, 1e-9), latency_s=latency)
+    def bandwidth(seconds: float) -> float:
+        if seconds > 2 * latency:
+            return (nbytes - 512) / (seconds - latency)
+        return nbytes / seconds
+
+    return CostModel(h2d_bytes_per_s=bandwidth(h2d), d2h_bytes_per_s=bandwidth(d2h), latency_s=latency)

@@ -72,8 +72,9 @@ class Scheduler:
         manager.next_use = self.reactive
         if policy == "tensile":        # the fallback keeps the plans' headroom too
             manager.limit_nbytes = int(manager.budget_nbytes * (1.0 - headroom)) // UNIT_NBYTES * UNIT_NBYTES
-        self.cost = cost or measure_bandwidth(manager.device, manager.engine,
-                                              nbytes=min(16 << 20, max(manager.budget_nbytes // 4, 4096)))
+        # On cpu the buffers are plain host memory; on cuda they come from the arena.
+        nbytes = 16 << 20 if manager.device.name == "cpu" else min(16 << 20, max(manager.budget_nbytes // 4, 4096))
+        self.cost = cost or measure_bandwidth(manager.device, manager.engine, nbytes=nbytes)
         self.jobs: dict[int, object] = {}                 # running jobs, in admission order
         self.sequences: dict[int, AccessSequence] = {}
         self.plan: Plan | None = None
@@ -151,10 +152,11 @@ class Scheduler:
         peaks = [float(np.max(combined + np.roll(mine, (now + delay) % period))) for delay in range(period)]
         return int(np.argmin(peaks))
 
-    def replan(self, phases: dict[int, int], wait: bool = False) -> None:
+    def replan(self, phases: dict[int, int], period: int, wait: bool = False) -> None:
         """Start making a new plan for the running jobs, on the planning thread, from a snapshot
         of their access sequences; :meth:`poll` installs it when it is ready (with ``wait``, at
-        once). ``phases``: job id -> the round (mod the period) its current iteration started in.
+        once). ``phases``: job id -> the round (mod ``period``, the executor's rounds per
+        iteration of every running job) its current iteration started in.
         Jobs run meanwhile under the previous plan, so planning never stalls them."""
         reasons, self.replan_reasons = tuple(self.replan_reasons), []
         measured = [j for j in self.jobs.values() if self.sequences[j.id].measured]
@@ -162,7 +164,9 @@ class Scheduler:
         request = _Request(reasons, {j.id: self.sequences[j.id].iterations for j in measured})
         if self.policy != "reactive" and measured:
             reserve = sum(j.vanilla_peak_nbytes for j in cold)
-            request.target = max(int((self.mm.budget_nbytes - reserve) * (1.0 - self.headroom)), 0)
+            floor = max(j.min_working_set_nbytes for j in measured)
+            request.target = max(int((self.mm.budget_nbytes - reserve) * (1.0 - self.headroom)), floor)
+            request.period = period
             order = {job_id: i for i, job_id in enumerate(self.jobs)}
             request.traces = [JobTrace(j.id, self.sequences[j.id].snapshot(), phases[j.id], order[j.id])
                               for j in measured]
@@ -206,7 +210,11 @@ class Scheduler:
         started = time.perf_counter()
         plan = None
         if request.traces:
-            plan = _PLANNERS[self.policy](Timeline(request.traces), self.cost, request.target)
+            try:
+                plan = _PLANNERS[self.policy](Timeline(request.traces, request.period), self.cost, request.target)
+            except Exception:  # a failed plan leaves the jobs under the reactive fallback
+                log.exception("planning failed (%s); jobs run reactively until the next plan",
+                              "; ".join(request.reasons))
         return request, plan, time.perf_counter() - started
 
     def _want_replan(self, reason: str) -> None:
@@ -234,6 +242,7 @@ class _Request:
     iterations: dict[int, int]
     traces: list[JobTrace] = field(default_factory=list)
     target: int = 0
+    period: int | None = None
     record: list = field(default_factory=list)
 
     def __post_init__(self):

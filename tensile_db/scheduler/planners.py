@@ -26,6 +26,7 @@ reactive eviction covers whatever the plan misses.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,8 +36,9 @@ from .timeline import Decision, Simulation, TensorInfo, Timeline, simulate
 
 #: candidates compared by a full simulation per step of :func:`plan_tensile`
 SIMULATED_CANDIDATES = 4
-#: upper bound on the decisions of one plan
+#: upper bounds on one plan: decisions, and seconds spent choosing them
 MAX_DECISIONS = 4096
+MAX_PLAN_SECONDS = 2.0
 
 
 @dataclass
@@ -190,7 +192,8 @@ class _State:
 
 def _greedy(policy: str, timeline: Timeline, cost: CostModel, target_nbytes: int, choose) -> Plan:
     state = _State(timeline, cost)
-    while len(state.decisions) < MAX_DECISIONS:
+    deadline = time.monotonic() + MAX_PLAN_SECONDS
+    while len(state.decisions) < MAX_DECISIONS and time.monotonic() < deadline:
         use = timeline.usage(state.decisions)
         k = int(np.argmax(use))
         if use[k] <= target_nbytes:

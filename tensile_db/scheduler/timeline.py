@@ -75,21 +75,26 @@ class Decision:
 
 
 class Timeline:
-    """The ops of one period of the combined timeline, in execution order.
+    """The ops of one period of the combined timeline, in execution order. ``period`` is the
+    executor's rounds per iteration (its longest running program, which may be a job not on this
+    timeline); by default the longest program here.
 
     Attributes:
-        period: rounds per period (the longest program, in ops).
+        period: rounds per period.
         events: (job_id, position) per event, in order; ``n`` of them.
         index: (job_id, position) -> event index.
         durations_s: (n,) float64 seconds, each op's measured time.
         tensors: every tensor of every job, as :class:`TensorInfo`.
     """
 
-    def __init__(self, traces: list[JobTrace]):
+    def __init__(self, traces: list[JobTrace], period: int | None = None):
         if not traces:
             raise ValueError("a timeline needs at least one job")
         self.traces = {t.job_id: t for t in traces}
-        self.period = max(len(t.sequence.program.ops) for t in traces)
+        longest = max(len(t.sequence.program.ops) for t in traces)
+        if period is not None and period < longest:
+            raise ValueError(f"period {period} is shorter than the longest program ({longest} ops)")
+        self.period = period or longest
         keyed = []
         for t in traces:
             n_ops = len(t.sequence.program.ops)
