@@ -60,7 +60,7 @@ class Scheduler:
     """
 
     def __init__(self, manager, policy: str = "tensile", cost: CostModel | None = None,
-                 drift: float = 0.25, drift_every: int = 8, headroom: float = 0.03):
+                 drift: float = 0.5, drift_every: int = 16, headroom: float = 0.03):
         if policy not in POLICIES:
             raise InvalidArgument(f"unknown scheduler policy {policy!r}; use one of {', '.join(POLICIES)}")
         self.mm = manager
