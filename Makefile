@@ -30,6 +30,7 @@ bench: $(VENV)/.bench-deps package extension
 	$(PY) bench/ingest.py --home "$(TENSILE_HOME)"
 	$(PY) bench/throughput.py
 	$(PY) bench/scheduler.py
+	$(PY) bench/pool.py
 
 system-deps:
 	@dpkg -s $(APT_PACKAGES) >/dev/null 2>&1 || { \

@@ -1,0 +1,121 @@
+"""The planned pool's offline planner: interval colouring of recurring allocations.
+
+Checked on hand-made traces (gaps reused, best fit against first fit, allocations with two
+lifetime segments), on random traces (no two allocations that live at the same time share a
+byte, every block inside the arena, never below the lower bound), and on the traces of real
+training programs with and without a swap schedule.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tensile_db.memory.arena import UNIT_NBYTES as U
+from tensile_db.memory.pool import (ORDERS, Allocation, PoolPlan, allocations_of, check_plan, max_live_nbytes,
+                                    plan_offsets, plan_smallest, replay_general_pool)
+from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
+from tensile_db.runtime.program import build_training_program
+from tensile_db.scheduler.cost import CostModel
+from tensile_db.scheduler.planners import plan_tensile
+from tensile_db.scheduler.timeline import JobTrace, Timeline
+from tensile_db.scheduler.trace import AccessSequence
+
+
+def alloc(key, units, *segments):
+    return Allocation(key, units * U, tuple(segments))
+
+
+def test_blocks_of_disjoint_lifetimes_share_offsets():
+    a = alloc("a", 4, (0, 3))
+    b = alloc("b", 4, (4, 7))
+    c = alloc("c", 2, (2, 5))                    # overlaps both
+    plan = plan_offsets([a, b, c])
+    check_plan([a, b, c], plan)
+    assert plan.offsets["a"] == plan.offsets["b"] == 0 and plan.offsets["c"] == 4 * U
+    assert plan.arena_nbytes == 6 * U == max_live_nbytes([a, b, c])
+
+
+def test_best_fit_takes_the_tightest_gap_first_fit_the_lowest():
+    # placed in start order: q [0,2), p1 [2,10), r [10,12), p2 [12,15), s [15,16) units; when
+    # "late" starts, p1 and p2 have ended and left holes of 8 and 3 units
+    allocs = [alloc("q", 2, (0, 9)), alloc("p1", 8, (1, 4)), alloc("r", 2, (2, 9)), alloc("p2", 3, (3, 4)),
+              alloc("s", 1, (3, 9)), alloc("late", 3, (6, 9))]
+    best = plan_offsets(allocs, "best_fit", "start")
+    first = plan_offsets(allocs, "first_fit", "start")
+    for plan in (best, first):
+        check_plan(allocs, plan)
+    assert [best.offsets[k] // U for k in ("q", "p1", "r", "p2", "s")] == [0, 2, 10, 12, 15]
+    assert first.offsets["late"] == 2 * U                          # the lowest hole that fits
+    assert best.offsets["late"] == 12 * U                          # the 3-unit hole exactly
+
+
+def test_two_segments_share_one_offset_and_collide_with_neither_neighbour():
+    wrap = alloc("w", 4, (0, 2), (8, 9))         # lives across the end of the iteration
+    inside = alloc("i", 4, (3, 7))               # fits in its absence
+    clash = alloc("c", 4, (1, 1))
+    plan = plan_offsets([wrap, inside, clash])
+    check_plan([wrap, inside, clash], plan)
+    assert plan.offsets["i"] == plan.offsets["w"]
+    assert plan.offsets["c"] != plan.offsets["w"]
+
+
+def test_check_plan_finds_shared_bytes_and_blocks_outside_the_arena():
+    a, b = alloc("a", 4, (0, 5)), alloc("b", 4, (5, 9))
+    with pytest.raises(AssertionError, match="share bytes"):
+        check_plan([a, b], PoolPlan("x", {"a": 0, "b": 2 * U}, 8 * U))
+    with pytest.raises(AssertionError, match="outside"):
+        check_plan([a, b], PoolPlan("x", {"a": 0, "b": 4 * U}, 6 * U))
+    with pytest.raises(ValueError, match="'worst_fit'"):
+        plan_offsets([a], "worst_fit")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_traces(seed):
+    rng = np.random.default_rng(seed)
+    allocs = []
+    for i in range(int(rng.integers(5, 60))):
+        start = int(rng.integers(0, 40))
+        segments = [(start, start + int(rng.integers(0, 15)))]
+        if rng.random() < 0.2 and segments[0][1] + 3 < 60:
+            later = segments[0][1] + int(rng.integers(2, 6))
+            segments.append((later, later + int(rng.integers(0, 8))))
+        allocs.append(Allocation(i, int(rng.choice([1, 1, 2, 3, 8, 16])) * U, tuple(segments)))
+    bound = max_live_nbytes(allocs)
+    for strategy in ("best_fit", "first_fit"):
+        for order in ORDERS:
+            plan = plan_offsets(allocs, strategy, order)
+            check_plan(allocs, plan)
+            assert plan.arena_nbytes >= bound
+        assert plan_smallest(allocs, strategy).arena_nbytes == min(
+            plan_offsets(allocs, strategy, o).arena_nbytes for o in ORDERS)
+    hwm, top = replay_general_pool(allocs)
+    assert hwm == bound <= top
+
+
+SPEC = ModelSpec(Architecture((Layer(96, "relu", 0.2), Layer(64, "tanh"), Layer(48, "relu"))), 16, 4,
+                 "classification")
+
+
+@pytest.mark.parametrize("scheduled", [False, True], ids=["unscheduled", "swap schedule"])
+def test_training_program_traces(scheduled):
+    program = build_training_program(SPEC, TrainOptions(), 64)
+    seq = AccessSequence(program)
+    for p in range(len(program.ops)):
+        seq.record(p, 1e-3)
+    seq.end_iteration()
+    timeline = Timeline([JobTrace(0, seq)])
+    decisions = plan_tensile(timeline, CostModel(1e10, 1e10), timeline.vanilla_peak_nbytes() // 2).decisions \
+        if scheduled else []
+    assert bool(decisions) == scheduled
+    allocs = allocations_of(program, decisions)
+    bound = max_live_nbytes(allocs)
+    assert bound == timeline.usage(decisions).max()
+    if not scheduled:
+        assert bound == program.vanilla_peak_nbytes()
+        assert len(allocs) == len(program.slots)
+    else:
+        assert len(allocs) > len(program.slots)      # a swapped tensor is a new block after its swap-in
+    plan = plan_smallest(allocs)
+    check_plan(allocs, plan)
+    assert plan.arena_nbytes >= bound
