@@ -380,21 +380,32 @@ def test_statement_timeout_cancels_the_job(conn, digits):
     assert_nothing_left(conn)
 
 
-def test_pg_cancel_backend_cancels_the_job(conn, dsn, digits):
+def train_in_background(dsn: str, name: str) -> tuple[threading.Thread, dict]:
+    """Start a long training of ``name`` on its own connection; the dict gets the backend's
+    ``pid`` and, when the call fails, its ``error``."""
     outcome = {}
 
     def run():
         with psycopg.connect(dsn, autocommit=True) as c:
             outcome["pid"] = c.info.backend_pid
             try:
-                train(c, "t_cancel", options='{"epochs": 5000}')
+                train(c, name, options='{"epochs": 5000}')
             except psycopg.Error as exc:
                 outcome["error"] = str(exc)
 
     t = threading.Thread(target=run)
     t.start()
-    assert wait_until(lambda: conn.execute("SELECT count(*) FROM tensile.jobs WHERE model_name = 't_cancel' "
-                                           "AND state = 'running'").fetchone()[0] == 1)
+    return t, outcome
+
+
+def running(conn, name: str) -> bool:
+    return conn.execute("SELECT count(*) FROM tensile.jobs WHERE model_name = %s AND state = 'running'",
+                        (name,)).fetchone()[0] == 1
+
+
+def test_pg_cancel_backend_cancels_the_job(conn, dsn, digits):
+    t, outcome = train_in_background(dsn, "t_cancel")
+    assert wait_until(lambda: running(conn, "t_cancel"))
     conn.execute("SELECT pg_cancel_backend(%s)", (outcome["pid"],))
     t.join(10)
     assert not t.is_alive()
@@ -419,22 +430,9 @@ def configure_policy(cluster, conn):
 def test_configured_policy_reaches_a_fresh_coordinator(configure_policy, conn, dsn, digits):
     policy = "vdnn"
     configure_policy(f"'{policy}'")
-    outcome = {}
-
-    def run():
-        with psycopg.connect(dsn, autocommit=True) as c:
-            outcome["pid"] = c.info.backend_pid
-            try:
-                train(c, "t_policy_running", options='{"epochs": 5000}')
-            except psycopg.Error as exc:
-                outcome["error"] = str(exc)
-
-    t = threading.Thread(target=run)
-    t.start()
+    t, outcome = train_in_background(dsn, "t_policy_running")
     try:
-        assert wait_until(lambda: conn.execute("SELECT count(*) FROM tensile.jobs "
-                                               "WHERE model_name = 't_policy_running' AND state = 'running'"
-                                               ).fetchone()[0] == 1)
+        assert wait_until(lambda: running(conn, "t_policy_running"))
         job = conn.execute("SELECT policy, schedule, planned_swap_ins, passive_swap_ins, recomputes FROM tensile.jobs "
                            "WHERE model_name = 't_policy_running'").fetchone()
         assert job[0] == policy and job[1] in SCHEDULES and all(n >= 0 for n in job[2:])

@@ -299,19 +299,25 @@ class MemoryManager:
         if t.residency is Residency.SWAPPING_IN:
             t.transfer.wait()
             t.transfer, t.residency = None, Residency.DEVICE
-            self._account(t, host=-t.nbytes)
-            t.host = None
-            if t.swapped_out:
-                j = self.jobs[t.job_id]
-                j.swapped_in_nbytes += t.nbytes
-                j.swap_ins += 1
+            self._landed(t)
         elif t.residency is Residency.SWAPPING_OUT:
             t.transfer.wait()
             t.transfer, t.residency = None, Residency.DEVICE
 
-    def _finish_swap_out(self, t: Tensor) -> None:
-        t.host = t.transfer.wait().host
-        t.transfer = None
+    def _landed(self, t: Tensor) -> bool:
+        """A copy host -> device has completed: drop the host copy and count a swap-in if the
+        tensor had been swapped out (a first load of adopted values is not one)."""
+        self._account(t, host=-t.nbytes)
+        t.host = None
+        if t.swapped_out:
+            j = self.jobs[t.job_id]
+            j.swapped_in_nbytes += t.nbytes
+            j.swap_ins += 1
+        return t.swapped_out
+
+    def _left(self, t: Tensor, host: np.ndarray) -> None:
+        """A copy device -> host has completed into ``host``: free the block, count a swap-out."""
+        t.host = host
         self.allocator.free(t.offset)
         self._account(t, device=-t.arena_nbytes, host=t.nbytes)
         t.offset, t.residency, t.swapped_out = None, Residency.HOST, True
@@ -319,25 +325,23 @@ class MemoryManager:
         j.swapped_out_nbytes += t.nbytes
         j.swap_outs += 1
 
+    def _finish_swap_out(self, t: Tensor) -> None:
+        host = t.transfer.wait().host
+        t.transfer = None
+        self._left(t, host)
+
     def _make_resident(self, t: Tensor) -> None:
         self._settle(t)
         if t.residency is Residency.DEVICE:
             return
         t.offset = self._make_room(t.arena_nbytes)
         self._account(t, device=t.arena_nbytes)
-        if t.residency is Residency.DROPPED:        # the job recomputes the values
-            t.residency = Residency.DEVICE
-            return
+        dropped = t.residency is Residency.DROPPED      # the job recomputes the values
         t.residency = Residency.DEVICE
-        if t.host is not None:                      # bring values back (swap-in or first load)
+        if not dropped and t.host is not None:          # bring values back (swap-in or first load)
             self.device.to_device(t.host, self.array(t))
-            self._account(t, host=-t.nbytes)
-            t.host = None
-            if t.swapped_out:
-                j = self.jobs[t.job_id]
-                j.swapped_in_nbytes += t.nbytes
-                j.swap_ins += 1
-                j.passive_swap_ins += 1
+            if self._landed(t):
+                self.jobs[t.job_id].passive_swap_ins += 1
 
     def _make_room(self, nbytes: int) -> int:
         """An arena offset for ``nbytes``, keeping the bytes in use within ``limit_nbytes`` while
@@ -346,6 +350,10 @@ class MemoryManager:
         their blocks can move too); else complete the swap-outs in flight ahead of their planned
         release; else evict farthest-next-use tensors."""
         size = round_up(nbytes)
+        if self.allocator.in_use_nbytes + size <= self.limit_nbytes:    # the common case
+            offset = self.allocator.allocate(size)
+            if offset is not None:
+                return offset
         while True:
             victims = [t for t in self._tensors.values()
                        if t.residency is Residency.DEVICE and not t.pins and t.id not in self._acquiring]
@@ -392,13 +400,8 @@ class MemoryManager:
         return bool(moves)
 
     def _swap_out(self, t: Tensor) -> None:
-        t.host = self.device.to_host(self.array(t))
-        self.allocator.free(t.offset)
-        self._account(t, device=-t.arena_nbytes, host=t.nbytes)
-        t.offset, t.residency, t.swapped_out = None, Residency.HOST, True
-        j = self.jobs[t.job_id]
-        j.swapped_out_nbytes += t.nbytes
-        j.swap_outs += 1
+        """Evict now: a synchronous copy to the host (the reactive path)."""
+        self._left(t, self.device.to_host(self.array(t)))
 
     def _pack(self, working_set: list[Tensor], what: str) -> None:
         """Last resort when nothing is left to evict: swap out every other unpinned tensor, then

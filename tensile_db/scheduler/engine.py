@@ -108,8 +108,6 @@ class Scheduler:
     def iteration_done(self, job) -> None:
         seq = self.sequences[job.id]
         seq.end_iteration()
-        if self.policy == "reactive":
-            return
         if seq.iterations == 1:
             self._want_replan(f"job {job.id} measured")
         elif (job.id in self._plan_times and seq.drift(self._plan_times[job.id]) > self.drift
@@ -218,7 +216,8 @@ class Scheduler:
         return request, plan, time.perf_counter() - started
 
     def _want_replan(self, reason: str) -> None:
-        self.replan_reasons.append(reason)
+        if self.policy != "reactive":                   # reactive never plans
+            self.replan_reasons.append(reason)
 
     def describe(self) -> dict:
         """JSON-able figures for ``tensile.memory``."""
