@@ -1,27 +1,62 @@
-"""The planned pool's benchmark (issue 4, first part): arena bytes of lifetime-planned offsets
-against the lower bound and the general (best-fit) pool, and the cost of one allocation.
+"""The planned pool's benchmark (issue 4): arena bytes of lifetime-planned offsets against the
+lower bound and the general (best-fit) pool, and the cost of one allocation.
 
-For MLPs of the scheduler benchmark at two batch sizes, with and without a swap schedule (the
-tensile planner at 50% of the job's unscheduled peak), on the allocation trace of one training
-iteration (:func:`tensile_db.memory.pool.allocations_of`):
+Two kinds of trace:
+
+- *single job*: one training iteration of one MLP (:func:`tensile_db.memory.pool.allocations_of`)
+  at two batch sizes, with and without a swap schedule (the tensile planner at 50% of the job's
+  unscheduled peak). The models are the scheduler benchmark's uniform MLPs (every hidden layer
+  the same width) and two with mixed widths (an hourglass 2048-64-1024-32-512-128 with dropout
+  after the wide layers, a funnel 2048 down to 64);
+- *recorded*: the period the planned pool itself recorded and installed in a real executor run on
+  ``cpu`` of three concurrent jobs of different models (so mixed sizes), unlimited or under
+  tensile at 50% of their combined peak; the largest-job-count plan of the run is taken.
+
+Per trace:
 
 - max live bytes: the lower bound on any arena;
-- planned arena, best fit and first fit, largest first (the paper's order) and the smallest over
-  the orders tried;
-- the general pool's arena: the highest address the best-fit allocator touches serving the trace;
-- ns per allocation: a planned lookup (a dict) against the general pool's allocate + free.
+- planned arena: best fit, largest first alone (the paper's order), and what the runtime installs
+  (:func:`~tensile_db.memory.pool.plan_smallest` with the planned pool's search time), best fit
+  and first fit;
+- the general pool's arena: the highest address the best-fit allocator touches serving the trace
+  (its high-water mark of *allocated* bytes is max live, whatever the offsets; the address is
+  what it must reserve);
+- planned below general: 1 - planned arena / general pool's arena;
+- ns per allocation: the runtime's planned path (:meth:`PlannedPool.lookup` checking the
+  recorded sequence, plus :meth:`PlannedPool.freed`) against the general pool's allocate + free,
+  over the same sequence of events.
+
+After the table, PASS/FAIL for the issue's targets: planned <= 1.05 x max live on every trace;
+>= 10% below the general pool on the mixed-size traces; planned allocation >= 5x cheaper.
+
+It draws the packing (:func:`draw_arena`: offset against event, one rectangle per lifetime
+segment) of each recorded trace, of each mixed-size model at the largest batch with the swap
+schedule, and of any trace over 1.05 x max live, to ``bench/out/pool_arena_*.png`` (outputs,
+ignored by git).
 
     python bench/pool.py
 """
 
 from __future__ import annotations
 
+import re
 import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 from tabulate import tabulate
 
+from tensile_db.coordinator.executor import Executor
+from tensile_db.coordinator.jobs import JobInfo, TrainingJob
+from tensile_db.memory import planned
 from tensile_db.memory.arena import ArenaAllocator
-from tensile_db.memory.pool import allocations_of, max_live_nbytes, plan_offsets, plan_smallest, replay_general_pool
+from tensile_db.memory.manager import MemoryManager
+from tensile_db.memory.planned import PlannedPool
+from tensile_db.memory.pool import (Allocation, PoolPlan, allocations_of, max_live_nbytes, plan_offsets,
+                                    plan_smallest, replay_general_pool)
+from tensile_db.runtime.device import Device
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
 from tensile_db.runtime.program import build_training_program
 from tensile_db.scheduler.cost import CostModel
@@ -33,33 +68,189 @@ MODELS = {
     "deep 8x256 relu": Architecture(tuple([Layer(256, "relu")] * 8)),
     "wide 4x512 relu dropout 0.1": Architecture(tuple([Layer(512, "relu", 0.1)] * 4)),
     "tanh 6x256": Architecture(tuple([Layer(256, "tanh")] * 6)),
+    "hourglass 2048-64-1024-32-512-128 relu dropout 0.1": Architecture((
+        Layer(2048, "relu", 0.1), Layer(64), Layer(1024, "relu", 0.1), Layer(32), Layer(512, "relu", 0.1), Layer(128))),
+    "funnel 2048-1024-512-256-128-64 relu": Architecture(tuple(Layer(w) for w in (2048, 1024, 512, 256, 128, 64))),
 }
 BATCHES = (256, 1024)
+SCHEDULES = ("none", "swaps at 50%")
+#: recorded workloads: three concurrent jobs each (model names of MODELS), batch 256
+RECORDED = {
+    "deep + wide + tanh": ["deep 8x256 relu", "wide 4x512 relu dropout 0.1", "tanh 6x256"],
+    "hourglass + funnel + deep": ["hourglass 2048-64-1024-32-512-128 relu dropout 0.1",
+                                  "funnel 2048-1024-512-256-128-64 relu", "deep 8x256 relu"],
+}
+RECORDED_BUDGETS = {"unlimited": 8.0, "tensile at 50%": 0.5}
 COST = CostModel(1e10, 1e10)      # only the choice of swaps depends on it, not the trace's shape
+OUT = Path(__file__).parent / "out"
+KIB, MIB = 1 << 10, 1 << 20
+#: colours of the tensor kinds in :func:`draw_arena`
+KIND_COLORS = {"input": "tab:gray", "weight": "tab:blue", "optimizer_state": "tab:purple",
+               "activation": "tab:orange", "gradient": "tab:green", "workspace": "tab:brown"}
 
 
-def ns_per_call(allocs, plan, repeats: int = 20) -> tuple[float, float]:
-    """(planned lookup, general pool allocate + free), nanoseconds per allocation."""
-    keys = [a.key for a in allocs]
-    sizes = [a.nbytes for a in allocs]
-    offsets = plan.offsets
+@dataclass
+class TraceResult:
+    """One trace's measures: bytes, arenas as ratios to max live, ns per allocation."""
+
+    model: str
+    sizes: str                       # "uniform" or "mixed" tensor sizes
+    batch: int
+    schedule: str
+    n_allocations: int
+    max_live_nbytes: int
+    largest_bf: float
+    best_bf: float
+    best_ff: float
+    general: float
+    lookup_ns: float
+    general_ns: float
+
+    @property
+    def below_general(self) -> float:
+        return 1 - self.best_bf / self.general
+
+    def row(self) -> list:
+        return [self.model, self.sizes, self.batch, self.schedule, self.n_allocations, self.max_live_nbytes,
+                self.largest_bf, self.best_bf, self.best_ff, self.general, self.below_general,
+                self.lookup_ns, self.general_ns]
+
+
+HEADERS = ["trace", "sizes", "batch", "schedule", "allocations", "max live bytes",
+           "best fit, largest first / max live", "planned (best fit) / max live",
+           "planned (first fit) / max live", "general pool / max live", "planned below general",
+           "planned ns", "general pool ns"]
+
+
+def events_of(allocs: list[Allocation]) -> list[tuple[str, tuple, int]]:
+    """The trace as a linear sequence of ("a" | "f", key, bytes), one key per lifetime segment
+    (keys shaped as the manager's: job, name, position)."""
+    timed = []
+    for a in allocs:
+        for i, (first, last) in enumerate(a.segments):
+            key = (0, f"{a.key}/{i}", first)
+            timed.append((first, 0, ("a", key, a.nbytes)))
+            timed.append((last, 1, ("f", key, a.nbytes)))
+    return [e for *_, e in sorted(timed, key=lambda t: (t[0], t[1]))]
+
+
+def ns_per_call(allocs: list[Allocation], repeats: int = 20) -> tuple[float, float]:
+    """(planned, general) nanoseconds per allocation, its free included, over the trace's events:
+    a planned pool serving the recorded sequence against the best-fit general pool."""
+    events = events_of(allocs)
+    n_allocations = sum(kind == "a" for kind, _, _ in events)
+    live = {(0, "always live", 0): 512}
+    pool = PlannedPool(lambda plan, keys, reserve: 0, lambda: None)
+    pool.boundary(live, 0)
+    for kind, key, nbytes in events:                 # record one period
+        pool.allocated(key, nbytes) if kind == "a" else pool.freed(key, nbytes)
+    pool.boundary(live, 0)
+    pool._planning.result()
+    pool.boundary(live, 0)                           # serving from here
     start = time.perf_counter_ns()
     for _ in range(repeats):
-        for k in keys:
-            offsets[k]
-    lookup = (time.perf_counter_ns() - start) / (repeats * len(keys))
-    arena = ArenaAllocator(4 * sum(sizes))
+        for kind, key, nbytes in events:
+            pool.lookup(key) if kind == "a" else pool.freed(key, nbytes)
+        pool.boundary(live, 0)
+    planned_ns = (time.perf_counter_ns() - start) / (repeats * n_allocations)
+    assert pool.mismatches == 0 and pool.planned_allocations == repeats * n_allocations
+    pool.close()
+    arena = ArenaAllocator(4 * sum(a.nbytes for a in allocs))
     start = time.perf_counter_ns()
     for _ in range(repeats):
-        blocks = [arena.allocate(n) for n in sizes]
-        for b in blocks:
-            arena.free(b)
-    general = (time.perf_counter_ns() - start) / (repeats * len(keys))
-    return lookup, general
+        blocks = {}
+        for kind, key, nbytes in events:
+            if kind == "a":
+                blocks[key] = arena.allocate(nbytes)
+            else:
+                arena.free(blocks.pop(key))
+    general_ns = (time.perf_counter_ns() - start) / (repeats * n_allocations)
+    return planned_ns, general_ns
 
 
-def main() -> None:
-    rows = []
+def sizes_of(arch: Architecture) -> str:
+    """"uniform" if every hidden layer has the same width, else "mixed"."""
+    return "uniform" if len({l.units for l in arch.layers}) == 1 else "mixed"
+
+
+def measure(name: str, sizes: str, batch: int, schedule: str, allocs) -> tuple[TraceResult, PoolPlan]:
+    """The table's measures of one trace, and the plan the runtime would install."""
+    bound = max_live_nbytes(allocs)
+    best_bf = plan_smallest(allocs, "best_fit", planned.SEARCH_S)
+    _, general_nbytes = replay_general_pool(allocs)
+    planned_ns, general_ns = ns_per_call(allocs)
+    result = TraceResult(name, sizes, batch, schedule, len(allocs), bound,
+                         plan_offsets(allocs, "best_fit", "largest").arena_nbytes / bound,
+                         best_bf.arena_nbytes / bound,
+                         plan_smallest(allocs, "first_fit", planned.SEARCH_S).arena_nbytes / bound,
+                         general_nbytes / bound, planned_ns, general_ns)
+    return result, best_bf
+
+
+def draw_arena(allocs, plan: PoolPlan, path: Path, title: str, kinds: dict | None = None) -> None:
+    """Draw the packing ``plan`` of ``allocs`` as a PNG: one rectangle per lifetime segment (x:
+    events, y: offset), dashed lines at the planned arena and at max live. Colour by tensor kind
+    (``kinds``: allocation key -> kind) if given, else by a stable hash of the key."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    unit, unit_name = (MIB, "MiB") if plan.arena_nbytes >= MIB else (KIB, "KiB")
+    palette = plt.get_cmap("tab20").colors
+    fig, ax = plt.subplots(figsize=(12, 5.5))
+    for a in allocs:
+        color = KIND_COLORS.get(kinds[a.key]) if kinds else palette[zlib.crc32(repr(a.key).encode()) % len(palette)]
+        for first, last in a.segments:
+            ax.add_patch(Rectangle((first, plan.offsets[a.key] / unit), last - first + 1, a.nbytes / unit,
+                                   facecolor=color, edgecolor="black", linewidth=0.3, alpha=0.85))
+    bound = max_live_nbytes(allocs)
+    ax.axhline(plan.arena_nbytes / unit, color="crimson", linestyle="--", linewidth=2.5,
+               label=f"planned arena ({plan.strategy})")
+    ax.axhline(bound / unit, color="black", linestyle="--", linewidth=1, label="max live = lower bound")
+    handles = ax.get_legend_handles_labels()[0]
+    if kinds:
+        handles += [Patch(color=KIND_COLORS[k], label=k) for k in sorted({kinds[a.key] for a in allocs})]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    ax.set_xlim(0, max(last for a in allocs for _, last in a.segments) + 1)
+    ax.set_ylim(0, 1.08 * max(plan.arena_nbytes, bound) / unit)
+    ax.set_xlabel("event (allocation or free of the period)" if kinds and len(next(iter(kinds))) == 3
+                  else "event (op of the iteration)")
+    ax.set_ylabel(f"arena offset ({unit_name})")
+    ax.set_title(title, fontsize=10, loc="left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def checks(results: list[TraceResult]) -> list[str]:
+    """PASS/FAIL lines for the three targets, naming the traces that miss each."""
+    def line(text: str, misses: list[TraceResult], of: list[TraceResult]) -> str:
+        names = "".join(f"\n    {r.model} / {r.batch} / {r.schedule}" for r in misses)
+        return f"- {text}: {'PASS' if not misses else 'FAIL'} ({len(of) - len(misses)} of {len(of)} traces meet it){names}"
+
+    mixed = [r for r in results if r.sizes == "mixed"]
+    return [line("planned <= 1.05 x max live, every trace",
+                 [r for r in results if r.best_bf > 1.05], results),
+            line("planned >= 10% below the general pool, mixed-size traces",
+                 [r for r in mixed if r.below_general < 0.10], mixed),
+            line("planned allocation >= 5x cheaper than the general pool's, every trace",
+                 [r for r in results if r.general_ns < 5 * r.lookup_ns], results)]
+
+
+def should_draw(r: TraceResult) -> bool:
+    """Draw the mixed-size models at the largest batch with the swap schedule, and any trace whose
+    plan misses the 1.05 x max live target."""
+    return (r.sizes == "mixed" and r.batch == max(BATCHES) and r.schedule == SCHEDULES[-1]) or r.best_bf > 1.05
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def single_job_traces():
+    """(name, sizes, batch, schedule, allocations, key -> kind) of every single-job trace."""
     for name, arch in MODELS.items():
         spec = ModelSpec(arch, 64, 10, "classification")
         for batch in BATCHES:
@@ -69,24 +260,71 @@ def main() -> None:
                 seq.record(p, 1e-3)
             seq.end_iteration()
             timeline = Timeline([JobTrace(0, seq)])
-            for schedule in ("none", "swaps at 50%"):
+            for schedule in SCHEDULES:
                 decisions = [] if schedule == "none" else \
                     plan_tensile(timeline, COST, timeline.vanilla_peak_nbytes() // 2).decisions
                 allocs = allocations_of(program, decisions)
-                bound = max_live_nbytes(allocs)
-                largest_bf = plan_offsets(allocs, "best_fit", "largest").arena_nbytes
-                best_bf = plan_smallest(allocs, "best_fit")
-                best_ff = plan_smallest(allocs, "first_fit").arena_nbytes
-                _, general = replay_general_pool(allocs)
-                lookup_ns, general_ns = ns_per_call(allocs, best_bf)
-                rows.append([name, batch, schedule, len(allocs), bound, largest_bf / bound,
-                             best_bf.arena_nbytes / bound, best_ff / bound, general / bound,
-                             1 - best_bf.arena_nbytes / general, lookup_ns, general_ns])
-    print(tabulate(rows, headers=["model", "batch", "schedule", "allocations", "max live bytes",
-                                  "best fit, largest first / max live", "best fit, best order / max live",
-                                  "first fit, best order / max live", "general pool / max live",
-                                  "planned below general", "lookup ns", "general pool ns"],
-                   tablefmt="github", floatfmt=".3f", intfmt=","))
+                yield name, sizes_of(arch), batch, schedule, allocs, {a.key: program.slots[a.key[0]].kind.value
+                                                                       for a in allocs}
+
+
+def recorded_trace(models: list[str], fraction: float, batch: int = 256, iterations: int = 40):
+    """Run three concurrent jobs on ``cpu`` (tensile policy) under ``fraction`` of their combined
+    unscheduled peak and return the allocations and plan of the installed plan that covers the
+    most jobs, and key -> kind; None if none was installed."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch * 4, 64)).astype(np.float32)
+    y = rng.integers(0, 10, batch * 4).astype(np.int32)
+    options = TrainOptions(epochs=iterations // 4, batch_size=batch, optimizer="adam", lr=1e-3)
+    jobs = [TrainingJob(JobInfo(0, "bench", m), ModelSpec(MODELS[m], 64, 10, "classification"), options, x, y)
+            for m in models]
+    budget = int(fraction * sum(j.vanilla_peak_nbytes for j in jobs))
+    manager = MemoryManager(Device("cpu"), max(budget, max(j.min_working_set_nbytes for j in jobs)))
+    executor = Executor(manager, policy="tensile", cost=COST)
+    executor.start()
+    try:
+        for job in jobs:
+            executor.submit(job)
+        for job in jobs:
+            while job.events.get(timeout=600)[0] == "progress":
+                pass
+    finally:
+        executor.stop()
+    if not manager.pool.history:
+        return None
+    allocs, plan = max(manager.pool.history, key=lambda h: len({a.key[0] for a in h[0]}))
+    kinds = {a.key: next(j for j in jobs if j.id == a.key[0]).program.slots[a.key[1]].kind.value for a in allocs}
+    return allocs, plan, kinds
+
+
+def main() -> None:
+    results, drawn = [], []
+    for name, sizes, batch, schedule, allocs, kinds in single_job_traces():
+        result, plan = measure(name, sizes, batch, schedule, allocs)
+        results.append(result)
+        if should_draw(result):
+            drawn.append(draw(result, allocs, plan, kinds))
+    for workload, models in RECORDED.items():
+        for schedule, fraction in RECORDED_BUDGETS.items():
+            recorded = recorded_trace(models, fraction)
+            if recorded is None:
+                print(f"{workload}, {schedule}: no plan was installed")
+                continue
+            allocs, plan, kinds = recorded
+            result, _ = measure(f"recorded: {workload}", "mixed", 256, schedule, allocs)
+            results.append(result)
+            drawn.append(draw(result, allocs, plan, kinds))
+    print(tabulate([r.row() for r in results], headers=HEADERS, tablefmt="github", floatfmt=".3f", intfmt=","))
+    print("\nTargets (issue 4):")
+    print("\n".join(checks(results)))
+    print("\n" + "\n".join(f"Wrote {p.relative_to(Path.cwd()) if p.is_relative_to(Path.cwd()) else p}" for p in drawn))
+
+
+def draw(result: TraceResult, allocs, plan: PoolPlan, kinds: dict) -> Path:
+    path = OUT / f"pool_arena_{slug(result.model)}_{result.batch}_{slug(result.schedule)}.png"
+    draw_arena(allocs, plan, path, f"{result.model}, batch {result.batch}, {result.schedule}\n{plan.strategy}: "
+               f"arena {result.best_bf:.3f} x max live, {result.below_general:.1%} below the general pool", kinds)
+    return path
 
 
 if __name__ == "__main__":

@@ -179,7 +179,7 @@ def run(workload: str, policy: str, budget_nbytes: int | None, iterations: int, 
     seconds = time.perf_counter() - t0
     samples = sampler.stop() if sampler else []
     executor.stop()
-    manager.engine.close()
+    manager.close()
     mems = [j.memory for j in jobs if j.memory is not None]
     return Run(workload, policy, manager.budget_nbytes, seconds, manager.peak_nbytes, not errors, errors,
                planned_swap_ins=sum(m.planned_swap_ins for m in mems),
@@ -324,7 +324,7 @@ def main() -> None:
 
     probe = MemoryManager(Device(args.device), 64 * MiB)
     cost = measure_bandwidth(probe.device, probe.engine)
-    probe.engine.close()
+    probe.close()
     print_header(args, cost, iterations)
 
     results: dict[str, dict] = {}

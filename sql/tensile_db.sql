@@ -152,6 +152,9 @@ CREATE FUNCTION tensile.memory_status(
     OUT fragmentation double precision, OUT running_jobs integer, OUT queued_jobs integer,
     OUT policy text, OUT h2d_bytes_per_s double precision, OUT d2h_bytes_per_s double precision,
     OUT plans_made integer, OUT predicted_peak_bytes bigint, OUT predicted_extra_s double precision,
+    OUT pool text, OUT planned_region_bytes bigint, OUT pool_plans_installed integer,
+    OUT planned_allocations bigint, OUT pool_mismatches bigint, OUT planned_arena_bytes bigint,
+    OUT max_live_bytes bigint, OUT general_pool_bytes bigint,
     OUT per_job jsonb, OUT started_at timestamptz)
 RETURNS SETOF record
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$
@@ -161,11 +164,17 @@ $$;
 COMMENT ON FUNCTION tensile.memory_status() IS
 'The device arena: budget, bytes in use, high-water mark since the coordinator started, per-job bytes; '
 'and the scheduler: policy, host-to-device and device-to-host bandwidth measured at start (bytes per '
-'second), plans made, and the latest plan''s predicted peak bytes and extra seconds per period';
+'second), plans made, and the latest plan''s predicted peak bytes and extra seconds per period; '
+'and the planned pool: its state (idle, recording, planning, serving, or general only), the bytes its '
+'region holds, plans installed, allocations served by lookup, mismatches that sent requests back to the '
+'general pool, and for the last recorded period the planned arena, the lower bound (max live bytes) and '
+'the highest byte the best-fit general pool touches on the same trace; per_job carries the same three '
+'for each job alone';
 CREATE VIEW tensile.memory AS SELECT * FROM tensile.memory_status();
 COMMENT ON VIEW tensile.memory IS
 'The device: budget, in use, peak, host bytes, fragmentation, per job; the scheduler: policy, '
-'bandwidths, plans made, predicted peak and extra time';
+'bandwidths, plans made, predicted peak and extra time; the planned pool: state, region, lookups, '
+'mismatches, planned arena against its lower bound and the general pool';
 
 CREATE FUNCTION tensile.start_coordinator() RETURNS integer
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$

@@ -51,13 +51,16 @@ def make_job(spec=SPEC, options=OPTIONS, seed=0, n=512) -> TrainingJob:
     return TrainingJob(JobInfo(1, "tester", f"m{seed}"), spec, options, x, y)
 
 
-def run(jobs, budget_nbytes, policy, cost=FAST, check_residency=False, between=None):
-    """Run ``jobs`` to completion on a fresh cpu executor; returns (manager, executor)."""
-    mm = MemoryManager(Device("cpu"), budget_nbytes)
+def run(jobs, budget_nbytes, policy, cost=FAST, check_residency=False, between=None, pool="planned", prepare=None):
+    """Run ``jobs`` to completion on a fresh cpu executor with ``pool``; ``prepare(jobs, manager)``
+    runs before the first submit. Returns (manager, executor)."""
+    mm = MemoryManager(Device("cpu"), budget_nbytes, pool=pool)
     ex = Executor(mm, policy=policy, cost=cost)
     if check_residency:
         for job in jobs:
             _check_residency(job, mm)
+    if prepare is not None:
+        prepare(jobs, mm)
     ex.start()
     try:
         for i, job in enumerate(jobs):
@@ -291,7 +294,8 @@ def test_replans_on_arrival_and_departure_without_losing_a_job():
 def test_predicted_peak_matches_the_measured_peak():
     options = TrainOptions(epochs=4, batch_size=64, optimizer="adam", lr=0.005, seed=11)
     jobs = [make_job(options=options, seed=s) for s in (1, 2)]
-    mm = MemoryManager(Device("cpu"), budget_of(jobs, 0.5))
+    # the plan predicts live bytes; a planned pool's region adds its packing (see test_planned)
+    mm = MemoryManager(Device("cpu"), budget_of(jobs, 0.5), pool="general")
     ex = Executor(mm, policy="tensile", cost=FAST)
     ex.scheduler.drift = math.inf                    # keep one plan once both jobs are measured
     ex.start()

@@ -241,6 +241,14 @@ def test_memory_view_has_the_scheduler_columns(conn):
         "plans_made": "integer", "predicted_peak_bytes": "bigint", "predicted_extra_s": "double precision"}
 
 
+def test_memory_view_has_the_pool_columns(conn):
+    types = dict(columns(conn, "memory"))
+    pool_columns = {"pool": "text", "planned_region_bytes": "bigint", "pool_plans_installed": "integer",
+                    "planned_allocations": "bigint", "pool_mismatches": "bigint", "planned_arena_bytes": "bigint",
+                    "max_live_bytes": "bigint", "general_pool_bytes": "bigint"}
+    assert {k: types.get(k) for k in pool_columns} == pool_columns
+
+
 def test_status_functions_stay_volatile_and_parallel_unsafe(conn):
     rows = conn.execute("SELECT proname, provolatile, proparallel FROM pg_proc "
                         "WHERE pronamespace = 'tensile'::regnamespace AND proname IN ('job_status', 'memory_status') "
@@ -447,6 +455,49 @@ def test_configured_policy_reaches_a_fresh_coordinator(configure_policy, conn, d
     stored = conn.execute("SELECT metrics FROM tensile.models WHERE name = 't_policy'").fetchone()[0]
     assert stored["policy"] == policy
     assert_nothing_left(conn)
+
+
+def test_a_running_job_is_served_from_the_planned_pool_and_tensile_memory_shows_it(conn, dsn, digits):
+    t, outcome = train_in_background(dsn, "t_pool")
+    try:
+        assert wait_until(lambda: running(conn, "t_pool"))
+        assert wait_until(lambda: conn.execute("SELECT pool FROM tensile.memory").fetchone()[0] == "serving", 60)
+        row = conn.execute("SELECT planned_region_bytes, pool_plans_installed, planned_allocations, "
+                           "planned_arena_bytes, max_live_bytes, general_pool_bytes, budget_bytes, per_job "
+                           "FROM tensile.memory").fetchone()
+        region, installed, lookups, planned, bound, general, budget, per_job = row
+        assert installed >= 1 and lookups >= 0 and region == planned
+        assert 0 < bound <= planned <= budget and general >= bound
+        (job,) = per_job.values()
+        assert job["model_name"] == "t_pool" and job["max_live_bytes"] <= job["planned_arena_bytes"]
+        assert job["general_pool_bytes"] >= job["max_live_bytes"]
+        assert wait_until(lambda: conn.execute("SELECT planned_allocations FROM tensile.memory").fetchone()[0] > lookups)
+    finally:
+        if "pid" in outcome:
+            conn.execute("SELECT pg_cancel_backend(%s)", (outcome["pid"],))
+        t.join(10)
+    assert "canceling statement due to user request" in outcome["error"]
+    assert_nothing_left(conn)
+
+
+@pytest.fixture
+def configure_pool(cluster, conn):
+    def configure(value):
+        conn.execute("SELECT tensile.stop_coordinator()")
+        cluster.configure({"tensile.pool": value})
+    yield configure
+    configure("'planned'")
+
+
+def test_configured_general_pool_and_an_unknown_pool(configure_pool, conn, digits):
+    configure_pool("'general'")
+    _, metrics = train(conn, "t_general_pool", options='{"epochs": 2, "replace": true}')
+    assert metrics["epochs"] == 2
+    assert conn.execute("SELECT pool, pool_plans_installed FROM tensile.memory").fetchone() == ("general only", 0)
+    configure_pool("'buddy'")
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as info:      # SQLSTATE 22023
+        conn.execute("SELECT tensile.start_coordinator()")
+    assert "tensile.pool is 'buddy'; it must be one of planned, general" in str(info.value)
 
 
 def test_unknown_policy_in_the_configuration_is_refused(configure_policy, conn):

@@ -10,6 +10,7 @@ import logging
 import sys
 
 from ..memory.arena import UNIT_NBYTES
+from ..memory.manager import POOLS
 from ..scheduler import POLICIES
 from .server import Coordinator
 
@@ -21,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=1 << 30, help="device arena size, bytes")
     parser.add_argument("--max-active-jobs", type=int, default=8, help="jobs run at once; more wait queued")
     parser.add_argument("--policy", choices=POLICIES, default="tensile", help="the scheduler policy")
+    parser.add_argument("--pool", choices=POOLS, default="planned",
+                        help="planned: recurring allocations at lifetime-planned offsets; general: best fit only")
     parser.add_argument("--postmaster-pid-file", help="exit when the pid in this file's first line is gone")
     args = parser.parse_args(argv)
     if args.budget < UNIT_NBYTES:
@@ -30,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s tensile-coordinator[%(process)d] %(levelname)s %(message)s")
     coordinator = Coordinator(args.socket_dir, args.device, args.budget, args.max_active_jobs,
-                              args.postmaster_pid_file, policy=args.policy)
+                              args.postmaster_pid_file, policy=args.policy, pool=args.pool)
     coordinator.serve_forever()
     return 0
 

@@ -41,14 +41,15 @@ def socket_dir_for(data_dir: str) -> str:
 @dataclass(frozen=True)
 class StartSpec:
     """How to start a coordinator: interpreter, device, budget (bytes), admission limit, scheduler
-    policy (one of ``tensile_db.scheduler.POLICIES``), and the postmaster pid file whose
-    disappearance stops it."""
+    policy (one of ``tensile_db.scheduler.POLICIES``), pool (one of
+    ``tensile_db.memory.manager.POOLS``), and the postmaster pid file whose disappearance stops it."""
 
     python: str = sys.executable
     device: str = "cpu"
     budget_nbytes: int = 1 << 30
     max_active_jobs: int = 8
     policy: str = "tensile"
+    pool: str = "planned"
     postmaster_pid_file: str | None = None
     python_path: str | None = None      # prepended to PYTHONPATH, so the interpreter finds this package
 
@@ -57,7 +58,7 @@ def command(socket_dir: str, spec: StartSpec) -> list[str]:
     """The command line that runs a coordinator for ``socket_dir`` (see ``__main__.py``)."""
     argv = [spec.python, "-m", "tensile_db.coordinator", "--socket-dir", socket_dir, "--device", spec.device,
             "--budget", str(spec.budget_nbytes), "--max-active-jobs", str(spec.max_active_jobs),
-            "--policy", spec.policy]
+            "--policy", spec.policy, "--pool", spec.pool]
     if spec.postmaster_pid_file:
         argv += ["--postmaster-pid-file", spec.postmaster_pid_file]
     return argv

@@ -51,7 +51,7 @@ class Executor:
         self._thread.start()
 
     def stop(self) -> None:
-        """Cancel every job and end the thread; the planning thread and the manager's swap
+        """Cancel every job and end the thread; the planning threads and the manager's swap
         engine stop too."""
         for job in self.jobs():
             self.cancel(job)
@@ -61,7 +61,7 @@ class Executor:
         if self._thread.is_alive():
             self._thread.join()
         self.scheduler.close()
-        self.manager.engine.close()
+        self.manager.close()
 
     def submit(self, job: TrainingJob) -> None:
         """Queue a job. Raises DeviceOutOfMemory if even its smallest working set cannot fit."""
@@ -103,6 +103,7 @@ class Executor:
                     continue
                 turn = list(self.running.values())
             period = self.period
+            plan = self.scheduler.plan
             try:
                 if self.scheduler.replan_reasons:
                     self.scheduler.replan({j.id: self._iteration_start[j.id] % period for j, _ in turn}, period)
@@ -110,6 +111,10 @@ class Executor:
             except Exception:  # planning is an optimisation: never let it stop the jobs
                 log.exception("scheduling failed; the jobs go on under the reactive fallback")
                 self.scheduler.plan = None
+            if self.scheduler.plan is not plan:
+                self.manager.schedule_changed("the scheduler installed a new plan")
+            if self.round % period == 0:
+                self.manager.period_boundary()
             for job, ops in turn:
                 if job.cancel_requested.is_set():
                     self._finish(job, JobState.CANCELLED, JobCancelled("cancelled by the caller"))

@@ -129,6 +129,7 @@ class TrainingJob:
                 ctx.step += 1
                 ctx.seed = self.options.seed * 1_000_003 + ctx.step
                 for position, op in enumerate(self.program.ops):
+                    mm.at(self.id, position)
                     hooks.before(self, position)
                     loss, seconds = self._run_op(mm, position, op, ctx)
                     if loss is not None:

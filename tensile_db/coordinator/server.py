@@ -56,16 +56,19 @@ class Coordinator:
     """The server. ``serve_forever()`` blocks; returns False at once if another holds the lock.
 
     ``policy`` is the scheduler policy, one of ``tensile_db.scheduler.POLICIES``; the executor
-    raises InvalidArgument for another when the server starts.
+    raises InvalidArgument for another when the server starts. ``pool`` is one of
+    ``tensile_db.memory.manager.POOLS``.
     """
 
     def __init__(self, socket_dir: str, device: str = "cpu", budget_nbytes: int = 1 << 30,
-                 max_active_jobs: int = 8, postmaster_pid_file: str | None = None, policy: str = "tensile"):
+                 max_active_jobs: int = 8, postmaster_pid_file: str | None = None, policy: str = "tensile",
+                 pool: str = "planned"):
         self.socket_dir = secure_dir(socket_dir)
         self.device_name = device
         self.budget_nbytes = budget_nbytes
         self.max_active_jobs = max_active_jobs
         self.policy = policy
+        self.pool = pool
         self.postmaster_pid_file = postmaster_pid_file
         self.started_at = time.time()
         self.manager: MemoryManager | None = None
@@ -84,7 +87,7 @@ class Coordinator:
             log.info("another coordinator holds %s; exiting", LOCK_NAME)
             return False
         device = Device(self.device_name)
-        self.manager = MemoryManager(device, self.budget_nbytes)
+        self.manager = MemoryManager(device, self.budget_nbytes, pool=self.pool)
         if device.name == "cuda":  # pragma: no cover - needs a GPU
             from ..memory.cuda import route_cupy_allocator
 
@@ -97,8 +100,9 @@ class Coordinator:
         os.chmod(self.socket_path, 0o600)
         if self.postmaster_pid_file:
             threading.Thread(target=self._watch_postmaster, name="tensile-watch", daemon=True).start()
-        log.info("coordinator %d serving %s on %s, budget %d bytes, policy %s", os.getpid(), self.socket_path,
-                 self.device_name, self.manager.budget_nbytes, self.policy)
+        log.info("coordinator %d serving %s on %s, budget %d bytes, policy %s, pool %s", os.getpid(),
+                 self.socket_path,
+                 self.device_name, self.manager.budget_nbytes, self.policy, self.pool)
         while True:
             conn = listener.accept()
             threading.Thread(target=self._serve, args=(conn,), name="tensile-conn", daemon=True).start()

@@ -125,16 +125,26 @@ class ArenaAllocator:
                 layout[offset] = size
                 cursor = offset + size
         if moves:
-            self._used = layout
-            self._free_by_size, self._free_start, self._free_end = [], {}, {}
-            end = 0
-            for offset, size in sorted(layout.items()):
-                if offset > end:
-                    self._add_free(end, offset - end)
-                end = offset + size
-            if end < self.capacity_nbytes:
-                self._add_free(end, self.capacity_nbytes - end)
+            self.relayout(layout)
         return moves
+
+    def relayout(self, used: dict[int, int]) -> None:
+        """Replace the allocated blocks by ``used`` (offset -> size, bytes; sizes whole units,
+        disjoint, inside the arena) and rebuild the free blocks around them. Bytes in use become
+        their sum; the peak and total statistics carry on. The caller moves the bytes."""
+        self._used = dict(used)
+        self._free_by_size, self._free_start, self._free_end = [], {}, {}
+        end = 0
+        for offset, size in sorted(self._used.items()):
+            assert offset >= end and size % UNIT_NBYTES == 0, f"block [{offset}, {offset + size}) overlaps"
+            if offset > end:
+                self._add_free(end, offset - end)
+            end = offset + size
+        assert end <= self.capacity_nbytes, f"block ending at {end} outside the arena"
+        if end < self.capacity_nbytes:
+            self._add_free(end, self.capacity_nbytes - end)
+        self.in_use_nbytes = sum(self._used.values())
+        self.peak_nbytes = max(self.peak_nbytes, self.in_use_nbytes)
 
     def size_of(self, offset: int) -> int:
         """Size in bytes of the allocated block at ``offset``."""

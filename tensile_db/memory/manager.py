@@ -21,6 +21,12 @@ If the free space is too fragmented for the op's working set even then, everythi
 and the working set is placed from offset 0, largest first. An op whose working set exceeds the
 budget raises :class:`DeviceOutOfMemory`.
 
+Blocks come from two allocators sharing the arena (issue 4): the general pool (best fit, the
+arena's :class:`ArenaAllocator`) and, once a period of the combined timeline has been recorded,
+the planned region, where each recurring allocation has a lifetime-planned offset and costs a
+lookup (:mod:`tensile_db.memory.planned`, Note [Planned pool]). Every allocation goes through
+:meth:`MemoryManager._place` and every free through :meth:`MemoryManager._free_block`.
+
 Device and host byte counters change only in :meth:`MemoryManager._account`.
 """
 
@@ -35,9 +41,10 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import DeviceOutOfMemory
+from ..errors import DeviceOutOfMemory, InvalidArgument
 from ..runtime.program import Kind, Slot
 from .arena import ArenaAllocator, round_up
+from .planned import PlannedPool, State
 from .transfer import Transfer, TransferEngine
 
 
@@ -66,6 +73,8 @@ class Tensor:
     pins: int = 0                        # ops currently using it; pinned tensors are never evicted
     swapped_out: bool = False            # has been swapped out at least once (a later load is a swap-in)
     transfer: Transfer | None = None     # the copy in flight while swapping out or in
+    key: tuple | None = None             # (job, slot, op position) its block was allocated under
+    planned: bool = False                # its block is in the planned region
 
     @property
     def nbytes(self) -> int:
@@ -94,6 +103,9 @@ class JobMemory:
 
 NextUse = Callable[[Tensor], float]
 
+#: the pools a manager can serve recurring allocations from (the ``tensile.pool`` setting)
+POOLS = ("planned", "general")
+
 
 class MemoryManager:
     """Owns the arena on ``device`` and every tensor in it.
@@ -103,6 +115,8 @@ class MemoryManager:
         budget_nbytes: arena size, bytes (rounded down to the arena unit).
         next_use: distance to a tensor's next access (any unit common to all jobs); larger is
             evicted first. Unknown tensors should return ``math.inf``.
+        pool: ``"planned"`` (recurring allocations from a lifetime-planned region once one
+            period has been recorded; the default) or ``"general"`` (the best-fit pool only).
 
     ``limit_nbytes`` (default: the budget) is where eviction starts: a scheduler that keeps
     headroom for fragmentation lowers it. An op whose working set needs more still gets up to the
@@ -111,7 +125,9 @@ class MemoryManager:
     Thread safety: one executor thread mutates; other threads may call :meth:`snapshot`.
     """
 
-    def __init__(self, device, budget_nbytes: int, next_use: NextUse | None = None):
+    def __init__(self, device, budget_nbytes: int, next_use: NextUse | None = None, pool: str = "planned"):
+        if pool not in POOLS:
+            raise InvalidArgument(f"unknown pool {pool!r}; use one of {', '.join(POOLS)}")
         self.device = device
         self.allocator = ArenaAllocator(budget_nbytes)
         self.budget_nbytes = self.allocator.capacity_nbytes
@@ -126,19 +142,49 @@ class MemoryManager:
         self._ids = itertools.count(1)
         self._acquiring: set[int] = set()
         self._lock = threading.RLock()      # CuPy temporaries re-enter on cuda
+        self._position: dict[int, int] = {}   # job id -> position of the op it is running
+        self.pool = PlannedPool(self._install_region, self._dissolve_region, enabled=pool == "planned")
 
     # -- registration -------------------------------------------------------------------------
 
     def register_job(self, job_id: int) -> None:
         with self._lock:
-            self.jobs.setdefault(job_id, JobMemory())
+            if job_id not in self.jobs:
+                self.jobs[job_id] = JobMemory()
+                self.pool.invalidate(f"job {job_id} arrived")
 
     def release_job(self, job_id: int) -> JobMemory:
         """Free every tensor of the job (device and host) and forget it; returns its counters."""
         with self._lock:
+            self.pool.invalidate(f"job {job_id} left")
             for t in [t for t in self._tensors.values() if t.job_id == job_id]:
                 self._drop(t)
+            self._position.pop(job_id, None)
             return self.jobs.pop(job_id, JobMemory())
+
+    def close(self) -> None:
+        """Stop the swap engine's and the planned pool's threads."""
+        self.engine.close()
+        self.pool.close()
+
+    def at(self, job_id: int, position: int) -> None:
+        """The job is about to run op ``position``: blocks allocated until the next call are
+        keyed by it."""
+        self._position[job_id] = position
+
+    def schedule_changed(self, reason: str) -> None:
+        """The scheduler installed a new plan: the recorded lifetimes no longer hold."""
+        with self._lock:
+            self.pool.invalidate(reason)
+
+    def period_boundary(self) -> None:
+        """The executor is between two periods of the combined timeline (no op running): the
+        planned pool records, installs or checks its plan here."""
+        with self._lock:
+            live = {t.key: t.arena_nbytes for t in self._tensors.values()
+                    if t.offset is not None and t.key is not None}
+            unkeyed = sum(t.arena_nbytes for t in self._tensors.values() if t.offset is not None and t.key is None)
+            self.pool.boundary(live, unkeyed)
 
     def adopt(self, job_id: int, slot: str, kind: Kind, host: np.ndarray) -> Tensor:
         """Register a tensor whose values start on the host (initial weights, optimizer state);
@@ -208,7 +254,7 @@ class MemoryManager:
             if t.residency is not Residency.HOST:
                 return
             try:
-                t.offset = self._make_room(t.arena_nbytes)
+                t.offset = self._place(t)
             except _Fragmented:
                 return                          # the op that needs it will swap it in
             t.residency = Residency.SWAPPING_IN
@@ -222,9 +268,8 @@ class MemoryManager:
         recomputes it before its next access. A no-op for a tensor in any other state."""
         with self._lock:
             if t.residency is Residency.DEVICE and not t.pins:
-                self.allocator.free(t.offset)
-                self._account(t, device=-t.arena_nbytes)
-                t.offset, t.residency = None, Residency.DROPPED
+                self._free_block(t)
+                t.residency = Residency.DROPPED
 
     def note_recompute(self, t: Tensor) -> None:
         with self._lock:
@@ -275,7 +320,8 @@ class MemoryManager:
                 "compactions": self.compactions,
                 "compacted_nbytes": self.compacted_nbytes,
                 "host_nbytes": sum(j.host_nbytes for j in self.jobs.values()),
-                "jobs": {job_id: vars(j).copy() for job_id, j in self.jobs.items()},
+                **self.pool.describe(),
+                "jobs": {job_id: dict(vars(j), **self.pool.job_figures(job_id)) for job_id, j in self.jobs.items()},
             }
 
     # -- internals ----------------------------------------------------------------------------
@@ -318,9 +364,9 @@ class MemoryManager:
     def _left(self, t: Tensor, host: np.ndarray) -> None:
         """A copy device -> host has completed into ``host``: free the block, count a swap-out."""
         t.host = host
-        self.allocator.free(t.offset)
-        self._account(t, device=-t.arena_nbytes, host=t.nbytes)
-        t.offset, t.residency, t.swapped_out = None, Residency.HOST, True
+        self._free_block(t)
+        self._account(t, host=t.nbytes)
+        t.residency, t.swapped_out = Residency.HOST, True
         j = self.jobs[t.job_id]
         j.swapped_out_nbytes += t.nbytes
         j.swap_outs += 1
@@ -334,7 +380,7 @@ class MemoryManager:
         self._settle(t)
         if t.residency is Residency.DEVICE:
             return
-        t.offset = self._make_room(t.arena_nbytes)
+        t.offset = self._place(t)
         self._account(t, device=t.arena_nbytes)
         dropped = t.residency is Residency.DROPPED      # the job recomputes the values
         t.residency = Residency.DEVICE
@@ -342,6 +388,29 @@ class MemoryManager:
             self.device.to_device(t.host, self.array(t))
             if self._landed(t):
                 self.jobs[t.job_id].passive_swap_ins += 1
+                self.pool.disturb(f"passive swap-in of {t.slot} of job {t.job_id}")
+
+    def _place(self, t: Tensor) -> int:
+        """An arena offset for ``t``'s block: its planned offset when the planned pool expects
+        this allocation, else from the general pool (:meth:`_make_room`)."""
+        position = self._position.get(t.job_id)
+        t.key = None if position is None else (t.job_id, t.slot, position)
+        offset = self.pool.lookup(t.key)
+        if offset is not None:
+            t.planned = True
+            return offset
+        offset = self._make_room(t.arena_nbytes)
+        self.pool.allocated(t.key, t.arena_nbytes)
+        return offset
+
+    def _free_block(self, t: Tensor) -> None:
+        """The one place a tensor's block is given back: to the planned region (which stays
+        reserved) or to the general pool."""
+        if not t.planned:
+            self.allocator.free(t.offset)
+        self._account(t, device=-t.arena_nbytes)
+        t.offset, t.planned = None, False
+        self.pool.freed(t.key, t.arena_nbytes)
 
     def _make_room(self, nbytes: int) -> int:
         """An arena offset for ``nbytes``, keeping the bytes in use within ``limit_nbytes`` while
@@ -354,6 +423,8 @@ class MemoryManager:
             offset = self.allocator.allocate(size)
             if offset is not None:
                 return offset
+        if self.pool.state is State.SERVING:     # the general pool needs the region's bytes
+            self.pool.disturb(f"a general-pool block of {size:,} bytes did not fit beside the planned region")
         while True:
             victims = [t for t in self._tensors.values()
                        if t.residency is Residency.DEVICE and not t.pins and t.id not in self._acquiring]
@@ -377,6 +448,7 @@ class MemoryManager:
                         if self._compact():
                             continue
             if leaving:
+                self.pool.disturb("swap-outs finished ahead of their planned release")
                 for t in leaving:
                     self._finish_swap_out(t)
                 continue
@@ -389,7 +461,7 @@ class MemoryManager:
         the start of the arena (device-to-device copies), so the free bytes coalesce. Bytes in use
         do not change. Returns whether anything moved."""
         movable = {t.offset: t for t in self._tensors.values()
-                   if t.offset is not None and not t.pins and t.job_id != 0
+                   if t.offset is not None and not t.pins and not t.planned and t.job_id != 0
                    and (t.transfer is None or t.transfer.done())}
         moves = self.allocator.compact(movable)
         for old, new, size in moves:
@@ -399,8 +471,67 @@ class MemoryManager:
         self.compacted_nbytes += sum(size for _, _, size in moves)
         return bool(moves)
 
+    def _install_region(self, plan, live_keys: set, reserve_nbytes: int) -> int | None:
+        """Reserve ``plan.arena_nbytes`` at the lowest offset clear of pinned blocks as the
+        planned region and move every live block whose key is in ``live_keys`` to its planned
+        offset, the other unpinned blocks out of the way, keeping ``reserve_nbytes`` for unkeyed
+        blocks within the budget (not ``limit_nbytes``: that headroom is for the general pool's
+        fragmentation, and the region's packing is exact). Returns the region's offset, or None (nothing changed) if it does
+        not fit. Called at a period boundary; copies in flight are waited for first.
+
+        The bytes move through host memory (each moving block is copied out, then all are copied
+        in), which is simple whatever the overlaps; it happens once per installed plan."""
+        for t in [t for t in self._tensors.values() if t.transfer is not None]:
+            if t.residency is Residency.SWAPPING_IN:
+                self._settle(t)
+            else:
+                t.transfer.wait()               # still swapping out: released as planned
+        live = [t for t in self._tensors.values() if t.offset is not None]
+        pinned = {t.offset: t.arena_nbytes for t in live if t.pins}
+        if any(t.pins and t.key in live_keys for t in live):
+            return None
+        base, cursor = None, 0
+        for offset, size in sorted(pinned.items()) + [(self.budget_nbytes, 0)]:
+            if offset - cursor >= plan.arena_nbytes:
+                base = cursor
+                break
+            cursor = max(cursor, offset + size)
+        if base is None:
+            return None
+        layout = ArenaAllocator(self.budget_nbytes)
+        layout.relayout({**pinned, base: plan.arena_nbytes})
+        target = {t: base + plan.offsets[t.key] for t in live if t.key in live_keys}
+        for t in sorted((t for t in live if not t.pins and t not in target), key=lambda t: -t.arena_nbytes):
+            target[t] = layout.allocate(t.arena_nbytes)
+            if target[t] is None:
+                return None
+        if layout.in_use_nbytes + reserve_nbytes > self.budget_nbytes:   # the region's packing is exact:
+            return None                                                  # no headroom for it
+        moving = [(t, new) for t, new in target.items() if new != t.offset]
+        staged = [self.device.to_host(self.device.view(self.buffer, t.offset, (t.nbytes,), np.uint8))
+                  for t, _ in moving]
+        for (t, new), host in zip(moving, staged):
+            self.device.to_device(host, self.device.view(self.buffer, new, (t.nbytes,), np.uint8))
+            t.offset = new
+        for t in target:
+            t.planned = t.key in live_keys
+        self.allocator.relayout(dict(layout.blocks()))
+        return base
+
+    def _dissolve_region(self) -> None:
+        """Turn the planned region back into general-pool blocks: each live planned block stays
+        where it is as an ordinary block; the rest of the region becomes free."""
+        used = dict(self.allocator.blocks())
+        used.pop(self.pool.base)
+        for t in self._tensors.values():
+            if t.planned:
+                used[t.offset] = t.arena_nbytes
+                t.planned = False
+        self.allocator.relayout(used)
+
     def _swap_out(self, t: Tensor) -> None:
         """Evict now: a synchronous copy to the host (the reactive path)."""
+        self.pool.disturb(f"eviction of {t.slot} of job {t.job_id}")
         self._left(t, self.device.to_host(self.array(t)))
 
     def _pack(self, working_set: list[Tensor], what: str) -> None:
@@ -422,8 +553,7 @@ class MemoryManager:
         if t.transfer is not None:                  # never free a block a copy still uses
             t.transfer.wait()
         if t.residency in (Residency.DEVICE, Residency.SWAPPING_OUT, Residency.SWAPPING_IN):
-            self.allocator.free(t.offset)
-            self._account(t, device=-t.arena_nbytes)
+            self._free_block(t)
         if t.residency in (Residency.HOST, Residency.SWAPPING_IN) and t.host is not None:
             self._account(t, host=-t.nbytes)
         t.residency, t.offset, t.host, t.transfer = Residency.FREED, None, None, None

@@ -20,6 +20,7 @@ through the best-fit :class:`~tensile_db.memory.arena.ArenaAllocator` for compar
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,64 +54,109 @@ class PoolPlan:
     arena_nbytes: int
 
 
-def max_live_nbytes(allocs: list[Allocation]) -> int:
-    """The lower bound on any placement: the most bytes held at one event."""
-    if not allocs:
-        return 0
+def _live_per_event(allocs: list[Allocation]) -> np.ndarray:
+    """(events + 1,) int64: bytes held at each event of the trace."""
     end = max(b for a in allocs for _, b in a.segments) + 2
     diff = np.zeros(end, dtype=np.int64)
     for a in allocs:
         for s, e in a.segments:
             diff[s] += a.nbytes
             diff[e + 1] -= a.nbytes
-    return int(np.cumsum(diff).max())
+    return np.cumsum(diff)
 
 
-#: orders in which :func:`plan_offsets` may place allocations
+def max_live_nbytes(allocs: list[Allocation]) -> int:
+    """The lower bound on any placement: the most bytes held at one event."""
+    return int(_live_per_event(allocs).max()) if allocs else 0
+
+
+def _breadth(allocs: list[Allocation]) -> dict:
+    """key -> the most bytes live at any event of the allocation's lifetime (its "breadth")."""
+    live = _live_per_event(allocs)
+    return {a.key: max(int(live[s:e + 1].max()) for s, e in a.segments) for a in allocs}
+
+
+#: orders in which :func:`plan_offsets` may place allocations: each maps the trace to a sort key
 ORDERS = {
-    "largest": lambda a: (-a.nbytes, -a.length, str(a.key)),
-    "area": lambda a: (-a.nbytes * a.length, str(a.key)),
-    "start": lambda a: (a.segments[0][0], -a.nbytes, str(a.key)),
+    "largest": lambda allocs: lambda a: (-a.nbytes, -a.length, str(a.key)),
+    "area": lambda allocs: lambda a: (-a.nbytes * a.length, str(a.key)),
+    "start": lambda allocs: lambda a: (a.segments[0][0], -a.nbytes, str(a.key)),
+    # greedy by breadth (Pisarchyk and Lee, arXiv 2001.03288): the tensors of the fullest events first
+    "breadth": lambda allocs: (lambda b: lambda a: (-b[a.key], -a.nbytes, str(a.key)))(_breadth(allocs)),
 }
 
 
-def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order: str = "largest") -> PoolPlan:
-    """Place ``allocs`` in ``order`` (default largest first, longer lifetime first among equal
-    sizes; see :data:`ORDERS`). Each goes into a gap between the already placed allocations whose
-    lifetimes overlap its own: the smallest gap that fits (``best_fit``) or the lowest
-    (``first_fit``); with no gap that fits, above all of them. Returns a :class:`PoolPlan`;
-    O(n^2) in the number of allocations.
+def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="largest") -> PoolPlan:
+    """Place ``allocs`` in ``order`` (a name in :data:`ORDERS`, default largest first, longer
+    lifetime first among equal sizes; or a list of the allocations in the order to place them).
+    Each goes into a gap between the already placed allocations whose lifetimes overlap its own:
+    the smallest gap that fits (``best_fit``) or the lowest (``first_fit``); with no gap that
+    fits, above all of them. Returns a :class:`PoolPlan`; O(n * s) in n allocations and s
+    segments, vectorised over the placed segments.
 
     Raises:
         ValueError: an unknown strategy or order.
     """
     if strategy not in ("best_fit", "first_fit"):
         raise ValueError(f"unknown strategy {strategy!r}; use 'best_fit' or 'first_fit'")
-    if order not in ORDERS:
-        raise ValueError(f"unknown order {order!r}; use one of {', '.join(ORDERS)}")
-    placed: list[tuple[Allocation, int]] = []
-    offsets = {}
-    for a in sorted(allocs, key=ORDERS[order]):
-        busy = sorted((off, off + b.nbytes) for b, off in placed if a.overlaps(b))
-        gaps, cursor = [], 0
-        for start, end in busy:
-            if start - cursor >= a.nbytes:
-                gaps.append((start - cursor, cursor))
-            cursor = max(cursor, end)
-        if gaps:
-            offset = min(gaps)[1] if strategy == "best_fit" else min(g[1] for g in gaps)
+    if isinstance(order, str):
+        if order not in ORDERS:
+            raise ValueError(f"unknown order {order!r}; use one of {', '.join(ORDERS)}")
+        ordered, name = sorted(allocs, key=ORDERS[order](allocs)), order
+    else:
+        ordered, name = list(order), "searched"
+    seg_owner = np.array([i for i, a in enumerate(ordered) for _ in a.segments], dtype=np.int64)
+    seg_start = np.array([s for a in ordered for s, _ in a.segments], dtype=np.int64)
+    seg_end = np.array([e for a in ordered for _, e in a.segments], dtype=np.int64)
+    sizes = np.array([a.nbytes for a in ordered], dtype=np.int64)
+    offsets = np.zeros(len(ordered), dtype=np.int64)
+    placed = np.zeros(len(seg_owner), dtype=bool)
+    first_seg = 0
+    for i, a in enumerate(ordered):
+        hit = np.zeros(len(seg_owner), dtype=bool)
+        for s, e in a.segments:
+            hit |= (seg_start <= e) & (s <= seg_end)
+        owners = np.unique(seg_owner[hit & placed])
+        lo = offsets[owners]
+        rank = np.argsort(lo, kind="stable")
+        lo, hi = lo[rank], lo[rank] + sizes[owners][rank]
+        below = np.concatenate(([0], np.maximum.accumulate(hi)[:-1])) if len(hi) else hi
+        gap = lo - below
+        fits = np.flatnonzero(gap >= a.nbytes)
+        if len(fits):
+            j = fits[np.argmin(gap[fits])] if strategy == "best_fit" else fits[0]
+            offsets[i] = below[j]
         else:
-            offset = cursor
-        offsets[a.key] = offset
-        placed.append((a, offset))
-    arena = max((off + a.nbytes for a, off in placed), default=0)
-    return PoolPlan(f"{strategy}/{order}", offsets, arena)
+            offsets[i] = hi.max() if len(hi) else 0
+        placed[first_seg:first_seg + len(a.segments)] = True
+        first_seg += len(a.segments)
+    arena = int((offsets + sizes).max()) if len(ordered) else 0
+    return PoolPlan(f"{strategy}/{name}", {a.key: int(o) for a, o in zip(ordered, offsets)}, arena)
 
 
-def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit") -> PoolPlan:
-    """The smallest arena of :func:`plan_offsets` over every order of :data:`ORDERS` (the plan
-    is made once per schedule, so trying a few orders is cheap)."""
-    return min((plan_offsets(allocs, strategy, order) for order in ORDERS), key=lambda p: p.arena_nbytes)
+def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s: float = 0.0,
+                  seed: int = 0) -> PoolPlan:
+    """The smallest arena of :func:`plan_offsets` over every order of :data:`ORDERS`, then, for up
+    to ``search_s`` seconds, over randomised orders: by size, or by size times lifetime, each
+    scaled by a seeded random factor in [0.25, 1.75). Fixed greedy orders can miss by 20% or more
+    when sizes and lifetimes are mixed; a plan is made once per schedule, so a short search is
+    affordable. Stops early at the lower bound, :func:`max_live_nbytes`. Deterministic for a given
+    ``seed`` and number of tries."""
+    best = min((plan_offsets(allocs, strategy, order) for order in ORDERS), key=lambda p: p.arena_nbytes)
+    bound = max_live_nbytes(allocs)
+    keys = (np.array([a.nbytes for a in allocs], dtype=np.float64),
+            np.array([a.nbytes * a.length for a in allocs], dtype=np.float64))
+    rng = np.random.default_rng(seed)
+    deadline = time.perf_counter() + search_s
+    tries = 0
+    while best.arena_nbytes > bound and time.perf_counter() < deadline:
+        weight = keys[tries % 2] * rng.uniform(0.25, 1.75, len(allocs))
+        order = [allocs[i] for i in np.lexsort((np.arange(len(allocs)), -weight))]
+        plan = plan_offsets(allocs, strategy, order)
+        if plan.arena_nbytes < best.arena_nbytes:
+            best = plan
+        tries += 1
+    return best
 
 
 def check_plan(allocs: list[Allocation], plan: PoolPlan) -> None:

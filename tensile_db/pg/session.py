@@ -12,11 +12,14 @@ the budget every job shares, so no session may change them with ``SET``, ``ALTER
 - ``tensile.max_active_jobs``: jobs trained at once; more wait queued (default 8).
 - ``tensile.policy``: the scheduler policy, one of :data:`tensile_db.scheduler.POLICIES`
   (default ``tensile``).
+- ``tensile.pool``: ``planned`` (default: recurring allocations at lifetime-planned offsets once
+  a period has been recorded) or ``general`` (the best-fit pool only), one of
+  :data:`tensile_db.memory.manager.POOLS`.
 - ``tensile.python``: interpreter for the coordinator (default: the virtual environment that holds
   this package, else ``python3`` on the postmaster's PATH).
 - ``tensile.python_path``: extra ``site`` directories for PL/Python (read by ``tensile._bootstrap``).
 
-The first four take effect when the coordinator starts; ``tensile.stop_coordinator()`` lets the
+The first five take effect when the coordinator starts; ``tensile.stop_coordinator()`` lets the
 next call start one with new values.
 """
 
@@ -28,6 +31,7 @@ from pathlib import Path
 
 from ..coordinator import client as coordinator_client
 from ..errors import InvalidArgument
+from ..memory.manager import POOLS
 from ..scheduler import POLICIES
 
 _SETTINGS_SQL = """
@@ -36,6 +40,7 @@ SELECT current_user::text AS role, pg_backend_pid() AS pid,
        pg_size_bytes(coalesce(nullif(tensile._server_setting('tensile.device_budget'), ''), '1GB')) AS budget,
        coalesce(nullif(tensile._server_setting('tensile.max_active_jobs'), ''), '8')::int AS max_active_jobs,
        coalesce(nullif(tensile._server_setting('tensile.policy'), ''), 'tensile') AS policy,
+       coalesce(nullif(tensile._server_setting('tensile.pool'), ''), 'planned') AS pool,
        nullif(tensile._server_setting('tensile.python'), '') AS python
 """
 
@@ -68,16 +73,19 @@ def _default_python() -> str:
 def connect(plpy, GD, start: bool = True):
     """A client connected to this cluster's coordinator, started on demand if ``start``.
 
-    Raises InvalidArgument, when ``start``, for a ``tensile.policy`` not in POLICIES, and
-    CoordinatorUnavailable when no coordinator answers.
+    Raises InvalidArgument, when ``start``, for a ``tensile.policy`` not in POLICIES or a
+    ``tensile.pool`` not in POOLS, and CoordinatorUnavailable when no coordinator answers.
     """
     s = settings(plpy, GD)
     if start and s["policy"] not in POLICIES:
         raise InvalidArgument(f"tensile.policy is {s['policy']!r}; it must be one of {', '.join(POLICIES)}: "
                               "set it in the server's configuration files and reload them (SELECT pg_reload_conf())")
+    if start and s["pool"] not in POOLS:
+        raise InvalidArgument(f"tensile.pool is {s['pool']!r}; it must be one of {', '.join(POOLS)}: "
+                              "set it in the server's configuration files and reload them (SELECT pg_reload_conf())")
     spec = coordinator_client.StartSpec(
         python=s["python"] or _default_python(), device=s["device"], budget_nbytes=int(s["budget"]),
-        max_active_jobs=int(s["max_active_jobs"]), policy=s["policy"],
+        max_active_jobs=int(s["max_active_jobs"]), policy=s["policy"], pool=s["pool"],
         postmaster_pid_file=os.path.join(os.getcwd(), "postmaster.pid"),
         python_path=str(Path(__file__).resolve().parent.parent.parent))
     return coordinator_client.connect(socket_dir(), spec if start else None), s

@@ -1,0 +1,334 @@
+"""The planned pool at run time: recurring allocations served at lifetime-planned offsets.
+
+Note [Planned pool]
+-------------------
+Every block the memory manager allocates for a job's tensor carries a *key*: (job id, slot, the
+position of the op that allocates it). While the same jobs run on the same schedule, the
+executor's combined timeline repeats every period (:mod:`tensile_db.coordinator.executor`), and
+so does the sequence of keyed allocations and frees. The pool (Zhang, Yeung, Shu, He, Wang,
+arXiv 1903.06631, section III, made to run across several jobs):
+
+1. *records* that sequence over one period, from one period boundary to the next, with the
+   blocks live at the first boundary;
+2. at the second boundary, if the period was *steady* (the same keys live at its end as at its
+   start; no eviction, passive swap-in or early swap-out, whose timing depends on the allocator's
+   state rather than on the schedule), turns it into :class:`~tensile_db.memory.pool.Allocation`\\ s
+   — a block live across the boundary is one allocation of two segments — and plans their offsets
+   on a planning thread (:func:`~tensile_db.memory.pool.plan_smallest`, best fit, with a search of
+   :data:`SEARCH_S` seconds), checked by :func:`~tensile_db.memory.pool.check_plan`;
+3. at the first boundary after the plan is ready (or, at the latest, :data:`PLAN_WAIT_PERIODS`
+   boundaries on, waiting for it), if the same keys are live as at the recorded period's start,
+   asks the manager to *install* it: one block of the arena becomes the planned
+   region and the live blocks move to their planned offsets;
+4. *serves*: every keyed event is compared with the recorded sequence (one comparison); while they
+   agree, an allocation is a lookup. An event that does not agree — a swap-in the plan did not
+   make, a tensor evicted, a period that ends early — is a *mismatch*: the manager dissolves the
+   region (its live blocks become ordinary general-pool blocks where they are; nothing moves),
+   that request and the rest go to the general pool, and the pool records again after a back-off.
+   A schedule change or a job arriving or leaving does the same without counting a mismatch.
+
+Safety: while the events agree, the blocks live at every moment are exactly those of the recorded
+period, whose planned offsets do not overlap; once they disagree no block is placed in the region
+again until a new plan is installed. So no request fails and no two live tensors share bytes.
+
+Limitations: periods with reactive evictions are never planned (the reactive policy under a tight
+budget stays on the general pool); installing moves the live blocks through host memory once per
+plan.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import enum
+import logging
+from typing import Callable
+
+from .pool import Allocation, PoolPlan, check_plan, max_live_nbytes, plan_smallest, replay_general_pool
+
+log = logging.getLogger(__name__)
+
+Key = tuple          # (job id, slot, op position)
+
+#: Most periods the pool waits before recording again after repeated failures.
+MAX_BACKOFF_PERIODS = 64
+#: Seconds the planning thread searches for a smaller packing than the greedy orders find.
+SEARCH_S = 0.1
+#: Boundaries a plan may take on the planning thread before the executor waits for it: the
+#: planning thread competes for the GIL with the executor and can starve.
+PLAN_WAIT_PERIODS = 4
+
+
+class State(str, enum.Enum):
+    IDLE = "idle"               # general pool only; records at a coming boundary
+    RECORDING = "recording"     # general pool; the period's events are being recorded
+    PLANNING = "planning"       # general pool; offsets are being planned on the planning thread
+    SERVING = "serving"         # recurring allocations come from the planned region
+
+
+class PlannedPool:
+    """The planned region's sequence of events, recorded and then replayed.
+
+    Args:
+        install: ``install(plan, live_keys, reserve_nbytes) -> base offset or None`` — the
+            manager reserves ``plan.arena_nbytes`` bytes at a base offset, moves the live blocks
+            (whose keys are ``live_keys``) to ``base + plan.offsets[key]``, and keeps at least
+            ``reserve_nbytes`` free for unkeyed blocks; None if it cannot.
+        dissolve: ``dissolve()`` — the manager turns the region back into general-pool blocks.
+        enabled: False for the general pool only (``tensile.pool = 'general'``).
+    """
+
+    def __init__(self, install: Callable, dissolve: Callable, enabled: bool = True):
+        self.enabled = enabled
+        self.state = State.IDLE
+        self.plan: PoolPlan | None = None            # the installed plan (offsets relative to base)
+        self.base = 0                                # arena offset of the region, bytes
+        self.trace: list[Allocation] = []            # allocations of the last planned period
+        self.history = collections.deque(maxlen=8)   # (allocations, plan) of the latest installs
+        self.figures: dict = {}                      # bytes of the last plan, joint and per job
+        self.plans_installed = 0
+        self.planned_allocations = 0                 # served by lookup, cumulative
+        self.mismatches = 0
+        self.last_mismatch = ""
+        self.periods_served = 0                      # periods replayed without a mismatch
+        self._install, self._dissolve = install, dissolve
+        self._events: list[tuple[str, Key]] = []     # ("a" | "f", key), recorded or expected
+        self._sizes: dict[Key, int] = {}             # key -> bytes
+        self._start_live: dict[Key, int] = {}        # blocks live when the recording started
+        self._steady = True
+        self._unkeyed_nbytes = 0                     # unkeyed (library) bytes live, while recording
+        self._unkeyed_peak = 0
+        self._cursor = 0
+        self._expected: list[tuple[Key | None, int | None]] = []   # serving: (key, offset or None for a free)
+        self._failures = 0
+        self._wait = 0                               # boundaries to let pass before recording
+        self._planning: concurrent.futures.Future | None = None
+        self._planning_periods = 0                   # boundaries since the plan was asked for
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-pool")
+
+    @property
+    def region_nbytes(self) -> int:
+        """Bytes the planned region holds in the arena now (0 unless serving)."""
+        return self.plan.arena_nbytes if self.state is State.SERVING else 0
+
+    # -- events from the manager ----------------------------------------------------------------
+
+    def lookup(self, key: Key | None) -> int | None:
+        """The arena offset planned for the next allocation, keyed ``key``, if it is the one the
+        plan expects next; else None (and, for a keyed one while serving, a mismatch): use the
+        general pool. Unkeyed blocks (library temporaries) always come from the general pool."""
+        if self.state is not State.SERVING or key is None:
+            return None
+        expected, offset = self._expected[self._cursor]
+        if offset is not None and expected == key:
+            self._cursor += 1
+            self.planned_allocations += 1
+            return offset
+        self._mismatch(f"allocation of {_name(key)}")
+        return None
+
+    def allocated(self, key: Key | None, nbytes: int) -> None:
+        """A general-pool block of ``nbytes`` was allocated under ``key`` (None: unkeyed)."""
+        if self.state is State.RECORDING:
+            if key is None:
+                self._unkeyed_nbytes += nbytes
+                self._unkeyed_peak = max(self._unkeyed_peak, self._unkeyed_nbytes)
+            else:
+                self._events.append(("a", key))
+                self._sizes[key] = nbytes
+
+    def freed(self, key: Key | None, nbytes: int) -> None:
+        """A block allocated under ``key`` was freed (planned or not)."""
+        if self.state is State.RECORDING:
+            if key is None:
+                self._unkeyed_nbytes -= nbytes
+            else:
+                self._events.append(("f", key))
+        elif self.state is State.SERVING and key is not None:
+            expected, offset = self._expected[self._cursor]
+            if offset is None and expected == key:
+                self._cursor += 1
+            else:
+                self._mismatch(f"free of {_name(key)}")
+
+    def disturb(self, reason: str) -> None:
+        """Something happened whose timing the schedule does not fix (an eviction, a passive
+        swap-in, a swap-out finished early): the recorded period is not steady, and a served
+        one has left its plan."""
+        if self.state is State.RECORDING:
+            self._steady = False
+        elif self.state is State.SERVING:
+            self._mismatch(reason)
+
+    def invalidate(self, reason: str) -> None:
+        """The schedule or the set of jobs changed: back to the general pool; record afresh at
+        the next boundary."""
+        if self.state is State.SERVING:
+            self._dissolve()
+            log.info("planned pool dissolved: %s", reason)
+        self.state, self.plan, self._failures, self._wait = State.IDLE, None, 0, 0
+        self._planning = None
+
+    def close(self) -> None:
+        """Stop the planning thread."""
+        self._planning = None
+        self._thread.shutdown(wait=True, cancel_futures=True)
+
+    # -- period boundaries ------------------------------------------------------------------------
+
+    def boundary(self, live: dict[Key, int], unkeyed_nbytes: int) -> None:
+        """A period boundary (between rounds, no op running). ``live``: key -> bytes of every
+        keyed block live now; ``unkeyed_nbytes``: bytes of unkeyed blocks live now."""
+        if not self.enabled:
+            return
+        if self.state is State.SERVING:
+            if self._cursor == len(self._events):
+                self._cursor = 0
+                self.periods_served += 1
+                self._failures = 0
+                return
+            self._mismatch(f"the period ended after {self._cursor} of {len(self._events)} planned events")
+        if self.state is State.RECORDING:
+            why = self._finish_recording(live)
+            if why is None:
+                return
+            self._fail(why)
+        if self.state is State.PLANNING:
+            self._planning_periods += 1
+            if not self._planning.done() and self._planning_periods < PLAN_WAIT_PERIODS:
+                return
+            why = self._install_planned(live)
+            if why is None:
+                return
+            self._fail(why)
+        if self.state is State.IDLE and live:
+            if self._wait:
+                self._wait -= 1
+                return
+            self.state, self._events, self._sizes = State.RECORDING, [], {}
+            self._start_live, self._steady = dict(live), True
+            self._unkeyed_nbytes = self._unkeyed_peak = unkeyed_nbytes
+
+    def _finish_recording(self, live: dict[Key, int]) -> str | None:
+        """Hand a steady recorded period to the planning thread; None on success, else why not."""
+        if not self._steady:
+            return "the period had evictions or unplanned swap-ins"
+        if live != self._start_live:
+            return "the blocks live at the end of the period differ from those at its start"
+        allocs = _allocations(self._events, self._sizes, self._start_live)
+        if allocs is None:
+            return "the period's allocations and frees do not pair up"
+        self.state, self._planning_periods = State.PLANNING, 0
+        self._planning = self._thread.submit(_plan, allocs)
+        return None
+
+    def _install_planned(self, live: dict[Key, int]) -> str | None:
+        """Install the plan the planning thread made; None on success, else why not."""
+        try:
+            allocs, plan, figures = self._planning.result()
+        except Exception as exc:  # a bug in the planner must not stop the jobs: stay general
+            log.exception("planning the pool failed")
+            return f"planning failed: {exc!r}"
+        finally:
+            self._planning = None
+        if live != self._start_live:
+            return "the blocks live at this boundary differ from those the plan starts from"
+        base = self._install(plan, set(live), self._unkeyed_peak)
+        if base is None:
+            return (f"a planned region of {plan.arena_nbytes:,} bytes and {self._unkeyed_peak:,} bytes "
+                    "of library temporaries do not fit beside the blocks in use")
+        self.state, self.plan, self.base, self.trace, self.figures = State.SERVING, plan, base, allocs, figures
+        self.history.append((allocs, plan))
+        self._expected = [(key, base + plan.offsets[key] if kind == "a" else None) for kind, key in self._events]
+        self._expected.append((None, -1))            # sentinel: the period is over
+        self._cursor = 0
+        self.plans_installed += 1
+        log.info("planned pool %d: %d allocations in %d bytes at offset %d (max live %d bytes)",
+                 self.plans_installed, len(allocs), plan.arena_nbytes, base, figures["max_live_nbytes"])
+        return None
+
+    def _mismatch(self, what: str) -> None:
+        self.mismatches += 1
+        self.last_mismatch = what
+        log.info("planned pool mismatch: %s; back to the general pool", what)
+        self._dissolve()
+        self.state, self.plan = State.IDLE, None
+        self._fail(what)
+
+    def _fail(self, why: str) -> None:
+        self.state = State.IDLE
+        self._failures += 1
+        self._wait = min(MAX_BACKOFF_PERIODS, 2 ** (self._failures - 1)) - 1
+        log.debug("planned pool not installed (%s); recording again in %d periods", why, self._wait + 1)
+
+    # -- reporting --------------------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        """JSON-able figures for ``tensile.memory`` (bytes and counts)."""
+        return {"pool": self.state.value if self.enabled else "general only",
+                "planned_region_nbytes": self.region_nbytes,
+                "pool_plans_installed": self.plans_installed,
+                "planned_allocations": self.planned_allocations,
+                "pool_mismatches": self.mismatches,
+                "planned_arena_nbytes": self.figures.get("planned_arena_nbytes"),
+                "max_live_nbytes": self.figures.get("max_live_nbytes"),
+                "general_pool_nbytes": self.figures.get("general_pool_nbytes")}
+
+    def job_figures(self, job_id: int) -> dict:
+        """Bytes of the last plan for one job's allocations alone: its planned arena, lower bound
+        (max live bytes) and the general pool's high-water mark on the same trace."""
+        return self.figures.get("per_job", {}).get(job_id, {})
+
+
+def _name(key: Key) -> str:
+    job, slot, position = key
+    return f"{slot} of job {job} at op {position}"
+
+
+def _allocations(events, sizes, start_live) -> list[Allocation] | None:
+    """The recorded period as allocations over events 0 (its start) to len(events) + 1 (its
+    end); a block live across the boundary has its two segments. None if the events do not pair
+    up (a free of a key not live, a key allocated twice)."""
+    end = len(events) + 1
+    open_ = dict.fromkeys(start_live, 0)
+    segments: dict[Key, list[tuple[int, int]]] = {}
+    for i, (kind, key) in enumerate(events, start=1):
+        if kind == "a":
+            if key in open_:
+                return None
+            open_[key] = i
+        else:
+            if key not in open_:
+                return None
+            segments.setdefault(key, []).append((open_.pop(key), i))
+    for key, start in open_.items():
+        segments.setdefault(key, []).append((start, end))
+    allocs = []
+    for key, segs in segments.items():
+        segs.sort()
+        if segs[0][0] == 0 and segs[-1][1] == end and len(segs) == 1:
+            segs = [(0, end)]
+        nbytes = start_live.get(key) or sizes[key]
+        allocs.append(Allocation(key, nbytes, tuple(segs)))
+    return allocs
+
+
+def _plan(allocs: list[Allocation]) -> tuple[list[Allocation], PoolPlan, dict]:
+    """On the planning thread: the offsets (checked) and the figures reported for them."""
+    plan = plan_smallest(allocs, "best_fit", SEARCH_S)
+    check_plan(allocs, plan)
+    return allocs, plan, _figures(allocs, plan)
+
+
+def _figures(allocs: list[Allocation], plan: PoolPlan) -> dict:
+    """Planned arena, lower bound and general-pool high-water mark (highest byte the best-fit
+    pool touches on the same trace), for all jobs together and for each job alone."""
+    _, general = replay_general_pool(allocs)
+    per_job = {}
+    for job in sorted({a.key[0] for a in allocs}):
+        mine = [a for a in allocs if a.key[0] == job]
+        per_job[job] = {"planned_arena_nbytes": plan_smallest(mine, "best_fit", SEARCH_S / 4).arena_nbytes,
+                        "max_live_nbytes": max_live_nbytes(mine),
+                        "general_pool_nbytes": replay_general_pool(mine)[1]}
+    return {"planned_arena_nbytes": plan.arena_nbytes, "max_live_nbytes": max_live_nbytes(allocs),
+            "general_pool_nbytes": general, "per_job": per_job}

@@ -1,0 +1,270 @@
+"""The planned pool at run time (issue 4): recording, planning, serving by lookup, falling back.
+
+Invariants checked on real executor runs on ``cpu``: at every op no two live tensors share a
+byte and every block lies inside the arena (planned ones inside the planned region); training
+gives the same losses and weights bit for bit with either pool; a request that does not match
+the plan goes to the general pool and the jobs go on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tensile_db.errors import InvalidArgument
+from tensile_db.memory import planned
+from tensile_db.memory.arena import UNIT_NBYTES as U
+from tensile_db.memory.arena import ArenaAllocator
+from tensile_db.memory.manager import MemoryManager, Residency
+from tensile_db.memory.planned import PlannedPool, State, _allocations
+from tensile_db.runtime.device import Device
+from tensile_db.runtime.model import TrainOptions
+from tensile_db.runtime.program import Op
+
+from test_scheduler import budget_of, make_job, run
+
+def K(slot: str) -> tuple:
+    """A key as the manager makes them: (job, slot, op position)."""
+    return (1, slot, 0)
+
+
+OPTIONS = TrainOptions(epochs=8, batch_size=64, optimizer="adam", lr=0.005, seed=11)
+
+
+@pytest.fixture(autouse=True)
+def quick_planning(monkeypatch):
+    monkeypatch.setattr(planned, "SEARCH_S", 0.0)    # plans are ready at the next boundary
+
+
+# --- the recorded period ---------------------------------------------------------------------
+
+
+def test_a_period_becomes_allocations_with_wrapping_blocks_in_two_segments():
+    x, y, w, p = (K(n) for n in "xywp")
+    events = [("a", x), ("f", w), ("a", y), ("f", x), ("a", w), ("f", y)]
+    allocs = {a.key: a for a in _allocations(events, {x: U, y: 2 * U, w: 3 * U}, {w: 3 * U, p: U})}
+    assert allocs[x].segments == ((1, 4),) and allocs[y].segments == ((3, 6),)
+    assert allocs[w].segments == ((0, 2), (5, 7)) and allocs[w].nbytes == 3 * U
+    assert allocs[p].segments == ((0, 7),)                       # live all period
+
+
+@pytest.mark.parametrize("events", [[("f", K("x"))], [("a", K("w"))]], ids=["free of a dead key", "double allocation"])
+def test_events_that_do_not_pair_up_are_not_planned(events):
+    assert _allocations(events, {K("w"): U}, {K("w"): U}) is None
+
+
+class FakeArena:
+    """Install / dissolve callbacks that record what the pool asks for."""
+
+    def __init__(self, fits=True):
+        self.fits, self.installed, self.dissolved = fits, [], 0
+
+    def install(self, plan, live_keys, reserve):
+        self.installed.append((plan, live_keys, reserve))
+        return 4096 if self.fits else None
+
+    def dissolve(self):
+        self.dissolved += 1
+
+
+def play(pool, events):
+    """Feed one period of (kind, key, nbytes) events; return the offsets lookups gave."""
+    got = []
+    for kind, key, nbytes in events:
+        if kind == "a":
+            offset = pool.lookup(key)
+            got.append(offset)
+            if offset is None:
+                pool.allocated(key, nbytes)
+        else:
+            pool.freed(key, nbytes)
+    return got
+
+
+PERIOD = [("a", K("x"), 2 * U), ("a", K("y"), U), ("f", K("x"), 2 * U), ("a", K("z"), 2 * U), ("f", K("y"), U),
+          ("f", K("z"), 2 * U)]
+LIVE = {K("w"): U}
+
+
+def serving_pool(arena):
+    pool = PlannedPool(arena.install, arena.dissolve)
+    pool.boundary(LIVE, 0)                     # starts recording
+    assert pool.state is State.RECORDING
+    play(pool, PERIOD)
+    pool.boundary(LIVE, 0)                     # hands the period to the planning thread
+    pool._planning.result()
+    pool.boundary(LIVE, 0)                     # installs
+    assert pool.state is State.SERVING
+    return pool
+
+
+def test_a_recorded_period_is_planned_installed_and_served_by_lookup():
+    arena = FakeArena()
+    pool = serving_pool(arena)
+    plan, live_keys, _ = arena.installed[0]
+    assert live_keys == {K("w")} and plan.arena_nbytes == 4 * U       # x and z share bytes
+    got = play(pool, PERIOD)
+    assert got == [4096 + plan.offsets[K(k)] for k in "xyz"]
+    pool.boundary(LIVE, 0)
+    assert pool.state is State.SERVING and pool.periods_served == 1 and pool.mismatches == 0
+    assert pool.planned_allocations == 3
+    figures = pool.describe()
+    assert figures["planned_region_nbytes"] == 4 * U and figures["max_live_nbytes"] == 4 * U
+
+
+@pytest.mark.parametrize("deviation", ["unplanned allocation", "free out of order", "period cut short", "eviction"])
+def test_a_mismatch_dissolves_the_region_and_later_requests_go_to_the_general_pool(deviation):
+    arena = FakeArena()
+    pool = serving_pool(arena)
+    if deviation == "unplanned allocation":
+        got = play(pool, [("a", K("x"), 2 * U), ("a", K("q"), U), ("a", K("y"), U)])
+        assert got[0] is not None and got[1:] == [None, None]
+    elif deviation == "free out of order":
+        got = play(pool, [("a", K("x"), 2 * U), ("a", K("y"), U), ("f", K("y"), U), ("a", K("z"), 2 * U)])
+        assert got[2] is None
+    elif deviation == "period cut short":
+        play(pool, PERIOD[:4])
+    elif deviation == "eviction":
+        play(pool, PERIOD[:2])
+        pool.disturb("eviction of x")
+        assert pool.lookup(K("z")) is None
+    pool.boundary(LIVE, 0)
+    assert pool.mismatches == 1 and arena.dissolved == 1 and pool.state is not State.SERVING
+    assert pool.region_nbytes == 0
+
+
+def test_an_unsteady_period_or_a_region_that_does_not_fit_is_not_installed():
+    arena = FakeArena()
+    pool = PlannedPool(arena.install, arena.dissolve)
+    pool.boundary(LIVE, 0)
+    play(pool, PERIOD)
+    pool.disturb("eviction")
+    pool.boundary(LIVE, 0)
+    assert pool.state is State.RECORDING and not arena.installed     # records again at once
+    play(pool, PERIOD[:-1])                                          # z still live at the end
+    pool.boundary({**LIVE, K("z"): 2 * U}, 0)
+    assert pool.state is State.IDLE and not arena.installed          # backs off one period
+    no_room = FakeArena(fits=False)
+    pool = PlannedPool(no_room.install, no_room.dissolve)
+    pool.boundary(LIVE, 0)
+    play(pool, PERIOD)
+    pool.boundary(LIVE, 0)
+    pool._planning.result()
+    pool.boundary(LIVE, 0)
+    assert len(no_room.installed) == 1 and pool.state is State.RECORDING and pool.region_nbytes == 0
+    pool.close()
+
+
+def test_invalidation_dissolves_without_counting_a_mismatch():
+    arena = FakeArena()
+    pool = serving_pool(arena)
+    pool.invalidate("job 3 arrived")
+    assert arena.dissolved == 1 and pool.mismatches == 0 and pool.state is State.IDLE
+    pool.boundary(LIVE, 0)
+    assert pool.state is State.RECORDING
+
+
+def test_relayout_rebuilds_free_blocks_and_keeps_the_peak():
+    a = ArenaAllocator(16 * U)
+    a.allocate(8 * U)
+    a.relayout({2 * U: 4 * U, 10 * U: 2 * U})
+    assert a.in_use_nbytes == 6 * U and a.peak_nbytes == 8 * U
+    assert a.free_blocks == 3 and a.largest_free_nbytes == 4 * U
+    assert a.allocate(4 * U) in (6 * U, 12 * U)
+    with pytest.raises(AssertionError):
+        a.relayout({0: 4 * U, 2 * U: 4 * U})
+
+
+# --- real runs ---------------------------------------------------------------------------------
+
+
+def _check_blocks(job, mm: MemoryManager) -> None:
+    """Wrap every op of the job so it asserts, while the op runs, that no two tensors with arena
+    blocks share a byte, every block lies inside the arena and planned blocks inside the region."""
+
+    def wrap(op: Op) -> Op:
+        def run(arrays, ctx):
+            blocks = sorted((t.offset, t.offset + t.arena_nbytes, t) for t in mm._tensors.values()
+                            if t.offset is not None)
+            for (s1, e1, t1), (s2, _, t2) in zip(blocks, blocks[1:]):
+                assert e1 <= s2, f"{t1.slot} of job {t1.job_id} and {t2.slot} of job {t2.job_id} share bytes"
+            assert not blocks or blocks[-1][1] <= mm.budget_nbytes
+            region = mm.pool.region_nbytes
+            for s, e, t in blocks:
+                if t.planned:
+                    assert mm.pool.base <= s and e <= mm.pool.base + region, f"{t.slot} outside the region"
+            op.run(arrays, ctx)
+        return Op(op.name, op.reads, op.writes, run)
+
+    job.program.ops[:] = [wrap(op) for op in job.program.ops]
+
+
+def train(pool: str, fraction: float, policy: str = "tensile", between_ops=None):
+    jobs = [make_job(options=OPTIONS, seed=s) for s in (1, 2)]
+
+    def prepare(jobs, mm):
+        for job in jobs:
+            _check_blocks(job, mm)
+        if between_ops is not None:
+            jobs[0].program.ops[5] = between_ops(jobs[0].program.ops[5], mm, jobs)
+
+    mm, _ = run(jobs, budget_of(jobs, fraction), policy, pool=pool, prepare=prepare)
+    assert mm.peak_nbytes <= mm.budget_nbytes
+    return jobs, mm
+
+
+@pytest.fixture(scope="module")
+def general_runs():
+    return {fraction: train("general", fraction)[0] for fraction in (4.0, 0.6)}
+
+
+@pytest.mark.parametrize("fraction", [4.0, 0.6], ids=["unlimited", "60% with swaps"])
+def test_planned_pool_serves_by_lookup_and_training_matches_the_general_pool_bit_for_bit(general_runs, fraction):
+    jobs, mm = train("planned", fraction)
+    pool = mm.pool
+    assert pool.plans_installed >= 1 and pool.planned_allocations > 0 and pool.mismatches == 0
+    figures = pool.figures
+    assert figures["max_live_nbytes"] <= figures["planned_arena_nbytes"] <= mm.peak_nbytes
+    assert set(figures["per_job"]) == {j.id for j in jobs}
+    if fraction < 1:
+        assert sum(j.memory.swap_outs for j in jobs) > 0
+    for ref, job in zip(general_runs[fraction], jobs):
+        assert job.loss == ref.loss
+        for name, value in ref.result.items():
+            assert np.array_equal(job.result[name], value), f"{name} differs between the pools"
+
+
+def test_a_request_off_the_plan_falls_back_to_the_general_pool_and_the_pool_replans(general_runs):
+    """Once the pool serves, evict a planned tensor in the middle of an op sequence: the next
+    events do not match, the region is dissolved, the jobs finish with the same results, and a
+    new plan is installed later."""
+    done = []
+
+    def evicting(op, mm, jobs):
+        def run(arrays, ctx):
+            op.run(arrays, ctx)
+            if not done and mm.pool.state is State.SERVING and mm.pool.periods_served >= 1:
+                victim = next(t for t in mm._tensors.values() if t.planned and not t.pins
+                              and t.residency is Residency.DEVICE)
+                with mm._lock:
+                    mm._swap_out(victim)
+                done.append(victim.slot)
+        return Op(op.name, op.reads, op.writes, run)
+
+    jobs, mm = train("planned", 4.0, between_ops=evicting)
+    assert done, "the pool never served a whole period"
+    assert mm.pool.mismatches >= 1 and mm.pool.last_mismatch
+    assert mm.pool.plans_installed >= 2
+    for ref, job in zip(general_runs[4.0], jobs):
+        for name, value in ref.result.items():
+            assert np.array_equal(job.result[name], value), f"{name} differs after the fallback"
+
+
+def test_reactive_evictions_keep_the_general_pool():
+    _, mm = train("planned", 0.6, policy="reactive")
+    assert mm.pool.plans_installed == 0 and mm.pool.planned_allocations == 0
+
+
+def test_unknown_pool_is_refused():
+    with pytest.raises(InvalidArgument, match="unknown pool 'lifo'"):
+        MemoryManager(Device("cpu"), 1 << 20, pool="lifo")
