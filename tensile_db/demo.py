@@ -130,7 +130,10 @@ def run(home: str) -> int:
     print(tabulate(rows, headers="keys", floatfmt=".3f", intfmt=","))
     print()
     print(tabulate([["device", memory["device"]], ["scheduler policy", memory["policy"]],
-                    ["plans made", memory["plans_made"]], ["budget bytes", f"{memory['budget_bytes']:,}"],
+                    ["plans made", memory["plans_made"]],
+                    ["planned pool: plans installed / allocations by lookup / mismatches",
+                     f"{memory['pool_plans_installed']} / {memory['planned_allocations']:,} / {memory['pool_mismatches']}"],
+                    ["budget bytes", f"{memory['budget_bytes']:,}"],
                     ["combined peak bytes (coordinator high-water mark)", f"{memory['peak_bytes']:,}"],
                     ["sum of unscheduled peaks, bytes", f"{vanilla_sum:,}"]], colalign=("left", "right")))
     checks = {

@@ -423,7 +423,10 @@ class MemoryManager:
             offset = self.allocator.allocate(size)
             if offset is not None:
                 return offset
-        if self.pool.state is State.SERVING:     # the general pool needs the region's bytes
+        if self.pool.state is State.SERVING:     # the region was admitted against the budget, not the limit
+            offset = self.allocator.allocate(size)
+            if offset is not None:
+                return offset
             self.pool.disturb(f"a general-pool block of {size:,} bytes did not fit beside the planned region")
         while True:
             victims = [t for t in self._tensors.values()
@@ -521,12 +524,9 @@ class MemoryManager:
     def _dissolve_region(self) -> None:
         """Turn the planned region back into general-pool blocks: each live planned block stays
         where it is as an ordinary block; the rest of the region becomes free."""
-        used = dict(self.allocator.blocks())
-        used.pop(self.pool.base)
+        used = {t.offset: t.arena_nbytes for t in self._tensors.values() if t.offset is not None}
         for t in self._tensors.values():
-            if t.planned:
-                used[t.offset] = t.arena_nbytes
-                t.planned = False
+            t.planned = False
         self.allocator.relayout(used)
 
     def _swap_out(self, t: Tensor) -> None:

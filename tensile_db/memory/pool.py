@@ -160,18 +160,20 @@ def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s
 
 
 def check_plan(allocs: list[Allocation], plan: PoolPlan) -> None:
-    """Raise AssertionError if two allocations with overlapping lifetimes share a byte, or if one
-    lies outside ``[0, plan.arena_nbytes)``."""
+    """Raise AssertionError (also under ``python -O``) if two allocations with overlapping
+    lifetimes share a byte, or if one lies outside ``[0, plan.arena_nbytes)``."""
     by_key = {a.key: a for a in allocs}
     items = sorted(((plan.offsets[k], plan.offsets[k] + a.nbytes, a) for k, a in by_key.items()),
                    key=lambda t: t[0])
     for start, end, a in items:
-        assert 0 <= start and end <= plan.arena_nbytes, f"{a.key} at [{start}, {end}) outside the arena"
+        if start < 0 or end > plan.arena_nbytes:
+            raise AssertionError(f"{a.key} at [{start}, {end}) outside the arena")
     for i, (s1, e1, a) in enumerate(items):
         for s2, e2, b in items[i + 1:]:
             if s2 >= e1:
                 break
-            assert not a.overlaps(b), f"{a.key} and {b.key} overlap in time and share bytes [{s2}, {min(e1, e2)})"
+            if a.overlaps(b):
+                raise AssertionError(f"{a.key} and {b.key} overlap in time and share bytes [{s2}, {min(e1, e2)})")
 
 
 def allocations_of(program, decisions=()) -> list[Allocation]:
