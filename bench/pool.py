@@ -141,17 +141,17 @@ def ns_per_call(allocs: list[Allocation], repeats: int = 20) -> tuple[float, flo
     n_allocations = sum(kind == "a" for kind, _, _ in events)
     live = {(0, "always live", 0): 512}
     pool = PlannedPool(lambda plan, keys, reserve: 0, lambda: None)
-    pool.boundary(live, 0)
+    pool.boundary(lambda: (live, 0))
     for kind, key, nbytes in events:                 # record one period
         pool.allocated(key, nbytes) if kind == "a" else pool.freed(key, nbytes)
-    pool.boundary(live, 0)
+    pool.boundary(lambda: (live, 0))
     pool._planning.result()
-    pool.boundary(live, 0)                           # serving from here
+    pool.boundary(lambda: (live, 0))                           # serving from here
     start = time.perf_counter_ns()
     for _ in range(repeats):
         for kind, key, nbytes in events:
             pool.lookup(key) if kind == "a" else pool.freed(key, nbytes)
-        pool.boundary(live, 0)
+        pool.boundary(lambda: (live, 0))
     planned_ns = (time.perf_counter_ns() - start) / (repeats * n_allocations)
     assert pool.mismatches == 0 and pool.planned_allocations == repeats * n_allocations
     pool.close()

@@ -88,12 +88,12 @@ LIVE = {K("w"): U}
 
 def serving_pool(arena):
     pool = PlannedPool(arena.install, arena.dissolve)
-    pool.boundary(LIVE, 0)                     # starts recording
+    pool.boundary(lambda: (LIVE, 0))                     # starts recording
     assert pool.state is State.RECORDING
     play(pool, PERIOD)
-    pool.boundary(LIVE, 0)                     # hands the period to the planning thread
+    pool.boundary(lambda: (LIVE, 0))                     # hands the period to the planning thread
     pool._planning.result()
-    pool.boundary(LIVE, 0)                     # installs
+    pool.boundary(lambda: (LIVE, 0))                     # installs
     assert pool.state is State.SERVING
     return pool
 
@@ -105,7 +105,7 @@ def test_a_recorded_period_is_planned_installed_and_served_by_lookup():
     assert live_keys == {K("w")} and plan.arena_nbytes == 4 * U       # x and z share bytes
     got = play(pool, PERIOD)
     assert got == [4096 + plan.offsets[K(k)] for k in "xyz"]
-    pool.boundary(LIVE, 0)
+    pool.boundary(lambda: (LIVE, 0))
     assert pool.state is State.SERVING and pool.periods_served == 1 and pool.mismatches == 0
     assert pool.planned_allocations == 3
     figures = pool.describe()
@@ -128,7 +128,7 @@ def test_a_mismatch_dissolves_the_region_and_later_requests_go_to_the_general_po
         play(pool, PERIOD[:2])
         pool.disturb("eviction of x")
         assert pool.lookup(K("z")) is None
-    pool.boundary(LIVE, 0)
+    pool.boundary(lambda: (LIVE, 0))
     assert pool.mismatches == 1 and arena.dissolved == 1 and pool.state is not State.SERVING
     assert pool.region_nbytes == 0
 
@@ -136,21 +136,21 @@ def test_a_mismatch_dissolves_the_region_and_later_requests_go_to_the_general_po
 def test_an_unsteady_period_or_a_region_that_does_not_fit_is_not_installed():
     arena = FakeArena()
     pool = PlannedPool(arena.install, arena.dissolve)
-    pool.boundary(LIVE, 0)
+    pool.boundary(lambda: (LIVE, 0))
     play(pool, PERIOD)
     pool.disturb("eviction")
-    pool.boundary(LIVE, 0)
+    pool.boundary(lambda: (LIVE, 0))
     assert pool.state is State.RECORDING and not arena.installed     # records again at once
     play(pool, PERIOD[:-1])                                          # z still live at the end
-    pool.boundary({**LIVE, K("z"): 2 * U}, 0)
+    pool.boundary(lambda: ({**LIVE, K("z"): 2 * U}, 0))
     assert pool.state is State.IDLE and not arena.installed          # backs off one period
     no_room = FakeArena(fits=False)
     pool = PlannedPool(no_room.install, no_room.dissolve)
-    pool.boundary(LIVE, 0)
+    pool.boundary(lambda: (LIVE, 0))
     play(pool, PERIOD)
-    pool.boundary(LIVE, 0)
+    pool.boundary(lambda: (LIVE, 0))
     pool._planning.result()
-    pool.boundary(LIVE, 0)
+    pool.boundary(lambda: (LIVE, 0))
     assert len(no_room.installed) == 1 and pool.state is State.RECORDING and pool.region_nbytes == 0
     pool.close()
 
@@ -160,7 +160,7 @@ def test_invalidation_dissolves_without_counting_a_mismatch():
     pool = serving_pool(arena)
     pool.invalidate("job 3 arrived")
     assert arena.dissolved == 1 and pool.mismatches == 0 and pool.state is State.IDLE
-    pool.boundary(LIVE, 0)
+    pool.boundary(lambda: (LIVE, 0))
     assert pool.state is State.RECORDING
 
 

@@ -101,8 +101,7 @@ class Coordinator:
         if self.postmaster_pid_file:
             threading.Thread(target=self._watch_postmaster, name="tensile-watch", daemon=True).start()
         log.info("coordinator %d serving %s on %s, budget %d bytes, policy %s, pool %s", os.getpid(),
-                 self.socket_path,
-                 self.device_name, self.manager.budget_nbytes, self.policy, self.pool)
+                 self.socket_path, self.device_name, self.manager.budget_nbytes, self.policy, self.pool)
         while True:
             conn = listener.accept()
             threading.Thread(target=self._serve, args=(conn,), name="tensile-conn", daemon=True).start()

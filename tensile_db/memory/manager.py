@@ -181,10 +181,13 @@ class MemoryManager:
         """The executor is between two periods of the combined timeline (no op running): the
         planned pool records, installs or checks its plan here."""
         with self._lock:
-            live = {t.key: t.arena_nbytes for t in self._tensors.values()
-                    if t.offset is not None and t.key is not None}
-            unkeyed = sum(t.arena_nbytes for t in self._tensors.values() if t.offset is not None and t.key is None)
-            self.pool.boundary(live, unkeyed)
+            self.pool.boundary(self._live_blocks)
+
+    def _live_blocks(self) -> tuple[dict, int]:
+        """(key -> bytes of every keyed block in the arena, bytes of the unkeyed ones)."""
+        blocks = [t for t in self._tensors.values() if t.offset is not None]
+        return ({t.key: t.arena_nbytes for t in blocks if t.key is not None},
+                sum(t.arena_nbytes for t in blocks if t.key is None))
 
     def adopt(self, job_id: int, slot: str, kind: Kind, host: np.ndarray) -> Tensor:
         """Register a tensor whose values start on the host (initial weights, optimizer state);
@@ -479,8 +482,9 @@ class MemoryManager:
         planned region and move every live block whose key is in ``live_keys`` to its planned
         offset, the other unpinned blocks out of the way, keeping ``reserve_nbytes`` for unkeyed
         blocks within the budget (not ``limit_nbytes``: that headroom is for the general pool's
-        fragmentation, and the region's packing is exact). Returns the region's offset, or None (nothing changed) if it does
-        not fit. Called at a period boundary; copies in flight are waited for first.
+        fragmentation, and the region's packing is exact). Returns the region's offset, or None
+        (nothing changed) if it does not fit. Called at a period boundary; copies in flight are
+        waited for first.
 
         The bytes move through host memory (each moving block is copied out, then all are copied
         in), which is simple whatever the overlaps; it happens once per installed plan."""

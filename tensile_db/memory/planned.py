@@ -83,7 +83,6 @@ class PlannedPool:
         self.state = State.IDLE
         self.plan: PoolPlan | None = None            # the installed plan (offsets relative to base)
         self.base = 0                                # arena offset of the region, bytes
-        self.trace: list[Allocation] = []            # allocations of the last planned period
         self.history = collections.deque(maxlen=8)   # (allocations, plan) of the latest installs
         self.figures: dict = {}                      # bytes of the last plan, joint and per job
         self.plans_installed = 0
@@ -92,7 +91,7 @@ class PlannedPool:
         self.last_mismatch = ""
         self.periods_served = 0                      # periods replayed without a mismatch
         self._install, self._dissolve = install, dissolve
-        self._events: list[tuple[str, Key]] = []     # ("a" | "f", key), recorded or expected
+        self._events: list[tuple[str, Key]] = []     # ("a" | "f", key), while recording
         self._sizes: dict[Key, int] = {}             # key -> bytes
         self._start_live: dict[Key, int] = {}        # blocks live when the recording started
         self._steady = True
@@ -176,18 +175,20 @@ class PlannedPool:
 
     # -- period boundaries ------------------------------------------------------------------------
 
-    def boundary(self, live: dict[Key, int], unkeyed_nbytes: int) -> None:
-        """A period boundary (between rounds, no op running). ``live``: key -> bytes of every
-        keyed block live now; ``unkeyed_nbytes``: bytes of unkeyed blocks live now."""
+    def boundary(self, snapshot: Callable[[], tuple[dict[Key, int], int]]) -> None:
+        """A period boundary (between rounds, no op running). ``snapshot()`` returns (key -> bytes
+        of every keyed block live now, bytes of unkeyed blocks live now); it is called only when
+        needed, not in a period served as planned."""
         if not self.enabled:
             return
         if self.state is State.SERVING:
-            if self._cursor == len(self._events):
+            if self._expected[self._cursor][0] is None:      # the sentinel: every event happened
                 self._cursor = 0
                 self.periods_served += 1
                 self._failures = 0
                 return
-            self._mismatch(f"the period ended after {self._cursor} of {len(self._events)} planned events")
+            self._mismatch(f"the period ended after {self._cursor} of {len(self._expected) - 1} planned events")
+        live, unkeyed_nbytes = snapshot()
         if self.state is State.RECORDING:
             why = self._finish_recording(live)
             if why is None:
@@ -237,9 +238,10 @@ class PlannedPool:
         if base is None:
             return (f"a planned region of {plan.arena_nbytes:,} bytes and {self._unkeyed_peak:,} bytes "
                     "of library temporaries do not fit beside the blocks in use")
-        self.state, self.plan, self.base, self.trace, self.figures = State.SERVING, plan, base, allocs, figures
+        self.state, self.plan, self.base, self.figures = State.SERVING, plan, base, figures
         self.history.append((allocs, plan))
         self._expected = [(key, base + plan.offsets[key] if kind == "a" else None) for kind, key in self._events]
+        self._events, self._sizes = [], {}
         self._expected.append((None, -1))            # sentinel: the period is over
         self._cursor = 0
         self.plans_installed += 1
@@ -306,8 +308,6 @@ def _allocations(events, sizes, start_live) -> list[Allocation] | None:
     allocs = []
     for key, segs in segments.items():
         segs.sort()
-        if segs[0][0] == 0 and segs[-1][1] == end and len(segs) == 1:
-            segs = [(0, end)]
         nbytes = start_live.get(key) or sizes[key]
         allocs.append(Allocation(key, nbytes, tuple(segs)))
     return allocs
