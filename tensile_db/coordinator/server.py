@@ -10,7 +10,10 @@ server has gone, taking every job with it.
 Requests (``type`` in the header): ``ping``, ``jobs``, ``memory``, ``train`` (features ``x`` and
 labels ``y`` as arrays; answered by ``accepted``, ``progress`` per epoch, then ``result`` with the
 weights as arrays, or ``error``; a ``cancel`` message or a closed connection cancels the job),
-and ``shutdown``.
+``predict`` (features ``x`` and the registry row's id, version and architecture; answered by
+``need_weights`` when this coordinator does not hold that version — the backend then sends
+``weights`` — then ``accepted`` and ``result`` with the ``outputs`` array, or ``error``; a
+``cancel`` message or a closed connection stops the call between two layers), and ``shutdown``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from multiprocessing.connection import Listener
 
 import numpy as np
 
-from ..errors import InvalidArgument, ProtocolError, TensileError
+from ..errors import JobCancelled, ProtocolError, TensileError
+from ..inference.service import InferenceService
 from ..memory.manager import MemoryManager
 from ..runtime import model as models
 from ..runtime.device import Device
@@ -73,6 +77,7 @@ class Coordinator:
         self.started_at = time.time()
         self.manager: MemoryManager | None = None
         self.executor: Executor | None = None
+        self.inference: InferenceService | None = None
         self._lock_fd: int | None = None
 
     @property
@@ -94,6 +99,7 @@ class Coordinator:
             route_cupy_allocator(self.manager)
         self.executor = Executor(self.manager, self.max_active_jobs, policy=self.policy)
         self.executor.start()
+        self.inference = InferenceService(self.manager)
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)          # stale: we hold the lock, nobody serves it
         listener = Listener(self.socket_path, family="AF_UNIX")
@@ -136,6 +142,8 @@ class Coordinator:
                 try:
                     if kind == "train":
                         self._train(conn, header, arrays)
+                    elif kind == "predict":
+                        self._predict(conn, header, arrays)
                     elif kind == "ping":
                         protocol.send(conn, {"type": "pong", "pid": os.getpid(), "device": self.device_name,
                                              "budget_nbytes": self.manager.budget_nbytes})
@@ -164,7 +172,7 @@ class Coordinator:
         jobs = {j.id: j for j in self.executor.jobs()}
         per_job = {str(jid): dict(c, model_name=jobs[jid].info.model_name)
                    for jid, c in snap.pop("jobs").items() if jid in jobs}
-        return dict(snap, **self.executor.describe(), type="memory", per_job=per_job, started_at=self.started_at,
+        return dict(snap, **self.executor.describe(), **self.inference.describe(), type="memory", per_job=per_job, started_at=self.started_at,
                     running_jobs=sum(j.state.value == "running" for j in jobs.values()),
                     queued_jobs=sum(j.state.value == "queued" for j in jobs.values()))
 
@@ -192,6 +200,46 @@ class Coordinator:
         if job.error is not None:
             raise job.error if isinstance(job.error, TensileError) else TensileError(f"training failed: {job.error!r}")
         protocol.send(conn, {"type": "result", "metrics": self._metrics(job, x, y)}, job.result)
+
+    def _predict(self, conn, header: dict, arrays: dict) -> None:
+        """One ``predict`` call, run on this connection's thread (see the module docstring)."""
+        try:
+            x = arrays["x"]
+            task = header["task"]
+            if task not in models.TASKS or x.ndim != 2 or x.dtype != np.float32:
+                raise ProtocolError(f"predict request with task {task!r} and features {x.dtype} {x.shape}")
+            spec = models.ModelSpec(models.parse_architecture(header["architecture"]), int(x.shape[1]),
+                                    int(header["n_outputs"]), task)
+            model_id, version, name = int(header["model_id"]), str(header["model_version"]), str(header["model_name"])
+            window, batch_size, cache = header["window"], header["batch_size"], bool(header.get("cache", True))
+        except KeyError as exc:
+            raise ProtocolError(f"predict request without {exc}") from None
+        model = self.inference.store.checkout(model_id, version)
+        if model is None:
+            protocol.send(conn, {"type": "need_weights"})
+            reply, weights = protocol.recv(conn)
+            if reply["type"] != "weights":
+                raise ProtocolError(f"expected the model's weights, got a {reply['type']!r} message")
+            model = self.inference.store.add(model_id, version, name, spec, weights)
+
+        def cancelled() -> bool:
+            if not conn.poll(0):
+                return False
+            message, _ = protocol.recv(conn)
+            if message["type"] != "cancel":
+                raise ProtocolError(f"unexpected {message['type']!r} message during a predict call")
+            return True
+
+        def accepted(call_id: int, effective_window: int, batches: int) -> None:
+            protocol.send(conn, {"type": "accepted", "call_id": call_id, "window": effective_window,
+                                 "layers": len(model.layers), "batches": batches})
+
+        try:
+            outputs, stats = self.inference.predict(model, x, window, batch_size, cache, cancelled, accepted)
+        except JobCancelled:
+            log.info("predict call on model %r cancelled by its backend", name)
+            raise
+        protocol.send(conn, {"type": "result", "stats": stats.to_json()}, {"outputs": outputs})
 
     def _relay(self, conn, job: TrainingJob) -> None:
         """Forward the job's progress until it ends; act on a cancel from the backend."""

@@ -27,7 +27,26 @@ the planned region, where each recurring allocation has a lifetime-planned offse
 lookup (:mod:`tensile_db.memory.planned`, Note [Planned pool]). Every allocation goes through
 :meth:`MemoryManager._place` and every free through :meth:`MemoryManager._free_block`.
 
+*Read-only* tensors (:meth:`MemoryManager.adopt` with ``readonly=True``: the layers of a served
+model, :mod:`tensile_db.inference`) keep their host copy for good, so the device copy is a cache:
+loading one keeps the host copy, and evicting one frees its block without a copy. Eviction gives
+them up first, least recently used first and those no running call is about to use before those
+one is (Note [Eviction order]).
+
+Several threads may run ops at once (the executor and the inference calls); the manager's lock
+serialises every change. An :meth:`~MemoryManager.acquire` that finds the free space held by
+tensors another thread's op has pinned waits for those pins to go, instead of failing: the
+waiting thread holds no pins itself, so pins always go and no two threads wait for each other.
+
 Device and host byte counters change only in :meth:`MemoryManager._account`.
+
+Note [Eviction order]
+---------------------
+Rank, highest evicted first: (1) read-only tensors no call holds in its prefetch window, least
+recently used first: a free, and a later load if they are used again; (2) read-only tensors in
+some call's window: a free and a certain reload, cheaper than any copy out; (3) the other
+tensors, farthest next use first (Belady's rule across jobs), larger first among equals: a copy
+out and a copy back. So a training job that needs memory takes the device weight cache first.
 """
 
 from __future__ import annotations
@@ -36,6 +55,7 @@ import enum
 import itertools
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -75,6 +95,10 @@ class Tensor:
     transfer: Transfer | None = None     # the copy in flight while swapping out or in
     key: tuple | None = None             # (job, slot, op position) its block was allocated under
     planned: bool = False                # its block is in the planned region
+    readonly: bool = False               # host copy kept for good; evicting it is a free, loading it a cache fill
+    pin_owners: list = field(default_factory=list)   # thread ident of each pin
+    wanted: int = 0                      # read-only: prefetch windows of running calls that hold it
+    last_used: int = 0                   # tick of its last acquire (least recently used goes first)
 
     @property
     def nbytes(self) -> int:
@@ -99,9 +123,16 @@ class JobMemory:
     planned_swap_ins: int = 0       # issued ahead of the access by a plan
     passive_swap_ins: int = 0       # made when an op needed the tensor: misses of the plan
     recomputes: int = 0             # dropped tensors recomputed
+    weight_loads: int = 0           # read-only tensors copied host -> device
+    weight_loaded_nbytes: int = 0   # their bytes, cumulative
+    cache_evictions: int = 0        # read-only tensors given up for room (a free, no copy)
 
 
 NextUse = Callable[[Tensor], float]
+
+#: How long an acquire waits for other threads' ops to release the blocks it needs, seconds,
+#: before it raises DeviceOutOfMemory.
+PIN_WAIT_S = 60.0
 
 #: the pools a manager can serve recurring allocations from (the ``tensile.pool`` setting)
 POOLS = ("planned", "general")
@@ -142,6 +173,8 @@ class MemoryManager:
         self._ids = itertools.count(1)
         self._acquiring: set[int] = set()
         self._lock = threading.RLock()      # CuPy temporaries re-enter on cuda
+        self._unpinned = threading.Condition(self._lock)   # notified when pins or blocks go
+        self._ticks = itertools.count(1)
         self._position: dict[int, int] = {}   # job id -> position of the op it is running
         self.pool = PlannedPool(self._install_region, self._dissolve_region, enabled=pool == "planned")
 
@@ -185,17 +218,24 @@ class MemoryManager:
 
     def _live_blocks(self) -> tuple[dict, int]:
         """(key -> bytes of every keyed block in the arena, bytes of the unkeyed ones)."""
-        blocks = [t for t in self._tensors.values() if t.offset is not None]
+        blocks = [t for t in self._tensors.values() if t.offset is not None and not t.readonly]
         return ({t.key: t.arena_nbytes for t in blocks if t.key is not None},
                 sum(t.arena_nbytes for t in blocks if t.key is None))
 
-    def adopt(self, job_id: int, slot: str, kind: Kind, host: np.ndarray) -> Tensor:
+    def adopt(self, job_id: int, slot: str, kind: Kind, host: np.ndarray, readonly: bool = False) -> Tensor:
         """Register a tensor whose values start on the host (initial weights, optimizer state);
-        it is copied into the arena on first use."""
+        it is copied into the arena on first use. A ``readonly`` tensor keeps ``host`` itself
+        (no copy; it must not change while registered, and on ``cuda`` should be pinned) and its
+        device copy is a cache: see the module docstring. Host bytes of read-only tensors belong
+        to their owner and are not counted as swapped."""
         with self._lock:
             t = self._new(job_id, slot, kind, host.shape, host.dtype)
-            t.host = np.array(host, order="C", copy=True)
-            self._account(t, host=t.nbytes)
+            t.readonly = readonly
+            if readonly:
+                t.host = host
+            else:
+                t.host = np.array(host, order="C", copy=True)
+                self._account(t, host=t.nbytes)
             return t
 
     # -- the op protocol ----------------------------------------------------------------------
@@ -213,24 +253,54 @@ class MemoryManager:
                 raise DeviceOutOfMemory(need, self.allocator.in_use_nbytes, self.budget_nbytes, what)
             created = [self._new(job_id, s.name, s.kind, s.shape, s.dtype) for s in new]
             working = tensors + created
+            try:
+                self._make_working_set_resident(working, need, what)
+            except BaseException:
+                for t in created:
+                    self._drop(t)
+                raise
+            me, tick = threading.get_ident(), next(self._ticks)
+            for t in working:
+                t.pins += 1
+                t.pin_owners.append(me)
+                t.last_used = tick
+            return created
+
+    def _make_working_set_resident(self, working: list[Tensor], need: int, what: str) -> None:
+        """Place every tensor of ``working`` (pins not yet taken). While other threads' ops pin
+        the blocks that stand in the way, wait for them (up to :data:`PIN_WAIT_S`)."""
+        deadline = time.monotonic() + PIN_WAIT_S
+        while True:
             self._acquiring = {t.id for t in working}      # not evicted, but may be moved
             try:
                 for t in working:
                     self._make_resident(t)
+                return
             except _Fragmented:
-                self._pack(working, what)
+                if not self._pinned_elsewhere():
+                    self._pack(working, what)
+                    return
             finally:
                 self._acquiring = set()
-            for t in working:
-                t.pins += 1
-            return created
+            if time.monotonic() > deadline:
+                raise DeviceOutOfMemory(need, self.allocator.in_use_nbytes, self.budget_nbytes,
+                                        f"{what}, after waiting {PIN_WAIT_S:.0f} s for other ops' blocks")
+            self._unpinned.wait(0.05)
+
+    def _pinned_elsewhere(self) -> bool:
+        """Whether an op of another thread holds pins now."""
+        me = threading.get_ident()
+        return any(owner != me for t in self._tensors.values() if t.pins for owner in t.pin_owners)
 
     def unpin(self, tensors: list[Tensor]) -> None:
         """Unpin tensors pinned by :meth:`acquire`."""
         with self._lock:
+            me = threading.get_ident()
             for t in tensors:
                 assert t.pins > 0, f"unpin of unpinned tensor {t.slot}"
                 t.pins -= 1
+                t.pin_owners.remove(me if me in t.pin_owners else t.pin_owners[0])
+            self._unpinned.notify_all()
 
     # -- planned moves ------------------------------------------------------------------------
 
@@ -266,6 +336,39 @@ class MemoryManager:
             if t.swapped_out:
                 self.jobs[t.job_id].planned_swap_ins += 1
 
+    def prefetch(self, t: Tensor) -> bool:
+        """Hold the read-only tensor ``t`` in a call's prefetch window and start loading it if it
+        is not on the device (on the swap engine: the copy thread on ``cpu``, the copy stream on
+        ``cuda``). Room is made by evicting only read-only tensors; if that is not enough the
+        load is left to the acquire that needs it. Returns whether a load was started. Undo with
+        :meth:`unwant`."""
+        with self._lock:
+            assert t.readonly, f"prefetch of {t.slot}, which is not read-only"
+            t.wanted += 1
+            if t.residency is not Residency.HOST:
+                return False
+            try:
+                t.offset = self._place(t, clean_only=True)
+            except _Fragmented:
+                return False
+            t.residency = Residency.SWAPPING_IN
+            self._account(t, device=t.arena_nbytes)
+            t.transfer = self.engine.to_device(t.host, self.array(t, Residency.SWAPPING_IN), pinned=True)
+            return True
+
+    def unwant(self, t: Tensor, keep: bool = True) -> None:
+        """A call's prefetch window has let go of the read-only tensor ``t``. With ``keep`` its
+        device copy stays as cache (evicted first when room is needed); without, it is freed
+        unless another call holds it."""
+        with self._lock:
+            assert t.wanted > 0, f"unwant of {t.slot}, which no window holds"
+            t.wanted -= 1
+            if not keep and not t.wanted and not t.pins and t.offset is not None:
+                self._settle(t)
+                self._free_block(t)
+                t.residency = Residency.HOST
+                self._unpinned.notify_all()
+
     def drop(self, t: Tensor) -> None:
         """Discard a resident, unpinned tensor's values and free its block; the owning job
         recomputes it before its next access. A no-op for a tensor in any other state."""
@@ -288,6 +391,7 @@ class MemoryManager:
         """Forget a tensor: its arena block or host copy is released."""
         with self._lock:
             self._drop(t)
+            self._unpinned.notify_all()
 
     def to_host(self, t: Tensor) -> np.ndarray:
         """A host copy of the tensor's current values, wherever it lives."""
@@ -307,6 +411,13 @@ class MemoryManager:
     def peak_nbytes(self) -> int:
         """The arena's high-water mark, bytes; never above ``budget_nbytes``."""
         return self.allocator.peak_nbytes
+
+    def cache_nbytes(self) -> int:
+        """Arena bytes of the weight cache: resident read-only tensors that no op pins and no
+        prefetch window holds, bytes."""
+        with self._lock:
+            return sum(t.arena_nbytes for t in self._tensors.values()
+                       if t.readonly and t.residency is Residency.DEVICE and not t.pins and not t.wanted)
 
     def snapshot(self) -> dict:
         """Device-wide and per-job counters, bytes."""
@@ -355,7 +466,13 @@ class MemoryManager:
 
     def _landed(self, t: Tensor) -> bool:
         """A copy host -> device has completed: drop the host copy and count a swap-in if the
-        tensor had been swapped out (a first load of adopted values is not one)."""
+        tensor had been swapped out (a first load of adopted values is not one). A read-only
+        tensor keeps its host copy and counts a weight load."""
+        if t.readonly:
+            j = self.jobs[t.job_id]
+            j.weight_loads += 1
+            j.weight_loaded_nbytes += t.nbytes
+            return False
         self._account(t, host=-t.nbytes)
         t.host = None
         if t.swapped_out:
@@ -393,9 +510,12 @@ class MemoryManager:
                 self.jobs[t.job_id].passive_swap_ins += 1
                 self.pool.disturb(f"passive swap-in of {t.slot} of job {t.job_id}")
 
-    def _place(self, t: Tensor) -> int:
+    def _place(self, t: Tensor, clean_only: bool = False) -> int:
         """An arena offset for ``t``'s block: its planned offset when the planned pool expects
-        this allocation, else from the general pool (:meth:`_make_room`)."""
+        this allocation, else from the general pool (:meth:`_make_room`). Read-only tensors are
+        a cache outside the jobs' timeline: the planned pool does not see them."""
+        if t.readonly:
+            return self._make_room(t.arena_nbytes, clean_only)
         position = self._position.get(t.job_id)
         t.key = None if position is None else (t.job_id, t.slot, position)
         offset = self.pool.lookup(t.key)
@@ -413,23 +533,29 @@ class MemoryManager:
             self.allocator.free(t.offset)
         self._account(t, device=-t.arena_nbytes)
         t.offset, t.planned = None, False
-        self.pool.freed(t.key, t.arena_nbytes)
+        if not t.readonly:
+            self.pool.freed(t.key, t.arena_nbytes)
 
-    def _make_room(self, nbytes: int) -> int:
+    def _make_room(self, nbytes: int, clean_only: bool = False) -> int:
         """An arena offset for ``nbytes``, keeping the bytes in use within ``limit_nbytes`` while
         anything can be evicted (and within the budget always). When no free block fits: if the
         free bytes suffice, compact the arena (after letting the copies in flight land, so that
         their blocks can move too); else complete the swap-outs in flight ahead of their planned
-        release; else evict farthest-next-use tensors."""
+        release; else evict (Note [Eviction order]). With ``clean_only`` only read-only tensors
+        are evicted and nothing waits for a copy; raises _Fragmented if that is not enough."""
         size = round_up(nbytes)
         if self.allocator.in_use_nbytes + size <= self.limit_nbytes:    # the common case
             offset = self.allocator.allocate(size)
             if offset is not None:
                 return offset
-        if self.pool.state is State.SERVING:     # the region was admitted against the budget, not the limit
-            offset = self.allocator.allocate(size)
+        if clean_only or self.pool.state is State.SERVING:
+            # the region was admitted against the budget, not the limit; the cache gives way first
+            ceiling = self.limit_nbytes if clean_only else self.budget_nbytes
+            offset = self._allocate_evicting_clean(size, ceiling)
             if offset is not None:
                 return offset
+            if clean_only:
+                raise _Fragmented
             self.pool.disturb(f"a general-pool block of {size:,} bytes did not fit beside the planned region")
         while True:
             victims = [t for t in self._tensors.values()
@@ -460,7 +586,27 @@ class MemoryManager:
                 continue
             if not victims:
                 raise _Fragmented
-            self._swap_out(max(victims, key=lambda t: (self.next_use(t), t.arena_nbytes)))
+            self._swap_out(max(victims, key=self._eviction_rank))
+
+    def _eviction_rank(self, t: Tensor) -> tuple:
+        """Higher is evicted first (Note [Eviction order])."""
+        if t.readonly:
+            return (1 if t.wanted else 2, -t.last_used, 0)
+        return (0, self.next_use(t), t.arena_nbytes)
+
+    def _allocate_evicting_clean(self, size: int, ceiling: int) -> int | None:
+        """A block of ``size`` bytes with the bytes in use within ``ceiling``, evicting read-only
+        tensors (Note [Eviction order]) while that is not yet possible; None if they run out."""
+        while True:
+            if self.allocator.in_use_nbytes + size <= ceiling:
+                offset = self.allocator.allocate(size)
+                if offset is not None:
+                    return offset
+            clean = [t for t in self._tensors.values() if t.readonly and t.residency is Residency.DEVICE
+                     and not t.pins and t.id not in self._acquiring]
+            if not clean:
+                return None
+            self._swap_out(max(clean, key=self._eviction_rank))
 
     def _compact(self) -> bool:
         """Defragment: slide resident tensors that no op is using and no copy is reading toward
@@ -508,12 +654,20 @@ class MemoryManager:
         layout = ArenaAllocator(self.budget_nbytes)
         layout.relayout({**pinned, base: plan.arena_nbytes})
         target = {t: base + plan.offsets[t.key] for t in live if t.key in live_keys}
-        for t in sorted((t for t in live if not t.pins and t not in target), key=lambda t: -t.arena_nbytes):
-            target[t] = layout.allocate(t.arena_nbytes)
-            if target[t] is None:
+        evicted = []                            # cached read-only blocks that no longer fit
+        for t in sorted((t for t in live if not t.pins and t not in target),
+                        key=lambda t: (t.readonly, -t.arena_nbytes)):
+            offset = layout.allocate(t.arena_nbytes)
+            if offset is None and not t.readonly:
                 return None
+            if offset is None:
+                evicted.append(t)
+            else:
+                target[t] = offset
         if layout.in_use_nbytes + reserve_nbytes > self.budget_nbytes:   # the region's packing is exact:
             return None                                                  # no headroom for it
+        for t in evicted:
+            self._swap_out(t)
         moving = [(t, new) for t, new in target.items() if new != t.offset]
         staged = [self.device.to_host(self.device.view(self.buffer, t.offset, (t.nbytes,), np.uint8))
                   for t, _ in moving]
@@ -534,7 +688,13 @@ class MemoryManager:
         self.allocator.relayout(used)
 
     def _swap_out(self, t: Tensor) -> None:
-        """Evict now: a synchronous copy to the host (the reactive path)."""
+        """Evict now: a synchronous copy to the host (the reactive path); for a read-only tensor,
+        whose host copy is kept, a free."""
+        if t.readonly:
+            self._free_block(t)
+            t.residency = Residency.HOST
+            self.jobs[t.job_id].cache_evictions += 1
+            return
         self.pool.disturb(f"eviction of {t.slot} of job {t.job_id}")
         self._left(t, self.device.to_host(self.array(t)))
 
@@ -558,7 +718,7 @@ class MemoryManager:
             t.transfer.wait()
         if t.residency in (Residency.DEVICE, Residency.SWAPPING_OUT, Residency.SWAPPING_IN):
             self._free_block(t)
-        if t.residency in (Residency.HOST, Residency.SWAPPING_IN) and t.host is not None:
+        if t.residency in (Residency.HOST, Residency.SWAPPING_IN) and t.host is not None and not t.readonly:
             self._account(t, host=-t.nbytes)
         t.residency, t.offset, t.host, t.transfer = Residency.FREED, None, None, None
         self._tensors.pop(t.id, None)

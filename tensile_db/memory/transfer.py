@@ -51,26 +51,31 @@ class TransferEngine:
             return Transfer(future.done, future.result, host)
         return self._cuda_copy(array, None)  # pragma: no cover - cuda only
 
-    def to_device(self, host: np.ndarray, array) -> Transfer:
-        """Start copying ``host`` into the device array ``array`` (same shape and dtype)."""
+    def to_device(self, host: np.ndarray, array, pinned: bool = False) -> Transfer:
+        """Start copying ``host`` into the device array ``array`` (same shape and dtype). On
+        ``cuda``, ``pinned`` says ``host`` is already page-locked (from
+        :meth:`~tensile_db.runtime.device.Device.host_empty`), so it is copied from directly,
+        not staged; it must not change until the copy completes."""
         if self.device.name == "cpu":
             future = self._pool.submit(np.copyto, array, host)
             return Transfer(future.done, future.result)
-        return self._cuda_copy(array, host)  # pragma: no cover - cuda only
+        return self._cuda_copy(array, host, pinned)  # pragma: no cover - cuda only
 
     def close(self) -> None:
         if self.device.name == "cpu":
             self._pool.shutdown(wait=True)
 
-    def _cuda_copy(self, array, host):  # pragma: no cover - cuda only
+    def _cuda_copy(self, array, host, host_pinned=False):  # pragma: no cover - cuda only
         cupy = self._cupy
         queued = cupy.cuda.get_current_stream().record()
         self._stream.wait_event(queued)
         if host is None:
-            pinned = _pinned(cupy, array.shape, array.dtype)
+            pinned = pinned_empty(cupy, array.shape, array.dtype)
             array.get(stream=self._stream, out=pinned)
+        elif host_pinned:
+            array.set(host, stream=self._stream)
         else:
-            pinned = _pinned(cupy, host.shape, host.dtype)
+            pinned = pinned_empty(cupy, host.shape, host.dtype)
             pinned[...] = host
             array.set(pinned, stream=self._stream)
         done = self._stream.record()
@@ -82,7 +87,7 @@ class TransferEngine:
         return Transfer(lambda: done.done, wait, pinned if host is None else None)
 
 
-def _pinned(cupy, shape, dtype) -> np.ndarray:  # pragma: no cover - cuda only
+def pinned_empty(cupy, shape, dtype) -> np.ndarray:  # pragma: no cover - cuda only
     """A host array in page-locked memory (from CuPy's pinned memory pool)."""
     dtype = np.dtype(dtype)
     count = int(np.prod(shape, dtype=np.int64))

@@ -41,6 +41,15 @@ class Device:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         return buffer[offset:offset + nbytes].view(dtype).reshape(shape)
 
+    def host_empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """An uninitialised host (NumPy) array, page-locked on ``cuda`` so that copies to the
+        device can run asynchronously straight from it."""
+        if self.xp is np:
+            return np.empty(shape, dtype)
+        from ..memory.transfer import pinned_empty  # pragma: no cover - cuda only
+
+        return pinned_empty(self.xp, shape, dtype)  # pragma: no cover - cuda only
+
     def to_host(self, array) -> np.ndarray:
         """A new host (NumPy) copy of a device array."""
         if self.xp is np:

@@ -183,7 +183,7 @@ def parse_options(value) -> TrainOptions:
 def init_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
     """He-uniform (relu) or Glorot-uniform (others) float32 weights, zero biases."""
     rng = np.random.default_rng(seed)
-    acts = [l.activation for l in spec.architecture.layers] + ["none"]
+    acts = activations(spec)
     weights = {}
     for i, ((fan_in, fan_out), act) in enumerate(zip(spec.dense_shapes(), acts)):
         limit = math.sqrt(6.0 / fan_in) if act == "relu" else math.sqrt(6.0 / (fan_in + fan_out))
@@ -205,24 +205,29 @@ def deserialize_weights(data: bytes) -> dict[str, np.ndarray]:
         return {k: npz[k] for k in npz.files}
 
 
-def forward(spec: ModelSpec, weights: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
-    """Inference on the host: raw features x (N, F) float32 -> outputs (N, n_outputs) float32.
+def activations(spec: ModelSpec) -> list[str]:
+    """The activation after each dense layer, output layer (``none``) last."""
+    return [l.activation for l in spec.architecture.layers] + ["none"]
 
-    Classification outputs are class probabilities (softmax); regression outputs are in the
-    label's units (standardisation undone). Dropout is the identity at inference.
-    """
+
+def standardize(weights: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+    """Raw features x (N, F) -> the network's float32 input (N, F): the stored feature scaling
+    applied, if the model has one."""
     x = np.asarray(x, dtype=np.float32)
-    if "x_mean" in weights:
-        x = (x - weights["x_mean"]) / weights["x_std"]
-    acts = [l.activation for l in spec.architecture.layers] + ["none"]
-    h = x
-    for i, act in enumerate(acts):
-        w, b = weights[f"W{i}"], weights[f"b{i}"]
-        out = np.empty((h.shape[0], w.shape[1]), dtype=np.float32)
-        kernels.dense_forward(h, w, b, out)
-        if act != "none":
-            kernels.ACTIVATIONS[act][0](out, out)
-        h = out
+    return (x - weights["x_mean"]) / weights["x_std"] if "x_mean" in weights else x
+
+
+def dense_layer(h, w, b, activation: str, out) -> None:
+    """One dense layer into ``out``: ``activation(h @ w + b)``. h: (B, I), w: (I, O), b: (O,),
+    out: (B, O), float32 arrays of one array module (NumPy or CuPy)."""
+    kernels.dense_forward(h, w, b, out)
+    if activation != "none":
+        kernels.ACTIVATIONS[activation][0](out, out)
+
+
+def finish(spec: ModelSpec, weights: dict[str, np.ndarray], h: np.ndarray) -> np.ndarray:
+    """The last layer's output (N, n_outputs) float32 -> class probabilities (softmax) for
+    classification, values in the label's units (standardisation undone) for regression."""
     if spec.task == "classification":
         h = h - h.max(axis=1, keepdims=True)
         np.exp(h, out=h)
@@ -230,3 +235,19 @@ def forward(spec: ModelSpec, weights: dict[str, np.ndarray], x: np.ndarray) -> n
     elif "y_mean" in weights:
         h = h * weights["y_std"] + weights["y_mean"]
     return h
+
+
+def forward(spec: ModelSpec, weights: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+    """Inference on the host: raw features x (N, F) float32 -> outputs (N, n_outputs) float32.
+
+    Classification outputs are class probabilities (softmax); regression outputs are in the
+    label's units (standardisation undone). Dropout is the identity at inference. The
+    coordinator's demand-layered inference (:mod:`tensile_db.inference`) runs the same steps.
+    """
+    h = standardize(weights, x)
+    for i, act in enumerate(activations(spec)):
+        w = weights[f"W{i}"]
+        out = np.empty((h.shape[0], w.shape[1]), dtype=np.float32)
+        dense_layer(h, w, weights[f"b{i}"], act, out)
+        h = out
+    return finish(spec, weights, h)

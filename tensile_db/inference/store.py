@@ -1,0 +1,163 @@
+"""The served models: weights on the host, one read-only manager tensor per dense layer.
+
+A served model is the registry row ``tensile.models`` (id, created_at) a backend read in its own
+snapshot; replacing a model gives the row a new id, so a call holds one :class:`ServedModel` from
+start to end and sees the old model or the new one, whole. Layers of two versions never mix:
+every layer tensor belongs to exactly one ServedModel.
+
+Dense layer ``i``'s weight ``W{i}`` (I, O) and bias ``b{i}`` (O,) are packed into one float32 host
+buffer of ``I * O + O`` elements (page-locked on ``cuda``), registered with the memory manager as
+one read-only tensor under :data:`~tensile_db.inference.INFERENCE_JOB`. Its device copy is the
+*weight cache*: loaded by the calls that need it, kept while the budget allows, and evicted before
+anything else when room is needed (Note [Eviction order] in :mod:`tensile_db.memory.manager`).
+
+The store keeps the models no call is using up to :data:`HOST_LIMIT_NBYTES` of host memory, least
+recently used going first. A model whose name has been seen with a newer id is *retired*: it is
+forgotten (its host buffers and device copies freed) as soon as no call uses it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import ProtocolError
+from ..memory.manager import MemoryManager, Tensor
+from ..runtime import model as models
+from ..runtime.program import Kind
+from . import INFERENCE_JOB
+
+#: Host bytes of served models kept while no call uses them.
+HOST_LIMIT_NBYTES = 4 << 30
+
+
+@dataclass(eq=False)
+class ServedModel:
+    """One version of a registry model, ready to serve. ``layers[i]`` is the read-only tensor of
+    dense layer ``i`` (output layer last); ``scaling`` holds ``x_mean`` / ``x_std`` (F,) and, for
+    regression, ``y_mean`` / ``y_std`` (1,), float32."""
+
+    id: int
+    version: str
+    name: str
+    spec: models.ModelSpec
+    scaling: dict[str, np.ndarray]
+    layers: list[Tensor] = field(default_factory=list)
+    users: int = 0                     # calls holding it
+    retired: bool = False              # a newer version of the name exists
+
+    @property
+    def host_nbytes(self) -> int:
+        return sum(t.nbytes for t in self.layers)
+
+    def split(self, i: int, packed):
+        """Layer ``i``'s (weight (I, O), bias (O,)) as views of its packed 1-D array (host or
+        device)."""
+        n_in, n_out = self.spec.dense_shapes()[i]
+        return packed[:n_in * n_out].reshape(n_in, n_out), packed[n_in * n_out:]
+
+
+def _checked(spec: models.ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The arrays the spec needs, as float32; raises ProtocolError naming a missing or misshapen one."""
+    shapes = {}
+    for i, (n_in, n_out) in enumerate(spec.dense_shapes()):
+        shapes[f"W{i}"], shapes[f"b{i}"] = (n_in, n_out), (n_out,)
+    for name in ("x_mean", "x_std"):
+        if name in weights:
+            shapes[name] = (spec.n_features,)
+    for name in ("y_mean", "y_std"):
+        if name in weights:
+            shapes[name] = (1,)
+    out = {}
+    for name, shape in shapes.items():
+        if name not in weights or tuple(weights[name].shape) != shape:
+            got = tuple(weights[name].shape) if name in weights else "nothing"
+            raise ProtocolError(f"model weights: {name} must have shape {shape}, got {got}")
+        out[name] = np.asarray(weights[name], dtype=np.float32)
+    return out
+
+
+class ModelStore:
+    """The served models of one coordinator, by (id, version). Thread-safe."""
+
+    def __init__(self, manager: MemoryManager, host_limit_nbytes: int = HOST_LIMIT_NBYTES):
+        self.manager = manager
+        self.host_limit_nbytes = host_limit_nbytes
+        self._models: collections.OrderedDict[tuple[int, str], ServedModel] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def checkout(self, model_id: int, version: str) -> ServedModel | None:
+        """The served model, held for a call until :meth:`checkin`; None if not held here (the
+        caller then sends its weights to :meth:`add`)."""
+        with self._lock:
+            m = self._models.get((model_id, version))
+            if m is None:
+                return None
+            m.users += 1
+            self._models.move_to_end((model_id, version))
+            return m
+
+    def add(self, model_id: int, version: str, name: str, spec: models.ModelSpec,
+            weights: dict[str, np.ndarray]) -> ServedModel:
+        """Serve a model from its weight arrays (``runtime.model`` names) and hold it for a call.
+        Raises ProtocolError if an array is missing or has the wrong shape."""
+        arrays = _checked(spec, weights)
+        device = self.manager.device
+        m = ServedModel(model_id, version, name, spec, {k: v for k, v in arrays.items() if k[0] in "xy"})
+        for i, (n_in, n_out) in enumerate(spec.dense_shapes()):
+            packed = device.host_empty((n_in * n_out + n_out,), np.float32)
+            w, b = m.split(i, packed)
+            w[...], b[...] = arrays[f"W{i}"], arrays[f"b{i}"]
+            m.layers.append(self.manager.adopt(INFERENCE_JOB, f"{name}#{model_id}/layer{i}", Kind.WEIGHT, packed,
+                                               readonly=True))
+        with self._lock:
+            held = self._models.get((model_id, version))
+            if held is not None:                  # another call added it meanwhile
+                held.users += 1
+                self._models.move_to_end((model_id, version))
+                m.users = 0
+                m.retired = True
+                self._forget(m)
+                return held
+            m.users = 1
+            for other in self._models.values():
+                if other.name == name and other.id != model_id:
+                    if other.id < model_id:
+                        other.retired = True
+                    else:
+                        m.retired = True
+            self._models[(model_id, version)] = m
+            self._trim()
+            return m
+
+    def checkin(self, m: ServedModel) -> None:
+        """A call is done with ``m``."""
+        with self._lock:
+            m.users -= 1
+            self._trim()
+
+    def describe(self) -> dict:
+        with self._lock:
+            return {"served_models": len(self._models),
+                    "served_host_nbytes": sum(m.host_nbytes for m in self._models.values())}
+
+    def _trim(self) -> None:
+        for key, m in list(self._models.items()):
+            if m.retired and not m.users:
+                del self._models[key]
+                self._forget(m)
+        held = sum(m.host_nbytes for m in self._models.values())
+        for key, m in list(self._models.items()):         # least recently used first
+            if held <= self.host_limit_nbytes:
+                break
+            if not m.users:
+                del self._models[key]
+                self._forget(m)
+                held -= m.host_nbytes
+
+    def _forget(self, m: ServedModel) -> None:
+        for t in m.layers:
+            self.manager.free(t)

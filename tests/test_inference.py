@@ -1,0 +1,263 @@
+"""Demand-layered inference on the coordinator, without PostgreSQL: outputs against the host
+forward pass and across prefetch windows, the window's memory bound, the weight cache and its
+eviction order, cancellation, model replacement, and several calls at once with a training job
+under one budget (no two blocks share a byte, nothing exceeds the budget)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from tensile_db.coordinator.executor import Executor
+from tensile_db.errors import DeviceOutOfMemory, InvalidArgument, JobCancelled, ProtocolError
+from tensile_db.inference import INFERENCE_JOB, layered
+from tensile_db.inference.service import InferenceService
+from tensile_db.memory.arena import round_up
+from tensile_db.memory.manager import MemoryManager, Residency
+from tensile_db.runtime import model as models
+from tensile_db.runtime.device import Device
+from tensile_db.runtime.program import Kind, Slot
+
+from test_scheduler import FAST, make_job
+
+HIDDEN = [{"dense": 96}, {"dense": 64, "activation": "tanh"}, {"dense": 128}, {"dense": 48, "activation": "sigmoid"},
+          {"dense": 80}, {"dense": 64, "activation": "none"}]
+
+
+def spec_of(task="classification", hidden=HIDDEN, n_features=20, n_outputs=7) -> models.ModelSpec:
+    return models.ModelSpec(models.parse_architecture({"layers": hidden}), n_features,
+                            n_outputs if task == "classification" else 1, task)
+
+
+def weights_of(spec, seed=0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    w = models.init_weights(spec, seed)
+    for name in [k for k in w if k.startswith("b")]:
+        w[name] = rng.normal(scale=0.1, size=w[name].shape).astype(np.float32)
+    w["x_mean"] = rng.normal(size=spec.n_features).astype(np.float32)
+    w["x_std"] = rng.uniform(0.5, 2, spec.n_features).astype(np.float32)
+    if spec.task == "regression":
+        w["y_mean"], w["y_std"] = np.array([3.0], np.float32), np.array([2.5], np.float32)
+    return w
+
+
+def features(spec, n=300, seed=1) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, spec.n_features)).astype(np.float32)
+
+
+def service(budget=1 << 22) -> InferenceService:
+    return InferenceService(MemoryManager(Device("cpu"), budget))
+
+
+def predict(svc, model_id, spec, w, x, window, batch_size=64, cache=True, version="v1", name="m", **kw):
+    model = svc.store.checkout(model_id, version) or svc.store.add(model_id, version, name, spec, w)
+    return svc.predict(model, x, window, batch_size, cache, **kw)
+
+
+def call_blocks(mm) -> list:
+    return [t for t in mm._tensors.values() if t.job_id == INFERENCE_JOB and t.offset is not None]
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_every_window_gives_the_preloaded_outputs_bit_for_bit_and_agrees_with_the_host_forward(task):
+    spec = spec_of(task)
+    w, x = weights_of(spec), features(spec)
+    svc = service()
+    n_layers = len(spec.dense_shapes())
+    preloaded, stats = predict(svc, 1, spec, w, x, window=n_layers, cache=False)
+    assert stats.window == n_layers and stats.weight_loads == n_layers     # loaded once, kept for the call
+    np.testing.assert_allclose(preloaded, models.forward(spec, w, x), rtol=1e-5, atol=1e-6)
+    for window in range(1, n_layers + 3):
+        out, stats = predict(svc, 1, spec, w, x, window=window, cache=False)
+        assert np.array_equal(out, preloaded), f"window {window}"
+        assert stats.window == min(window, n_layers)
+    if task == "classification":
+        assert np.allclose(preloaded.sum(axis=1), 1, atol=1e-5)
+    assert svc.manager.in_use_nbytes == 0
+    svc.manager.close()
+
+
+def test_a_window_holds_at_most_w_plus_one_layers_and_one_batch_of_activations():
+    spec = spec_of(hidden=[{"dense": 256}] * 8, n_features=256, n_outputs=256)
+    w, x = weights_of(spec), features(spec, n=200)
+    layer_nbytes = round_up((256 * 256 + 256) * 4)
+    activations_nbytes = 2 * round_up(50 * 256 * 4)
+    peaks = {}
+    for window in (1, 2, 4, 9):
+        svc = service(budget=1 << 24)
+        _, stats = predict(svc, 1, spec, w, x, window=window, batch_size=50, cache=False)
+        peaks[window] = svc.manager.peak_nbytes
+        assert stats.device_peak_nbytes <= peaks[window]
+        assert peaks[window] <= min(window + 1, 9) * layer_nbytes + activations_nbytes, window
+        assert stats.weight_loads == (9 if window == 9 else 9 * stats.batches)
+        svc.manager.close()
+    assert peaks[1] < peaks[2] < peaks[4] < peaks[9]
+    assert peaks[9] >= 9 * layer_nbytes
+
+
+def test_the_weight_cache_serves_a_second_call_and_gives_way_first():
+    spec = spec_of()
+    w, x = weights_of(spec), features(spec)
+    svc = service(budget=1 << 20)
+    mm = svc.manager
+    first, stats = predict(svc, 1, spec, w, x, window=1)
+    assert stats.weight_loads == len(spec.dense_shapes()) * stats.batches - stats.cache_hits
+    second, stats = predict(svc, 1, spec, w, x, window=1)
+    assert stats.weight_loads == 0 and stats.cache_hits > 0 and np.array_equal(first, second)
+    cached = mm.cache_nbytes()
+    assert cached == sum(t.arena_nbytes for t in call_blocks(mm)) > 0
+    assert svc.describe()["weight_cache_nbytes"] == cached and svc.describe()["inference_nbytes"] == 0
+
+    # A training tensor that is resident but unused, then a request that needs nearly everything:
+    # the cached layers go first, for free, and the training tensor is swapped out only after them.
+    mm.register_job(7)
+    (kept,) = mm.acquire(7, [], [Slot("kept", Kind.ACTIVATION, (1024,))])
+    mm.unpin([kept])
+    (big,) = mm.acquire(7, [], [Slot("big", Kind.ACTIVATION, ((mm.budget_nbytes - cached) // 4,))])
+    assert mm.jobs[INFERENCE_JOB].cache_evictions > 0
+    assert mm.cache_nbytes() < cached
+    assert mm.jobs[7].swap_outs == 0 and kept.residency is Residency.DEVICE
+    assert all(t.host is not None for m in svc.store._models.values() for t in m.layers)
+    mm.unpin([big])
+    mm.release_job(7)
+    third, _ = predict(svc, 1, spec, w, x, window=1)         # reloaded from the kept host copies
+    assert np.array_equal(first, third)
+    mm.close()
+
+
+def test_cancelling_a_call_releases_everything_it_held():
+    spec = spec_of()
+    w, x = weights_of(spec), features(spec, n=1000)
+    svc = service()
+    polls = []
+    with pytest.raises(JobCancelled):
+        predict(svc, 1, spec, w, x, window=3, batch_size=32, cancelled=lambda: polls.append(1) or len(polls) > 10)
+    mm = svc.manager
+    assert all(not t.pins and not t.wanted for t in mm._tensors.values())
+    assert mm.jobs[INFERENCE_JOB].device_nbytes == mm.cache_nbytes()
+    assert not svc.describe()["inference_calls"] and svc.store._models[(1, "v1")].users == 0
+    mm.close()
+
+
+def test_bad_calls_are_refused_with_the_value_named():
+    spec = spec_of()
+    w, x = weights_of(spec), features(spec)
+    svc = service(budget=256 * 1024)
+    with pytest.raises(InvalidArgument, match="window must be an integer >= 1.*got 0"):
+        predict(svc, 1, spec, w, x, window=0)
+    with pytest.raises(InvalidArgument, match="batch_size must be from 1 to 65536, got 0"):
+        predict(svc, 1, spec, w, x, window=1, batch_size=0)
+    with pytest.raises(InvalidArgument, match="expects 20 per row"):
+        predict(svc, 1, spec, w, x[:, :5], window=1)
+    with pytest.raises(DeviceOutOfMemory, match="lower options.batch_size"):
+        predict(svc, 1, spec, w, x, window=1, batch_size=65536)
+    broken = dict(w, W2=w["W2"][:, :3])
+    with pytest.raises(ProtocolError, match=r"W2 must have shape \(64, 128\)"):
+        svc.store.add(2, "v1", "broken", spec, broken)
+    assert svc.store._models[(1, "v1")].users == 0
+    assert svc.manager.jobs[INFERENCE_JOB].device_nbytes == svc.manager.cache_nbytes()
+    svc.manager.close()
+
+
+def test_a_call_on_a_replaced_model_finishes_on_the_old_version_which_is_then_forgotten():
+    spec = spec_of()
+    old_w, new_w, x = weights_of(spec, 0), weights_of(spec, 5), features(spec, n=400)
+    svc = service()
+    old_model = svc.store.add(10, "v1", "m", spec, old_w)
+    steps = []
+
+    def replace_midway():
+        steps.append(1)
+        if len(steps) == 5:        # the old call is between two layers: the model is replaced
+            new_model = svc.store.add(11, "v1", "m", spec, new_w)
+            assert old_model.retired and not new_model.retired
+            out, _ = svc.predict(new_model, x, 2, 64)
+            assert np.array_equal(out, predict(service(), 11, spec, new_w, x, window=2)[0])
+        return False
+
+    out, _ = svc.predict(old_model, x, 2, 64, cancelled=replace_midway)
+    assert np.array_equal(out, predict(service(), 10, spec, old_w, x, window=2)[0])
+    assert (10, "v1") not in svc.store._models and (11, "v1") in svc.store._models
+    assert all(t.id not in svc.manager._tensors for t in old_model.layers)
+    # A backend with an older snapshot may still bring the old version: it is served, then retired.
+    stale = svc.store.add(10, "v1", "m", spec, old_w)
+    assert stale.retired
+    svc.store.checkin(stale)
+    assert (10, "v1") not in svc.store._models
+    svc.manager.close()
+
+
+def test_concurrent_calls_and_a_training_job_share_a_small_budget_without_overlap():
+    specs = [spec_of(hidden=[{"dense": 64 + 32 * i}] * (3 + i)) for i in range(4)]
+    weights = [weights_of(s, seed=i) for i, s in enumerate(specs)]
+    xs = [features(s, n=500, seed=i) for i, s in enumerate(specs)]
+    expected = [predict(service(), i, s, w, x, window=1, batch_size=100)[0] for i, (s, w, x) in enumerate(zip(specs, weights, xs))]
+
+    job = make_job(seed=3)
+    one_model = max(sum(t.arena_nbytes for t in service().store.add(0, "v", "m", s, w).layers)
+                    for s, w in zip(specs, weights))
+    budget = round_up(job.min_working_set_nbytes + 3 * one_model // 2)
+    mm = MemoryManager(Device("cpu"), budget)
+    checks = {"acquires": 0}
+    original = mm.acquire
+
+    def checked_acquire(*args, **kwargs):
+        created = original(*args, **kwargs)
+        with mm._lock:
+            blocks = sorted((t.offset, t.offset + t.arena_nbytes) for t in mm._tensors.values() if t.offset is not None)
+            assert all(e1 <= s2 for (_, e1), (s2, _) in zip(blocks, blocks[1:])), "two blocks share bytes"
+            assert not blocks or blocks[-1][1] <= mm.budget_nbytes
+            assert mm.in_use_nbytes <= mm.budget_nbytes
+            checks["acquires"] += 1
+        return created
+
+    mm.acquire = checked_acquire
+    ex = Executor(mm, cost=FAST)
+    svc = InferenceService(mm)
+    ex.start()
+    try:
+        ex.submit(job)
+        results, errors = [None] * 8, []
+
+        def call(k):
+            i = k % 4
+            try:
+                results[k] = predict(svc, i, specs[i], weights[i], xs[i], window=1 + k // 4, batch_size=100)[0]
+            except BaseException as exc:      # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=call, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        while (event := job.events.get(timeout=120))[0] == "progress":
+            pass
+        assert event[0] == "done", event
+    finally:
+        ex.stop()
+    for k in range(8):
+        assert np.array_equal(results[k], expected[k % 4]), k
+    assert checks["acquires"] > 100 and mm.peak_nbytes <= budget
+    assert mm.jobs[INFERENCE_JOB].cache_evictions > 0          # the budget was contended: the cache gave way
+    assert mm.jobs[INFERENCE_JOB].device_nbytes == mm.cache_nbytes()
+
+
+def test_an_acquire_waits_for_another_threads_pins_instead_of_failing():
+    mm = MemoryManager(Device("cpu"), 8 * 1024)
+    for job in (1, 2):
+        mm.register_job(job)
+    (held,) = mm.acquire(1, [], [Slot("a", Kind.ACTIVATION, (1536,))])      # 6 KiB pinned by this thread
+    got = []
+    other = threading.Thread(target=lambda: got.append(mm.acquire(2, [], [Slot("b", Kind.ACTIVATION, (1024,))])))
+    other.start()
+    other.join(0.3)
+    assert other.is_alive() and not got                                       # waiting, not failed
+    mm.unpin([held])
+    other.join(10)
+    assert got and got[0][0].offset is not None
+    assert mm.jobs[1].swap_outs == 1                                          # made room once unpinned
+    mm.close()
