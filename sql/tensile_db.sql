@@ -115,6 +115,32 @@ $$;
 COMMENT ON FUNCTION tensile.predict_proba(text, real[]) IS
 'Class probabilities of one row, in the order of tensile.models.label_classes';
 
+CREATE FUNCTION tensile.predict_batch(model_name text, source text, key text DEFAULT NULL,
+                                      options jsonb DEFAULT '{}')
+RETURNS TABLE (id bigint, prediction double precision, probabilities real[])
+-- STABLE: every SPI query of one call sees the calling statement's snapshot, so the model row, its
+-- weights and the source are read as of one moment.
+LANGUAGE plpython3u STABLE CALLED ON NULL INPUT PARALLEL UNSAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].predict_batch(plpy, GD, model_name, source, key, options)
+$$;
+COMMENT ON FUNCTION tensile.predict_batch(text, text, text, jsonb) IS
+'Predicts every row of source (a query or table name, read as the calling role) on the coordinator''s '
+'device, streaming batches through the layers with a prefetch window: id (the key column, or the row''s '
+'ordinal), the class label or value, and the class probabilities (NULL for regression). Options: window '
+'(integer >= 1 or "all"; default tensile.prefetch_window), batch_size, cache, skip_nulls';
+
+CREATE PROCEDURE tensile.predict_into(model_name text, source text, target text, key text DEFAULT NULL,
+                                      options jsonb DEFAULT '{}', INOUT rows bigint DEFAULT NULL)
+LANGUAGE plpython3u AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].predict_into(plpy, GD, model_name, source, target, key, options)
+$$;
+COMMENT ON PROCEDURE tensile.predict_into(text, text, text, text, jsonb, bigint) IS
+'Writes tensile.predict_batch''s rows (id bigint, prediction double precision, probabilities real[]) into '
+'target, creating the table if it does not exist, else appending, in the caller''s transaction; returns '
+'the number of rows written';
+
 CREATE FUNCTION tensile.drop_model(model_name text) RETURNS boolean
 LANGUAGE plpython3u VOLATILE STRICT PARALLEL UNSAFE AS $$
 if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
@@ -155,6 +181,8 @@ CREATE FUNCTION tensile.memory_status(
     OUT pool text, OUT planned_region_bytes bigint, OUT pool_plans_installed integer,
     OUT planned_allocations bigint, OUT pool_mismatches bigint, OUT planned_arena_bytes bigint,
     OUT max_live_bytes bigint, OUT general_pool_bytes bigint,
+    OUT inference_calls integer, OUT inference_bytes bigint, OUT weight_cache_bytes bigint,
+    OUT weight_loads bigint, OUT weight_cache_hits bigint, OUT weight_cache_evictions bigint,
     OUT per_job jsonb, OUT started_at timestamptz)
 RETURNS SETOF record
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$
@@ -169,12 +197,15 @@ COMMENT ON FUNCTION tensile.memory_status() IS
 'region holds, plans installed, allocations served by lookup, mismatches that sent requests back to the '
 'general pool, and for the last recorded period the planned arena, the lower bound (max live bytes) and '
 'the highest byte the best-fit general pool touches on the same trace; per_job carries the same three '
-'for each job alone';
+'for each job alone; and batch inference: running predict calls, the device bytes they hold, the bytes '
+'of model layers kept in the weight cache (counted in in_use_bytes too), layer loads host to device, '
+'layer uses served from the cache, and cached layers evicted for room';
 CREATE VIEW tensile.memory AS SELECT * FROM tensile.memory_status();
 COMMENT ON VIEW tensile.memory IS
 'The device: budget, in use, peak, host bytes, fragmentation, per job; the scheduler: policy, '
 'bandwidths, plans made, predicted peak and extra time; the planned pool: state, region, lookups, '
-'mismatches, planned arena against its lower bound and the general pool';
+'mismatches, planned arena against its lower bound and the general pool; batch inference: running '
+'calls, their bytes, the weight cache''s bytes, loads, hits and evictions';
 
 CREATE FUNCTION tensile.start_coordinator() RETURNS integer
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$

@@ -56,6 +56,17 @@ class TensileClient:
             return conn.execute(text("SELECT tensile.predict(:m, CAST(:f AS real[]))"),
                                 {"m": model_name, "f": list(features)}).scalar_one()
 
+    def predict_batch(self, model_name: str, source: str, key: str | None = None,
+                      options: dict | None = None) -> list[dict]:
+        """``tensile.predict_batch``: one ``{"id", "prediction", "probabilities"}`` per row of
+        ``source`` (a query or table name), computed on the coordinator's device; ``id`` is the
+        ``key`` column's value or the row's 1-based ordinal. ``options``: window, batch_size,
+        cache, skip_nulls."""
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(text(
+                "SELECT * FROM tensile.predict_batch(:m, :source, :key, CAST(:options AS jsonb))"),
+                {"m": model_name, "source": source, "key": key, "options": json.dumps(options or {})}).mappings()]
+
     def _rows(self, sql: str) -> list[dict]:
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(text(sql)).mappings()]

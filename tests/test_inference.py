@@ -1,11 +1,12 @@
 """Demand-layered inference on the coordinator, without PostgreSQL: outputs against the host
 forward pass and across prefetch windows, the window's memory bound, the weight cache and its
-eviction order, cancellation, model replacement, and several calls at once with a training job
+eviction order, cancellation, model replacement, admission by footprint, and several calls at once with a training job
 under one budget (no two blocks share a byte, nothing exceeds the budget)."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -261,3 +262,42 @@ def test_an_acquire_waits_for_another_threads_pins_instead_of_failing():
     assert got and got[0][0].offset is not None
     assert mm.jobs[1].swap_outs == 1                                          # made room once unpinned
     mm.close()
+
+
+def test_calls_whose_models_do_not_fit_together_start_one_after_the_other():
+    spec = spec_of(hidden=[{"dense": 128}] * 4)
+    w0, w1, x = weights_of(spec, 0), weights_of(spec, 1), features(spec, n=256)
+    model_nbytes = sum(round_up((i * o + o) * 4) for i, o in spec.dense_shapes())
+    svc = service(budget=round_up(model_nbytes * 3 // 2))
+    first, second = svc.store.add(1, "v", "a", spec, w0), svc.store.add(2, "v", "b", spec, w1)
+    paused, resume, results = threading.Event(), threading.Event(), {}
+
+    def pause_once():
+        if not paused.is_set():
+            paused.set()
+            resume.wait(10)
+        return False
+
+    a = threading.Thread(target=lambda: results.update(a=svc.predict(first, x, 1, 64, cancelled=pause_once)[0]))
+    a.start()
+    assert paused.wait(10)
+    b = threading.Thread(target=lambda: results.update(b=svc.predict(second, x, 1, 64)[0]))
+    b.start()
+    assert wait_for(lambda: svc._waiting)                 # b waits for memory while a runs
+    assert len(svc._footprints) == 1 and svc.describe()["inference_calls"] == 2
+    resume.set()
+    a.join(10)
+    b.join(10)
+    assert np.array_equal(results["b"], predict(service(), 2, spec, w1, x, window=1, batch_size=64)[0])
+    assert np.array_equal(results["a"], predict(service(), 1, spec, w0, x, window=1, batch_size=64)[0])
+    assert not svc._waiting and not svc._footprints
+    svc.manager.close()
+
+
+def wait_for(predicate, timeout_s=10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False

@@ -58,9 +58,10 @@ def assert_scheduler_metrics(metrics, policy):
 
 
 def assert_nothing_left(conn):
-    """No live job and no device bytes held once a call has ended."""
+    """No live job and no device bytes held once a call has ended, but for model layers kept in
+    the weight cache."""
     assert wait_until(lambda: conn.execute("SELECT count(*) FROM tensile.jobs").fetchone()[0] == 0)
-    mem = conn.execute("SELECT in_use_bytes, peak_bytes, budget_bytes FROM tensile.memory").fetchone()
+    mem = conn.execute("SELECT in_use_bytes - weight_cache_bytes, peak_bytes, budget_bytes FROM tensile.memory").fetchone()
     if mem is not None:
         assert mem[0] == 0 and mem[1] <= mem[2]
 
@@ -461,11 +462,12 @@ def test_a_running_job_is_served_from_the_planned_pool_and_tensile_memory_shows_
     t, outcome = train_in_background(dsn, "t_pool")
     try:
         assert wait_until(lambda: running(conn, "t_pool"))
-        assert wait_until(lambda: conn.execute("SELECT pool FROM tensile.memory").fetchone()[0] == "serving", 60)
-        row = conn.execute("SELECT planned_region_bytes, pool_plans_installed, planned_allocations, "
-                           "planned_arena_bytes, max_live_bytes, general_pool_bytes, budget_bytes, per_job "
-                           "FROM tensile.memory").fetchone()
-        region, installed, lookups, planned, bound, general, budget, per_job = row
+        rows = []       # one reading of the view while serving (a drift re-plan may dissolve the region any time)
+        assert wait_until(lambda: rows.append(conn.execute(
+            "SELECT pool, planned_region_bytes, pool_plans_installed, planned_allocations, planned_arena_bytes, "
+            "max_live_bytes, general_pool_bytes, budget_bytes, per_job FROM tensile.memory").fetchone())
+            or rows[-1][0] == "serving", 60)
+        _, region, installed, lookups, planned, bound, general, budget, per_job = rows[-1]
         assert installed >= 1 and lookups >= 0 and region == planned
         assert 0 < bound <= planned <= budget and general >= bound
         (job,) = per_job.values()

@@ -165,10 +165,11 @@ class TrainingJob:
             self.tensors[t.slot] = t
         try:
             arrays = {s: mm.array(self.tensors[s]) for s in op.accesses}
-            start = time.perf_counter()
-            op.run(arrays, ctx)
-            mm.device.synchronize()
-            seconds = time.perf_counter() - start
+            with mm.device.computing():
+                start = time.perf_counter()
+                op.run(arrays, ctx)
+                mm.device.synchronize()
+                seconds = time.perf_counter() - start
             loss = float(arrays["loss"][0]) if "loss" in op.writes else None
         finally:
             mm.unpin(live + created)
@@ -192,7 +193,8 @@ class TrainingJob:
             live = [self.tensors[s] for s in op.accesses]
             mm.acquire(self.id, live, [], what=f"recompute of {name} by op {op.name} of job {self.id}")
             try:
-                op.run({s: mm.array(self.tensors[s]) for s in op.accesses}, ctx)
+                with mm.device.computing():
+                    op.run({s: mm.array(self.tensors[s]) for s in op.accesses}, ctx)
             finally:
                 mm.unpin(live)
         mm.note_recompute(target)

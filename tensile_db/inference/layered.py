@@ -129,17 +129,18 @@ def run(mm: MemoryManager, model: ServedModel, x: np.ndarray, window: int, batch
             step = time.perf_counter()
             (out,) = mm.acquire(INFERENCE_JOB, [layer, h], [Slot(f"h{i + 1}", Kind.ACTIVATION, (n, shapes[i][1]))],
                                 what=f"layer {i} of model {model.name!r} (batch of {n} rows)")
-            computing = time.perf_counter()
-            stats.load_wait_s += computing - step
+            stats.load_wait_s += time.perf_counter() - step
             try:
                 stats.device_peak_nbytes = max(stats.device_peak_nbytes, h.arena_nbytes + out.arena_nbytes + sum(
                     model.layers[j].arena_nbytes for j in held if model.layers[j].offset is not None))
                 w, bias = model.split(i, mm.array(layer))
-                models.dense_layer(mm.array(h), w, bias, acts[i], mm.array(out))
-                mm.device.synchronize()
+                with mm.device.computing():
+                    computing = time.perf_counter()
+                    models.dense_layer(mm.array(h), w, bias, acts[i], mm.array(out))
+                    mm.device.synchronize()
+                    stats.compute_s += time.perf_counter() - computing
             finally:
                 mm.unpin([layer, h, out])
-            stats.compute_s += time.perf_counter() - computing
             mm.free(h)
             h = out
             if i == n_layers - 1:

@@ -1,14 +1,17 @@
-"""Reading training data through SPI, as the calling role.
+"""Reading rows through SPI, as the calling role: training data and the features to predict.
 
 All columns are read in one scan of the source with one aggregate per column:
-``string_agg(float4send(col::real), '')`` for features and ``float8send`` for the label, decoded
-with ``numpy.frombuffer``. Every aggregate of one Agg node sees the rows in the same order, so the
-columns stay aligned; ``string_agg`` skips NULLs, so NULLs are counted first (``count(col)``
-against ``count(*)`` in the same scan) and either reported, naming the column and the count, or
-— with ``skip_nulls`` — every aggregate is filtered to the rows without any NULL. Parallel
-aggregation is switched off for the transaction so that no partial aggregates are combined.
+``string_agg(float4send(col::real), '')`` for features, ``float8send`` for a label and
+``int8send`` for an integer key, decoded with ``numpy.frombuffer``. Every aggregate of one Agg
+node sees the rows in the same order, so the columns stay aligned; ``string_agg`` skips NULLs, so
+NULLs are counted first (``count(col)`` against ``count(*)`` in the same scan) and either
+reported, naming the column and the count, or — with ``skip_nulls`` — every aggregate is filtered
+to the rows without any NULL (and, where rows are named by their ordinal, one byte a row says
+which were kept). Parallel aggregation is switched off for the scan so that no partial aggregates
+are combined.
 
-Limit: one column's bytes must stay under PostgreSQL's 1 GB value limit, about 268 million rows.
+Limit: one column's bytes must stay under PostgreSQL's 1 GB value limit, about 268 million rows
+(134 million with an integer key).
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ from ..errors import InvalidArgument
 NUMERIC_TYPES = {16: "boolean", 20: "bigint", 21: "smallint", 23: "integer", 700: "real",
                  701: "double precision", 1700: "numeric"}
 INTEGER_TYPES = {16, 20, 21, 23}
+#: Type OIDs a key column may have: the integers, not boolean.
+KEY_TYPES = {21: "smallint", 23: "integer", 20: "bigint"}
 #: More distinct labels than this is almost surely a regression target.
 MAX_CLASSES = 10_000
 _TABLE_NAME = re.compile(r'^("[^"]+"|[A-Za-z_][A-Za-z0-9_$]*)(\.("[^"]+"|[A-Za-z_][A-Za-z0-9_$]*))?$')
+#: How one column is read: the SQL type it is cast to, its binary send function, its big-endian dtype.
+_ENCODINGS = {"real": ("float4send", ">f4"), "double precision": ("float8send", ">f8"), "bigint": ("int8send", ">i8")}
 
 
 @dataclass
@@ -43,6 +50,31 @@ class TrainingData:
     skipped_rows: int
 
 
+@dataclass
+class Features:
+    """x: (N, F) float32 raw features of the rows kept, in the source's order; ids: (N,) int64,
+    the key column's values or the rows' 1-based ordinals in the source (skipped rows counted, so
+    an ordinal always names the same source row); rows: rows in the source; skipped_rows: rows
+    left out for a NULL."""
+
+    x: np.ndarray
+    ids: np.ndarray
+    rows: int
+    skipped_rows: int
+
+
+@dataclass
+class _Scan:
+    """One scan: the decoded columns, each (kept_rows,) of the rows kept, in the source's order;
+    the rows in the source; and ``kept``, (rows,) bool, which rows were kept — only when asked for
+    and some were skipped, else None."""
+
+    columns: list[np.ndarray]
+    rows: int
+    kept_rows: int
+    kept: np.ndarray | None
+
+
 def source_query(source: str | None) -> str:
     """The SQL of a source given as a query or a (schema-qualified) table name."""
     text = (source or "").strip().rstrip(";").strip()
@@ -51,8 +83,74 @@ def source_query(source: str | None) -> str:
     return f"SELECT * FROM {text}" if _TABLE_NAME.match(text) else text
 
 
+def is_table_name(name: str | None) -> bool:
+    """Whether ``name`` is a plain or schema-qualified table name (identifiers, quoted or not)."""
+    return bool(name and _TABLE_NAME.match(name))
+
+
 def _type_name(plpy, oid: int) -> str:
     return NUMERIC_TYPES.get(oid) or plpy.execute(f"SELECT format_type({int(oid)}, NULL) AS t")[0]["t"]
+
+
+def _column_types(plpy, query: str) -> dict[str, int]:
+    """The source's columns and their type OIDs, from a plan that reads no row."""
+    probe = plpy.execute(f"SELECT * FROM ({query}\n) AS tensile_source LIMIT 0")
+    return dict(zip(probe.colnames(), probe.coltypes()))
+
+
+def _check_present(types: dict[str, int], columns: list[str], role: str) -> None:
+    for c in columns:
+        if c is None or c not in types:
+            raise InvalidArgument(f'{role} column "{c}" is not in the source; its columns are: {", ".join(types)}')
+
+
+def _check_numeric(plpy, types: dict[str, int], columns: list[str], role: str) -> None:
+    for c in columns:
+        if types[c] not in NUMERIC_TYPES:
+            raise InvalidArgument(f'{role} column "{c}" has type {_type_name(plpy, types[c])}; '
+                                  f'{role}s must be numeric ({", ".join(NUMERIC_TYPES.values())})')
+
+
+def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]], skip_nulls: bool,
+          want_kept: bool = False) -> _Scan:
+    """Read ``columns`` — ``(name, SQL type)`` pairs, the type a key of ``_ENCODINGS`` — of every
+    row of ``query`` in one scan. Raises InvalidArgument naming each column with NULLs and their
+    count unless ``skip_nulls``. ``want_kept`` asks for the mask of kept rows when rows are
+    skipped."""
+    def ident(c):
+        return plpy.quote_ident(c)
+
+    def value(c, sql_type):
+        return f"{ident(c)}::int::{sql_type}" if types[c] == 16 else f"{ident(c)}::{sql_type}"
+
+    names = list(dict.fromkeys(c for c, _ in columns))
+    complete = " AND ".join(f"{ident(c)} IS NOT NULL" for c in names)
+    aggregates = [f"count({ident(c)}) AS nn{i}" for i, c in enumerate(names)]
+    aggregates += [f"string_agg({_ENCODINGS[t][0]}({value(c, t)}), '') FILTER (WHERE {complete}) AS c{i}"
+                   for i, (c, t) in enumerate(columns)]
+    if want_kept and skip_nulls:
+        aggregates.append(f"string_agg(boolsend({complete}), '') AS kept")
+    parallel = plpy.execute("SELECT current_setting('max_parallel_workers_per_gather') AS old, "
+                            "set_config('max_parallel_workers_per_gather', '0', true)")[0]["old"]
+    row = plpy.execute(f"SELECT count(*) AS n, count(*) FILTER (WHERE {complete}) AS complete, "
+                       f"{', '.join(aggregates)} FROM ({query}\n) AS tensile_source")[0]
+    plpy.execute(f"SELECT set_config('max_parallel_workers_per_gather', {plpy.quote_literal(parallel)}, true)")
+    n = row["n"]
+    nulls = {c: n - row[f"nn{i}"] for i, c in enumerate(names) if row[f"nn{i}"] < n}
+    if nulls and not skip_nulls:
+        listed = ", ".join(f'column "{c}" has {k:,} NULL{"s" if k > 1 else ""}' for c, k in nulls.items())
+        raise InvalidArgument(f"{listed} (of {n:,} rows); filter them in the source or pass "
+                              f"options => '{{\"skip_nulls\": true}}' to skip such rows")
+    decoded = [np.frombuffer(row[f"c{i}"] or b"", dtype=_ENCODINGS[t][1]) for i, (_, t) in enumerate(columns)]
+    kept = np.frombuffer(row["kept"], dtype=np.bool_) if row.get("kept") and nulls else None
+    return _Scan(decoded, n, row["complete"], kept)
+
+
+def _check_finite(x: np.ndarray, features: list[str]) -> None:
+    for name, bad in ((c, ~np.isfinite(x[:, i])) for i, c in enumerate(features)):
+        if bad.any():
+            raise InvalidArgument(f'feature column "{name}" has {int(bad.sum()):,} NaN or infinite values '
+                                  f'(after conversion to real); filter or clip them in the source')
 
 
 def read_training_data(plpy, source: str, label: str, features: list[str] | None,
@@ -64,12 +162,10 @@ def read_training_data(plpy, source: str, label: str, features: list[str] | None
     errors of the query itself (unknown table, permission denied) come from PostgreSQL.
     """
     query = source_query(source)
-    probe = plpy.execute(f"SELECT * FROM ({query}\n) AS tensile_source LIMIT 0")
-    types = dict(zip(probe.colnames(), probe.coltypes()))
+    types = _column_types(plpy, query)
     if not label:
         raise InvalidArgument("label is empty; name the column to predict")
-    if label not in types:
-        raise InvalidArgument(f'label column "{label}" is not in the source; its columns are: {", ".join(types)}')
+    _check_present(types, [label], "label")
     if features is None:
         features = [c for c, t in types.items() if c != label and t in NUMERIC_TYPES]
         if not features:
@@ -78,53 +174,58 @@ def read_training_data(plpy, source: str, label: str, features: list[str] | None
     else:
         if not features:
             raise InvalidArgument("features is an empty array; pass NULL to use every numeric column but the label")
-        for c in features:
-            if c is None or c not in types:
-                raise InvalidArgument(f'feature column "{c}" is not in the source; its columns are: {", ".join(types)}')
-            if c == label:
-                raise InvalidArgument(f'column "{c}" is both the label and a feature')
+        _check_present(types, features, "feature")
+        if label in features:
+            raise InvalidArgument(f'column "{label}" is both the label and a feature')
         if len(set(features)) != len(features):
             raise InvalidArgument(f"features name a column twice: {features}")
-    for c in features + [label]:
-        if types[c] not in NUMERIC_TYPES:
-            role = "label" if c == label else "feature"
-            raise InvalidArgument(f'{role} column "{c}" has type {_type_name(plpy, types[c])}; '
-                                  f'{role}s must be numeric ({", ".join(NUMERIC_TYPES.values())})')
-
-    def ident(c):
-        return plpy.quote_ident(c)
-
-    def value(c, sql_type):
-        return f"{ident(c)}::int::{sql_type}" if types[c] == 16 else f"{ident(c)}::{sql_type}"
-
-    columns = features + [label]
-    complete = " AND ".join(f"{ident(c)} IS NOT NULL" for c in columns)
-    aggregates = [f"count({ident(c)}) AS nn{i}" for i, c in enumerate(columns)]
-    aggregates += [f"string_agg(float4send({value(c, 'real')}), '') FILTER (WHERE {complete}) AS c{i}"
-                   for i, c in enumerate(features)]
-    aggregates.append(f"string_agg(float8send({value(label, 'double precision')}), '') FILTER (WHERE {complete}) AS label")
-    plpy.execute("SELECT set_config('max_parallel_workers_per_gather', '0', true)")
-    row = plpy.execute(f"SELECT count(*) AS n, count(*) FILTER (WHERE {complete}) AS complete, "
-                       f"{', '.join(aggregates)} FROM ({query}\n) AS tensile_source")[0]
-    n = row["n"]
-    if n == 0:
+    _check_numeric(plpy, types, features, "feature")
+    _check_numeric(plpy, types, [label], "label")
+    scan = _scan(plpy, query, types, [(c, "real") for c in features] + [(label, "double precision")], skip_nulls)
+    if scan.rows == 0:
         raise InvalidArgument("the source returned no rows; check its query or WHERE clause")
-    nulls = {c: n - row[f"nn{i}"] for i, c in enumerate(columns) if row[f"nn{i}"] < n}
-    if nulls and not skip_nulls:
-        listed = ", ".join(f'column "{c}" has {k:,} NULL{"s" if k > 1 else ""}' for c, k in nulls.items())
-        raise InvalidArgument(f"{listed} (of {n:,} rows); filter them in the source or pass "
-                              f"options => '{{\"skip_nulls\": true}}' to skip such rows")
-    if row["complete"] == 0:
-        raise InvalidArgument(f"all {n:,} rows of the source have a NULL in a feature or the label")
-    x = np.stack([np.frombuffer(row[f"c{i}"], dtype=">f4") for i in range(len(features))], axis=1).astype(np.float32)
-    y = np.frombuffer(row["label"], dtype=">f8").astype(np.float64)
-    for name, bad in ((c, ~np.isfinite(x[:, i])) for i, c in enumerate(features)):
-        if bad.any():
-            raise InvalidArgument(f'feature column "{name}" has {int(bad.sum()):,} NaN or infinite values '
-                                  f'(after conversion to real); filter or clip them in the source')
+    if scan.kept_rows == 0:
+        raise InvalidArgument(f"all {scan.rows:,} rows of the source have a NULL in a feature or the label")
+    x = np.stack(scan.columns[:-1], axis=1).astype(np.float32)
+    y = scan.columns[-1].astype(np.float64)
+    _check_finite(x, features)
     if not np.isfinite(y).all():
         raise InvalidArgument(f'label column "{label}" has NaN or infinite values; filter them in the source')
-    return TrainingData(x, y, list(features), label, types[label] in INTEGER_TYPES, n, n - row["complete"])
+    return TrainingData(x, y, list(features), label, types[label] in INTEGER_TYPES, scan.rows,
+                        scan.rows - scan.kept_rows)
+
+
+def read_features(plpy, source: str, features: list[str], key: str | None, skip_nulls: bool) -> Features:
+    """Read a model's ``features`` (in order) and the optional integer ``key`` column from
+    ``source`` with the caller's privileges.
+
+    An empty source gives zero rows, not an error. Raises InvalidArgument for a missing or
+    non-numeric feature column, a missing key column or one that is not smallint / integer /
+    bigint, NULLs (unless ``skip_nulls``: those rows are left out) or non-finite features; errors
+    of the query itself (unknown table, permission denied) come from PostgreSQL.
+    """
+    query = source_query(source)
+    types = _column_types(plpy, query)
+    _check_present(types, features, "feature")
+    _check_numeric(plpy, types, features, "feature")
+    columns = [(c, "real") for c in features]
+    if key is not None:
+        _check_present(types, [key], "key")
+        if types[key] not in KEY_TYPES:
+            raise InvalidArgument(f'key column "{key}" has type {_type_name(plpy, types[key])}; the key must be an '
+                                  f'integer column ({", ".join(KEY_TYPES.values())}), or pass key => NULL to '
+                                  f"number the rows 1, 2, ...")
+        columns.append((key, "bigint"))
+    scan = _scan(plpy, query, types, columns, skip_nulls, want_kept=key is None)
+    x = np.stack(scan.columns[:len(features)], axis=1).astype(np.float32)
+    if key is not None:
+        ids = scan.columns[-1].astype(np.int64)
+    elif scan.kept is not None:
+        ids = np.flatnonzero(scan.kept).astype(np.int64) + 1
+    else:
+        ids = np.arange(1, scan.kept_rows + 1, dtype=np.int64)
+    _check_finite(x, features)
+    return Features(x, ids, scan.rows, scan.rows - scan.kept_rows)
 
 
 def encode_labels(data: TrainingData, task: str) -> tuple[np.ndarray, list[float] | None]:

@@ -10,6 +10,7 @@ import json
 
 from ..errors import (CoordinatorUnavailable, DeviceOutOfMemory, InvalidArgument, JobCancelled, ModelNotFound,
                       ProtocolError, TensileError)
+from . import batch as _batch
 from . import predict as _predict
 from . import session
 from . import train as _train
@@ -37,6 +38,8 @@ def _sql_errors(fn):
 train_model = _sql_errors(_train.train_model)
 predict = _sql_errors(_predict.predict)
 predict_proba = _sql_errors(_predict.predict_proba)
+predict_batch = _sql_errors(_batch.predict_batch)
+predict_into = _sql_errors(_batch.predict_into)
 
 
 @_sql_errors

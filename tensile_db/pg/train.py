@@ -10,16 +10,15 @@ coordinator has the arrays and has accepted the job).
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
-from ..errors import CoordinatorUnavailable, InvalidArgument
+from ..errors import InvalidArgument
 from ..runtime import model as models
 from . import session
 from .data import encode_labels, read_training_data
 
-#: How long one wait for the coordinator lasts before the backend checks for a cancel, seconds.
-WAIT_SLICE_S = 0.1
 MAX_NAME_LENGTH = 63
 
 
@@ -62,7 +61,7 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
         transfer_s = time.perf_counter() - started
         plpy.notice(f"tensile: job {reply['job_id']} accepted; unscheduled peak {reply['vanilla_peak_nbytes']:,} bytes, "
                     f"device budget {reply['budget_nbytes']:,} bytes")
-        result, weights = _await(plpy, GD, client)
+        result, weights = session.await_result(plpy, GD, client, "training", functools.partial(_relay_progress, plpy))
     metrics = dict(result["metrics"], read_s=read_s, transfer_s=transfer_s)
     if opts.replace:
         plpy.execute(session.plan(plpy, GD, "DELETE FROM tensile.models WHERE name = $1", ["text"]), [model_name])
@@ -76,30 +75,8 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
     return {"model_name": model_name, "task": task, "metrics": json.dumps(metrics)}
 
 
-def _await(plpy, GD, client):
-    """Wait for the job's result, relaying progress; on any error (a cancel included) tell the
-    coordinator to cancel the job, then re-raise."""
-    check = session.plan(plpy, GD, "SELECT 1")
-    try:
-        while True:
-            if not client.poll(WAIT_SLICE_S):
-                plpy.execute(check)          # lets PostgreSQL deliver a cancel or statement_timeout
-                continue
-            try:
-                header, arrays = client.receive()
-            except (EOFError, OSError) as exc:
-                raise CoordinatorUnavailable(
-                    f"the coordinator closed the connection during training ({exc!r}); see "
-                    f"{session.socket_dir()}/coordinator.log, then call again") from None
-            if header["type"] == "result":
-                return header, arrays
-            if header["type"] == "progress":
-                plpy.notice(f"tensile: epoch {header['epoch']}/{header['epochs']}: loss {header['loss']:.4f}, "
-                            f"device {header['device_nbytes']:,} bytes (peak {header['peak_nbytes']:,}), "
-                            f"swapped out {header['swapped_out_nbytes']:,} bytes")
-    except BaseException:
-        try:
-            client.send({"type": "cancel"})
-        except OSError:
-            pass
-        raise
+def _relay_progress(plpy, header: dict, arrays: dict) -> None:
+    if header["type"] == "progress":
+        plpy.notice(f"tensile: epoch {header['epoch']}/{header['epochs']}: loss {header['loss']:.4f}, "
+                    f"device {header['device_nbytes']:,} bytes (peak {header['peak_nbytes']:,}), "
+                    f"swapped out {header['swapped_out_nbytes']:,} bytes")

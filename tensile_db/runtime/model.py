@@ -98,7 +98,9 @@ class ModelSpec:
 # --- parsing ------------------------------------------------------------------------------------
 
 
-def _load_json(value, what: str) -> dict:
+def load_json_object(value, what: str) -> dict:
+    """A JSON object given as text, bytes or a dict (None: empty). Raises InvalidArgument naming
+    ``what`` for invalid JSON or another JSON type."""
     if value is None:
         return {}
     if isinstance(value, (str, bytes)):
@@ -111,7 +113,8 @@ def _load_json(value, what: str) -> dict:
     return value
 
 
-def _check_keys(obj: dict, allowed, where: str) -> None:
+def check_keys(obj: dict, allowed, where: str) -> None:
+    """Raise InvalidArgument for the first key of ``obj`` not in ``allowed``, listing those."""
     for key in obj:
         if key not in allowed:
             raise InvalidArgument(f"{where}: unknown key {key!r}; allowed keys: {', '.join(allowed)}")
@@ -119,8 +122,8 @@ def _check_keys(obj: dict, allowed, where: str) -> None:
 
 def parse_architecture(value) -> Architecture:
     """Validate an architecture (JSON text or dict). Raises InvalidArgument naming the key."""
-    obj = _load_json(value, "architecture")
-    _check_keys(obj, ("layers",), "architecture")
+    obj = load_json_object(value, "architecture")
+    check_keys(obj, ("layers",), "architecture")
     layers = obj.get("layers")
     if not isinstance(layers, list) or not layers:
         raise InvalidArgument('architecture: "layers" must be a non-empty array of layers, '
@@ -130,7 +133,7 @@ def parse_architecture(value) -> Architecture:
         where = f"architecture.layers[{i}]"
         if not isinstance(layer, dict):
             raise InvalidArgument(f"{where} must be an object like {{\"dense\": 128}}, got {layer!r}")
-        _check_keys(layer, ("dense", "activation", "dropout"), where)
+        check_keys(layer, ("dense", "activation", "dropout"), where)
         units = layer.get("dense")
         if not isinstance(units, int) or isinstance(units, bool) or not 0 < units <= MAX_WIDTH:
             raise InvalidArgument(f'{where}."dense" must be an integer from 1 to {MAX_WIDTH}, got {units!r}')
@@ -153,8 +156,8 @@ _OPTION_TYPES = {
 
 def parse_options(value) -> TrainOptions:
     """Validate training options (JSON text or dict). Raises InvalidArgument naming the key."""
-    obj = _load_json(value, "options")
-    _check_keys(obj, tuple(_OPTION_TYPES), "options")
+    obj = load_json_object(value, "options")
+    check_keys(obj, tuple(_OPTION_TYPES), "options")
     for key, val in obj.items():
         types = _OPTION_TYPES[key]
         if not isinstance(val, types) or (isinstance(val, bool) and types is not bool):

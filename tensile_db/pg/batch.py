@@ -1,0 +1,219 @@
+"""``tensile.predict_batch`` and ``CALL tensile.predict_into``: batch inference on the coordinator.
+
+The backend side of issue 5's protocol (the coordinator side is :mod:`tensile_db.inference`):
+
+1. Validate the options, then read the model's row *without* its weights: id, version
+   (``created_at``), task, architecture, feature names, classes. Row-level security applies, so
+   a model the role cannot see is "not found".
+2. Read the model's feature columns, in ``feature_names`` order, and the optional integer key
+   column from the source, as the calling role, in one scan (:func:`.data.read_features`). An
+   empty source — or one whose every row was skipped — gives no rows and never contacts the
+   coordinator.
+3. Send a ``predict`` header naming the model by id and version, with the raw features
+   ``x`` (N, F) float32. The coordinator answers ``need_weights`` when it does not hold that
+   version; only then are the weights read (``WHERE id = $1``) and sent as ``weights``. It then
+   answers ``accepted`` and, once every batch has streamed through the layers, ``result`` with
+   ``outputs`` (N, n_outputs) float32: class probabilities, or values in the label's units.
+4. Wait in slices so that a cancel reaches the backend (:func:`.session.await_result`); on any
+   error the backend sends ``cancel`` and the coordinator stops the call between two layers and
+   frees its device memory.
+
+predict_batch is STABLE: every SPI query of one call sees the calling statement's snapshot, so
+the model row, its weights and the source are read as of one moment, and a call that overlaps a
+``train_model(... replace ...)`` predicts wholly with the old model or wholly with the new one.
+predict_into is a procedure (it writes), so each of its queries sees a new snapshot: if the model
+was replaced or dropped between reading its row and its weights, it raises ModelNotFound and asks
+to call again. It writes in chunks of ``INSERT_CHUNK_ROWS`` rows, as the calling role, in the
+caller's transaction.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InvalidArgument, ModelNotFound, ProtocolError
+from ..runtime import model as models
+from . import session
+from .data import is_table_name, read_features
+from .train import check_model_name
+
+#: Rows per batch streamed through the layers, by default and at most.
+DEFAULT_BATCH_SIZE = 256
+MAX_BATCH_SIZE = 1 << 16
+#: Rows per INSERT statement of predict_into.
+INSERT_CHUNK_ROWS = 10_000
+#: The columns predict_into writes, with their types as ``format_type`` spells them.
+TARGET_COLUMNS = {"id": "bigint", "prediction": "double precision", "probabilities": "real[]"}
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+#: Every option: what it must be (for the error message) and the test of a value.
+_OPTIONS = {
+    "window": ('an integer >= 1 (layers kept loaded ahead of the one computing) or "all"',
+               lambda v: v == "all" or (_is_integer(v) and v >= 1)),
+    "batch_size": (f"an integer from 1 to {MAX_BATCH_SIZE}", lambda v: _is_integer(v) and 1 <= v <= MAX_BATCH_SIZE),
+    "cache": ("true or false", lambda v: isinstance(v, bool)),
+    "skip_nulls": ("true or false", lambda v: isinstance(v, bool)),
+}
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """predict_batch's options; the field names are the JSON keys users write."""
+
+    window: int | str | None = None         # layers loaded ahead, or "all"; None: tensile.prefetch_window
+    batch_size: int = DEFAULT_BATCH_SIZE    # rows per batch streamed through the layers
+    cache: bool = True                      # keep the model's layers in the device weight cache after use
+    skip_nulls: bool = False                # leave out rows with a NULL feature or key instead of failing
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    """A model's row without its weights. ``version`` is ``created_at`` as ISO 8601 UTC text."""
+
+    id: int
+    version: str
+    name: str
+    spec: models.ModelSpec
+    architecture: dict
+    feature_names: list[str]
+    classes: list[float] | None
+
+
+def parse_options(value) -> BatchOptions:
+    """Validate predict_batch's options (JSON text or dict). Raises InvalidArgument naming the key,
+    the value and what it must be."""
+    obj = models.load_json_object(value, "options")
+    models.check_keys(obj, tuple(_OPTIONS), "options")
+    for key, val in obj.items():
+        what, ok = _OPTIONS[key]
+        if not ok(val):
+            raise InvalidArgument(f"options.{key} must be {what}, got {json.dumps(val)}")
+    return BatchOptions(**obj)
+
+
+def read_model(plpy, GD, name) -> ModelRow:
+    """The model's row, weights left out. Raises ModelNotFound when the role sees no such model."""
+    check_model_name(name)
+    rows = plpy.execute(session.plan(plpy, GD, """
+        SELECT id, to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS version, task,
+               architecture::text AS architecture, feature_names, label_classes
+        FROM tensile.models WHERE name = $1""", ["text"]), [name])
+    if not rows:
+        raise ModelNotFound(f'model "{name}" does not exist; SELECT name FROM tensile.models lists the models')
+    row = rows[0]
+    architecture = json.loads(row["architecture"])
+    classes = list(row["label_classes"]) if row["label_classes"] else None
+    spec = models.ModelSpec(models.parse_architecture(architecture), len(row["feature_names"]),
+                            len(classes) if classes else 1, row["task"])
+    return ModelRow(row["id"], row["version"], name, spec, architecture, list(row["feature_names"]), classes)
+
+
+def _weights(plpy, GD, model: ModelRow) -> dict[str, np.ndarray]:
+    rows = plpy.execute(session.plan(plpy, GD, "SELECT weights FROM tensile.models WHERE id = $1", ["bigint"]),
+                        [model.id])
+    if not rows:
+        raise ModelNotFound(f'model "{model.name}" was replaced or dropped while this call read it; call again')
+    return models.deserialize_weights(rows[0]["weights"])
+
+
+def _infer(plpy, GD, model: ModelRow, x: np.ndarray, window: int, opts: BatchOptions) -> np.ndarray:
+    """Run x (N, F) float32 through the model on the coordinator: outputs (N, n_outputs) float32."""
+    client, s = session.connect(plpy, GD)
+    header = {"type": "predict", "model_name": model.name, "model_id": model.id, "model_version": model.version,
+              "task": model.spec.task, "architecture": model.architecture, "n_outputs": model.spec.n_outputs,
+              "window": window, "batch_size": opts.batch_size, "cache": opts.cache, "role": s["role"],
+              "backend_pid": s["pid"]}
+
+    def on_message(reply: dict, arrays: dict) -> None:
+        if reply["type"] == "need_weights":
+            client.send({"type": "weights"}, _weights(plpy, GD, model))
+        elif reply["type"] != "accepted":
+            raise ProtocolError(f"unexpected {reply['type']!r} message from the coordinator during prediction")
+
+    with client:
+        client.send(header, {"x": x})
+        result, arrays = session.await_result(plpy, GD, client, "prediction", on_message)
+    outputs = arrays.get("outputs")
+    expected = (x.shape[0], model.spec.n_outputs)
+    if outputs is None or outputs.shape != expected:
+        raise ProtocolError(f"the coordinator's outputs have shape {None if outputs is None else outputs.shape}, "
+                            f"expected {expected}")
+    plpy.debug(f"tensile: predicted {x.shape[0]:,} rows with {model.name!r}: {json.dumps(result.get('stats'))}")
+    return outputs
+
+
+def _predict(plpy, GD, model_name, source, key, options) -> tuple[ModelRow, np.ndarray, np.ndarray]:
+    """The model, the ids (N,) int64 and the outputs (N, n_outputs) float32 of the source's rows."""
+    opts = parse_options(options)
+    model = read_model(plpy, GD, model_name)
+    window = opts.window if opts.window is not None else session.prefetch_window(plpy, GD)
+    layers = len(model.spec.dense_shapes())
+    window = layers if window == "all" else min(window, layers)
+    data = read_features(plpy, source, model.feature_names, key, opts.skip_nulls)
+    if len(data.ids) == 0:
+        return model, data.ids, np.empty((0, model.spec.n_outputs), dtype=np.float32)
+    return model, data.ids, _infer(plpy, GD, model, data.x, window, opts)
+
+
+def _predictions(model: ModelRow, outputs: np.ndarray) -> np.ndarray:
+    """(N,) float64: the class label of the most probable class, or the regression value."""
+    if model.classes:
+        return np.asarray(model.classes, dtype=np.float64)[outputs.argmax(axis=1)]
+    return outputs[:, 0].astype(np.float64)
+
+
+def predict_batch(plpy, GD, model_name, source, key, options):
+    """Rows ``(id, prediction, probabilities)`` for every row of ``source`` that is kept: the
+    class label and the class probabilities in ``label_classes`` order for a classifier; the
+    value and NULL for a regression model."""
+    model, ids, outputs = _predict(plpy, GD, model_name, source, key, options)
+    probabilities = (row.tolist() for row in outputs) if model.classes else itertools.repeat(None)
+    return zip(ids.tolist(), _predictions(model, outputs).tolist(), probabilities)    # rows made as PostgreSQL asks
+
+
+def _target(plpy, GD, target) -> str:
+    """``target`` checked as a table name; the table is created if it does not exist. Raises
+    InvalidArgument for a name that is not a table name or a table without TARGET_COLUMNS."""
+    name = (target or "").strip()
+    if not is_table_name(name):
+        raise InvalidArgument(f"target must be a table name, optionally schema-qualified, got {target!r}")
+    oid = plpy.execute(session.plan(plpy, GD, "SELECT to_regclass($1)::oid AS oid", ["text"]), [name])[0]["oid"]
+    if oid is None:
+        plpy.execute(f"CREATE TABLE {name} ({', '.join(f'{c} {t}' for c, t in TARGET_COLUMNS.items())})")
+        return name
+    columns = plpy.execute(session.plan(plpy, GD, """
+        SELECT attname::text AS name, format_type(atttypid, atttypmod) AS type FROM pg_attribute
+        WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped""", ["oid"]), [oid])
+    have = {r["name"]: r["type"] for r in columns}
+    problems = [f"column {c} {t} is missing" if c not in have else f"column {c} is {have[c]}, not {t}"
+                for c, t in TARGET_COLUMNS.items() if have.get(c) != t]
+    if problems:
+        raise InvalidArgument(f"target {name} does not fit the rows predict_into writes: {'; '.join(problems)}; "
+                              "alter it, or name a table that does not exist yet and predict_into creates it")
+    return name
+
+
+def predict_into(plpy, GD, model_name, source, target, key, options) -> dict:
+    """Write predict_batch's rows into ``target`` (created when it does not exist, else appended
+    to); the procedure's INOUT ``rows``: how many were written."""
+    table = _target(plpy, GD, target)
+    model, ids, outputs = _predict(plpy, GD, model_name, source, key, options)
+    insert = plpy.prepare(f"""
+        INSERT INTO {table} (id, prediction, probabilities)
+        SELECT $1[k], $2[k], CASE WHEN $4 > 0 THEN $3[(k - 1) * $4 + 1 : k * $4] END
+        FROM generate_subscripts($1, 1) AS k""", ["bigint[]", "double precision[]", "real[]", "integer"])
+    predictions = _predictions(model, outputs)
+    width = outputs.shape[1] if model.classes else 0
+    for start in range(0, len(ids), INSERT_CHUNK_ROWS):
+        chunk = slice(start, start + INSERT_CHUNK_ROWS)
+        probabilities = outputs[chunk].reshape(-1).tolist() if width else []
+        plpy.execute(insert, [ids[chunk].tolist(), predictions[chunk].tolist(), probabilities, width])
+    return {"rows": len(ids)}
