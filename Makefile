@@ -31,6 +31,7 @@ bench: $(VENV)/.bench-deps package extension
 	$(PY) bench/throughput.py
 	$(PY) bench/scheduler.py
 	$(PY) bench/pool.py
+	$(PY) bench/inference.py
 
 system-deps:
 	@dpkg -s $(APT_PACKAGES) >/dev/null 2>&1 || { \
