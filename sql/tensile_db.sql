@@ -197,8 +197,9 @@ COMMENT ON FUNCTION tensile.memory_status() IS
 'region holds, plans installed, allocations served by lookup, mismatches that sent requests back to the '
 'general pool, and for the last recorded period the planned arena, the lower bound (max live bytes) and '
 'the highest byte the best-fit general pool touches on the same trace; per_job carries the same three '
-'for each job alone; and batch inference: running predict calls, the device bytes they hold, the bytes '
-'of model layers kept in the weight cache (counted in in_use_bytes too), layer loads host to device, '
+'for each job alone; and batch inference: predict calls running or waiting for device memory, the '
+'device bytes they hold, the bytes of model layers kept in the weight cache (counted in in_use_bytes '
+'too), layer loads host to device, '
 'layer uses served from the cache, and cached layers evicted for room';
 CREATE VIEW tensile.memory AS SELECT * FROM tensile.memory_status();
 COMMENT ON VIEW tensile.memory IS

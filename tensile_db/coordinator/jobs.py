@@ -160,7 +160,7 @@ class TrainingJob:
                 self._recompute(mm, s, ctx)
         live = [self.tensors[s] for s in op.accesses if s in self.tensors]
         new = [self.program.slots[s] for s in op.writes if s not in self.tensors]
-        created = mm.acquire(self.id, live, new, what=f"op {op.name} of job {self.id}")
+        created = mm.acquire(self.id, live, new, what=f"op {op.name} of job {self.id}", wait=True)
         for t in created:
             self.tensors[t.slot] = t
         try:
@@ -191,7 +191,7 @@ class TrainingJob:
                 if s != name and self.tensors[s].residency is Residency.DROPPED:
                     self._recompute(mm, s, ctx)
             live = [self.tensors[s] for s in op.accesses]
-            mm.acquire(self.id, live, [], what=f"recompute of {name} by op {op.name} of job {self.id}")
+            mm.acquire(self.id, live, [], what=f"recompute of {name} by op {op.name} of job {self.id}", wait=True)
             try:
                 with mm.device.computing():
                     op.run({s: mm.array(self.tensors[s]) for s in op.accesses}, ctx)

@@ -220,7 +220,7 @@ class Coordinator:
             reply, weights = protocol.recv(conn)
             if reply["type"] != "weights":
                 raise ProtocolError(f"expected the model's weights, got a {reply['type']!r} message")
-            model = self.inference.store.add(model_id, version, name, spec, weights)
+            model = self.inference.store.add(model_id, version, name, spec, weights, int(header.get("database", 0)))
 
         def cancelled() -> bool:
             if not conn.poll(0):

@@ -20,14 +20,14 @@ window sizes (the same kernels on the same batches; only where the weights sit d
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import numpy as np
 
-from ..errors import InvalidArgument, JobCancelled
+from ..errors import DeviceOutOfMemory, InvalidArgument, JobCancelled
+from ..memory.arena import round_up
 from ..memory.manager import MemoryManager
 from ..runtime import model as models
 from ..runtime.program import Kind, Slot
@@ -58,13 +58,31 @@ class CallStats:
         return asdict(self)
 
 
-def working_set_nbytes(model: ServedModel, batch_size: int) -> int:
-    """The least arena bytes one step of a call needs: the largest of (a layer + its input and
-    output activations for one batch), each rounded to the arena unit."""
-    from ..memory.arena import round_up
+def call_shape(model: ServedModel, n_rows: int, window: int, batch_size: int) -> tuple[int, int, int]:
+    """(the effective window, rows per batch, batches) of a call on ``n_rows`` rows."""
+    rows = min(batch_size, max(n_rows, 1))
+    return min(window, len(model.layers)), rows, -(-n_rows // rows)
 
-    return max(t.arena_nbytes + round_up(batch_size * (n_in + n_out) * 4)
-               for t, (n_in, n_out) in zip(model.layers, model.spec.dense_shapes()))
+
+def step_nbytes(model: ServedModel, i: int, rows: int) -> int:
+    """Arena bytes of one step: layer ``i`` and its input and output activations for ``rows``
+    rows, each rounded to the arena unit as the manager rounds them."""
+    n_in, n_out = model.spec.dense_shapes()[i]
+    return model.layers[i].arena_nbytes + round_up(rows * n_in * 4) + round_up(rows * n_out * 4)
+
+
+def check_fits(model: ServedModel, rows: int, budget_nbytes: int, in_use_nbytes: int) -> None:
+    """Raise DeviceOutOfMemory, saying what to change, if a step of ``rows`` rows cannot fit the
+    budget even with nothing else on the device."""
+    i = max(range(len(model.layers)), key=lambda i: step_nbytes(model, i, rows))
+    need = step_nbytes(model, i, rows)
+    if need <= budget_nbytes:
+        return
+    if step_nbytes(model, i, 1) > budget_nbytes:
+        what = f"layer {i} of model {model.name!r} even with a batch of 1 row (raise tensile.device_budget)"
+    else:
+        what = f"layer {i} of model {model.name!r} with a batch of {rows} rows (lower options.batch_size)"
+    raise DeviceOutOfMemory(need, in_use_nbytes, budget_nbytes, what)
 
 
 def check(model: ServedModel, x: np.ndarray, window, batch_size) -> None:
@@ -94,12 +112,9 @@ def run(mm: MemoryManager, model: ServedModel, x: np.ndarray, window: int, batch
     """
     x = np.asarray(x, dtype=np.float32)
     check(model, x, window, batch_size)
-    n_layers = len(model.layers)
+    n_layers, n_rows = len(model.layers), len(x)
     started = time.perf_counter()
-    window = min(window, n_layers)
-    n_rows = len(x)
-    batch_size = min(batch_size, max(n_rows, 1))
-    n_batches = math.ceil(n_rows / batch_size)
+    window, batch_size, n_batches = call_shape(model, n_rows, window, batch_size)
     stats = CallStats(window, n_layers, n_batches, batch_size)
     uses = n_batches * n_layers
     acts = models.activations(model.spec)
@@ -128,7 +143,7 @@ def run(mm: MemoryManager, model: ServedModel, x: np.ndarray, window: int, batch
                 stats.weight_loaded_nbytes += layer.nbytes
             step = time.perf_counter()
             (out,) = mm.acquire(INFERENCE_JOB, [layer, h], [Slot(f"h{i + 1}", Kind.ACTIVATION, (n, shapes[i][1]))],
-                                what=f"layer {i} of model {model.name!r} (batch of {n} rows)")
+                                what=f"layer {i} of model {model.name!r} (batch of {n} rows)", wait=True)
             stats.load_wait_s += time.perf_counter() - step
             try:
                 stats.device_peak_nbytes = max(stats.device_peak_nbytes, h.arena_nbytes + out.arena_nbytes + sum(
@@ -141,8 +156,8 @@ def run(mm: MemoryManager, model: ServedModel, x: np.ndarray, window: int, batch
                     stats.compute_s += time.perf_counter() - computing
             finally:
                 mm.unpin([layer, h, out])
-            mm.free(h)
-            h = out
+                mm.free(h)
+                h = out                         # freed by the outer finally if the layer failed
             if i == n_layers - 1:
                 logits[rows] = mm.to_host(h)
                 mm.free(h)

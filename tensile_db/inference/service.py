@@ -22,8 +22,7 @@ import threading
 
 import numpy as np
 
-from ..errors import DeviceOutOfMemory, JobCancelled
-from ..memory.arena import round_up
+from ..errors import JobCancelled
 from ..memory.manager import MemoryManager
 from . import INFERENCE_JOB, layered
 from .store import HOST_LIMIT_NBYTES, ModelStore, ServedModel
@@ -36,7 +35,6 @@ class InferenceService:
         self.manager = manager
         manager.register_job(INFERENCE_JOB)
         self.store = ModelStore(manager, host_limit_nbytes)
-        self.calls_served = 0
         self.cache_hits = 0            # layer uses served by a resident copy, cumulative
         self._running: dict[int, dict] = {}       # call id -> what it is, running or waiting to start
         self._ids = itertools.count(1)
@@ -52,19 +50,15 @@ class InferenceService:
         Raises DeviceOutOfMemory at once if one step of the call cannot fit the budget."""
         try:
             layered.check(model, x, window, batch_size)
-            need = layered.working_set_nbytes(model, min(batch_size, max(len(x), 1)))
-            if need > self.manager.budget_nbytes:
-                raise DeviceOutOfMemory(need, self.manager.in_use_nbytes, self.manager.budget_nbytes,
-                                        f"the largest layer of model {model.name!r} with a batch of {batch_size} "
-                                        f"rows (lower options.batch_size)")
+            effective_window, rows, batches = layered.call_shape(model, len(x), window, batch_size)
+            layered.check_fits(model, rows, self.manager.budget_nbytes, self.manager.in_use_nbytes)
             with self._lock:
                 call_id = next(self._ids)
                 self._running[call_id] = {"model_name": model.name, "rows": len(x)}
             try:
                 if on_accept is not None:
-                    n_layers = len(model.layers)
-                    on_accept(call_id, min(window, n_layers), -(-len(x) // max(min(batch_size, len(x)), 1)))
-                self._admit(call_id, self._footprint(model, len(x), window, batch_size, cache), cancelled)
+                    on_accept(call_id, effective_window, batches)
+                self._admit(call_id, self._footprint(model, rows, effective_window, cache), cancelled)
                 outputs, stats = layered.run(self.manager, model, x, window, batch_size, cache, cancelled)
                 with self._lock:
                     self.cache_hits += stats.cache_hits
@@ -73,36 +67,40 @@ class InferenceService:
                 with self._admission:
                     del self._running[call_id]
                     self._footprints.pop(call_id, None)
-                    self.calls_served += 1
                     self._admission.notify_all()
         finally:
             self.store.checkin(model)
 
     @staticmethod
-    def _footprint(model: ServedModel, n_rows: int, window: int, batch_size: int, cache: bool) -> int:
-        """Bytes a call needs to run without reloading a layer (see the module docstring)."""
+    def _footprint(model: ServedModel, rows: int, window: int, cache: bool) -> int:
+        """Bytes a call of ``rows`` rows per batch needs to run without reloading a layer (see
+        the module docstring)."""
         layers = sorted((t.arena_nbytes for t in model.layers), reverse=True)
         kept = layers if cache else layers[:min(window + 1, len(layers))]
-        rows = min(batch_size, max(n_rows, 1))
-        widest = max(n_in + n_out for n_in, n_out in model.spec.dense_shapes())
-        return sum(kept) + round_up(rows * widest * 4)
+        activations = max(layered.step_nbytes(model, i, rows) - t.arena_nbytes for i, t in enumerate(model.layers))
+        return sum(kept) + activations
 
     def _admit(self, call_id: int, footprint: int, cancelled) -> None:
         """Wait until the call may start: it is the first waiting and fits beside the running
-        calls, or none runs. Raises JobCancelled if ``cancelled()`` says so meanwhile."""
+        calls, or none runs. Polls ``cancelled()`` (outside the lock) every 0.05 s meanwhile and
+        raises JobCancelled when it says so."""
         with self._admission:
             self._waiting.append(call_id)
-            try:
-                while not (self._waiting[0] == call_id and
-                           (not self._footprints or
-                            sum(self._footprints.values()) + footprint <= self.manager.budget_nbytes)):
+        try:
+            while True:
+                with self._admission:
+                    if self._waiting[0] == call_id and (
+                            not self._footprints or
+                            sum(self._footprints.values()) + footprint <= self.manager.budget_nbytes):
+                        self._footprints[call_id] = footprint
+                        return
                     self._admission.wait(0.05)
-                    if cancelled is not None and cancelled():
-                        raise JobCancelled("cancelled by the caller while waiting for device memory")
-            finally:
+                if cancelled is not None and cancelled():
+                    raise JobCancelled("cancelled by the caller while waiting for device memory")
+        finally:
+            with self._admission:
                 self._waiting.remove(call_id)
                 self._admission.notify_all()
-            self._footprints[call_id] = footprint
 
     def describe(self) -> dict:
         """Figures for ``tensile.memory``: calls running or waiting to start, the device bytes

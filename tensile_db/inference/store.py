@@ -46,8 +46,9 @@ class ServedModel:
     spec: models.ModelSpec
     scaling: dict[str, np.ndarray]
     layers: list[Tensor] = field(default_factory=list)
+    database: int = 0                  # oid of the database whose registry holds it
     users: int = 0                     # calls holding it
-    retired: bool = False              # a newer version of the name exists
+    retired: bool = False              # a newer version of the name exists in its database
 
     @property
     def host_nbytes(self) -> int:
@@ -101,12 +102,15 @@ class ModelStore:
             return m
 
     def add(self, model_id: int, version: str, name: str, spec: models.ModelSpec,
-            weights: dict[str, np.ndarray]) -> ServedModel:
+            weights: dict[str, np.ndarray], database: int = 0) -> ServedModel:
         """Serve a model from its weight arrays (``runtime.model`` names) and hold it for a call.
-        Raises ProtocolError if an array is missing or has the wrong shape."""
+        ``version`` must name the row's contents across the cluster (the backend puts the
+        database, the owner and ``created_at`` in it). Raises ProtocolError if an array is missing
+        or has the wrong shape."""
         arrays = _checked(spec, weights)
         device = self.manager.device
-        m = ServedModel(model_id, version, name, spec, {k: v for k, v in arrays.items() if k[0] in "xy"})
+        m = ServedModel(model_id, version, name, spec, {k: v for k, v in arrays.items() if k[0] in "xy"},
+                        database=database)
         for i, (n_in, n_out) in enumerate(spec.dense_shapes()):
             packed = device.host_empty((n_in * n_out + n_out,), np.float32)
             w, b = m.split(i, packed)
@@ -124,7 +128,7 @@ class ModelStore:
                 return held
             m.users = 1
             for other in self._models.values():
-                if other.name == name and other.id != model_id:
+                if (other.database, other.name) == (database, name) and other.id != model_id:
                     if other.id < model_id:
                         other.retired = True
                     else:

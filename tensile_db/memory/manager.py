@@ -30,13 +30,16 @@ lookup (:mod:`tensile_db.memory.planned`, Note [Planned pool]). Every allocation
 *Read-only* tensors (:meth:`MemoryManager.adopt` with ``readonly=True``: the layers of a served
 model, :mod:`tensile_db.inference`) keep their host copy for good, so the device copy is a cache:
 loading one keeps the host copy, and evicting one frees its block without a copy. Eviction gives
-them up first, least recently used first and those no running call is about to use before those
+them up first, least recently used first, and those no running call is about to use before those
 one is (Note [Eviction order]).
 
 Several threads may run ops at once (the executor and the inference calls); the manager's lock
-serialises every change. An :meth:`~MemoryManager.acquire` that finds the free space held by
-tensors another thread's op has pinned waits for those pins to go, instead of failing: the
-waiting thread holds no pins itself, so pins always go and no two threads wait for each other.
+serialises every change. An op's :meth:`~MemoryManager.acquire` with ``wait=True`` that finds the
+free space held by tensors another thread's op has pinned waits for those pins to go, instead of
+failing, and while it waits it *drains*: other threads' new waiting acquires hold back, so the
+pins in the way cannot keep coming back. Only callers that hold no pins and are inside no other
+manager operation may wait (an op's own acquire, not a library temporary allocated during an
+op), so pins always go and no two threads wait for each other.
 
 Device and host byte counters change only in :meth:`MemoryManager._account`.
 
@@ -44,9 +47,11 @@ Note [Eviction order]
 ---------------------
 Rank, highest evicted first: (1) read-only tensors no call holds in its prefetch window, least
 recently used first: a free, and a later load if they are used again; (2) read-only tensors in
-some call's window: a free and a certain reload, cheaper than any copy out; (3) the other
-tensors, farthest next use first (Belady's rule across jobs), larger first among equals: a copy
-out and a copy back. So a training job that needs memory takes the device weight cache first.
+some call's window: a free and a certain reload, cheaper than any copy out; most recently used
+first, since a call streams its layers in order and the one it used last is the one it needs
+last; (3) the other tensors, farthest next use first (Belady's rule across jobs), larger first
+among equals: a copy out and a copy back. So a training job that needs memory takes the device
+weight cache first. A prefetch evicts only (1): it never pushes out a layer a window holds.
 """
 
 from __future__ import annotations
@@ -153,7 +158,8 @@ class MemoryManager:
     headroom for fragmentation lowers it. An op whose working set needs more still gets up to the
     budget once nothing is left to evict.
 
-    Thread safety: one executor thread mutates; other threads may call :meth:`snapshot`.
+    Thread safety: every method takes the manager's lock; ops of several threads (the executor,
+    the inference calls) may run at once, each on the tensors it has pinned.
     """
 
     def __init__(self, device, budget_nbytes: int, next_use: NextUse | None = None, pool: str = "planned"):
@@ -174,6 +180,7 @@ class MemoryManager:
         self._acquiring: set[int] = set()
         self._lock = threading.RLock()      # CuPy temporaries re-enter on cuda
         self._unpinned = threading.Condition(self._lock)   # notified when pins or blocks go
+        self._drainer: int | None = None    # thread whose acquire waits for other threads' pins to go
         self._ticks = itertools.count(1)
         self._position: dict[int, int] = {}   # job id -> position of the op it is running
         self.pool = PlannedPool(self._install_region, self._dissolve_region, enabled=pool == "planned")
@@ -240,12 +247,16 @@ class MemoryManager:
 
     # -- the op protocol ----------------------------------------------------------------------
 
-    def acquire(self, job_id: int, tensors: list[Tensor], new: list[Slot], what: str = "") -> list[Tensor]:
+    def acquire(self, job_id: int, tensors: list[Tensor], new: list[Slot], what: str = "",
+                wait: bool = False) -> list[Tensor]:
         """Make ``tensors`` resident, allocate a tensor for each slot in ``new``, and pin all of
-        them until :meth:`release`. Returns the new tensors in order.
+        them until :meth:`unpin`. Returns the new tensors in order. With ``wait``, blocks that
+        other threads' ops pin are waited for (see the module docstring); the caller must hold
+        no pins and be in no other manager operation.
 
         Raises:
-            DeviceOutOfMemory: the working set exceeds the budget.
+            DeviceOutOfMemory: the working set exceeds the budget, or does not fit beside what is
+                pinned (with ``wait``: after :data:`PIN_WAIT_S` seconds of waiting).
         """
         with self._lock:
             need = sum(t.arena_nbytes for t in tensors) + sum(s.arena_nbytes for s in new)
@@ -254,7 +265,7 @@ class MemoryManager:
             created = [self._new(job_id, s.name, s.kind, s.shape, s.dtype) for s in new]
             working = tensors + created
             try:
-                self._make_working_set_resident(working, need, what)
+                self._make_working_set_resident(working, need, what, wait)
             except BaseException:
                 for t in created:
                     self._drop(t)
@@ -266,26 +277,39 @@ class MemoryManager:
                 t.last_used = tick
             return created
 
-    def _make_working_set_resident(self, working: list[Tensor], need: int, what: str) -> None:
-        """Place every tensor of ``working`` (pins not yet taken). While other threads' ops pin
-        the blocks that stand in the way, wait for them (up to :data:`PIN_WAIT_S`)."""
+    def _make_working_set_resident(self, working: list[Tensor], need: int, what: str, wait: bool) -> None:
+        """Place every tensor of ``working`` (pins not yet taken). With ``wait``, while other
+        threads' ops pin the blocks that stand in the way, drain and wait for them (up to
+        :data:`PIN_WAIT_S`); else pack the working set at once (:meth:`_pack`)."""
+        me = threading.get_ident()
         deadline = time.monotonic() + PIN_WAIT_S
-        while True:
-            self._acquiring = {t.id for t in working}      # not evicted, but may be moved
-            try:
-                for t in working:
-                    self._make_resident(t)
-                return
-            except _Fragmented:
-                if not self._pinned_elsewhere():
-                    self._pack(working, what)
+        try:
+            while True:
+                while wait and self._drainer not in (None, me):     # another thread is draining
+                    self._wait_for_pins(deadline, need, what)
+                self._acquiring = {t.id for t in working}      # not evicted, but may be moved
+                try:
+                    for t in working:
+                        self._make_resident(t)
                     return
-            finally:
-                self._acquiring = set()
-            if time.monotonic() > deadline:
-                raise DeviceOutOfMemory(need, self.allocator.in_use_nbytes, self.budget_nbytes,
-                                        f"{what}, after waiting {PIN_WAIT_S:.0f} s for other ops' blocks")
-            self._unpinned.wait(0.05)
+                except _Fragmented:
+                    if not (wait and self._pinned_elsewhere()):
+                        self._pack(working, what)
+                        return
+                finally:
+                    self._acquiring = set()
+                self._drainer = me
+                self._wait_for_pins(deadline, need, what)
+        finally:
+            if self._drainer == me:
+                self._drainer = None
+                self._unpinned.notify_all()
+
+    def _wait_for_pins(self, deadline: float, need: int, what: str) -> None:
+        if time.monotonic() > deadline:
+            raise DeviceOutOfMemory(need, self.allocator.in_use_nbytes, self.budget_nbytes,
+                                    f"{what}, after waiting {PIN_WAIT_S:.0f} s for other ops' blocks")
+        self._unpinned.wait(0.05)
 
     def _pinned_elsewhere(self) -> bool:
         """Whether an op of another thread holds pins now."""
@@ -413,11 +437,11 @@ class MemoryManager:
         return self.allocator.peak_nbytes
 
     def cache_nbytes(self) -> int:
-        """Arena bytes of the weight cache: resident read-only tensors that no op pins and no
-        prefetch window holds, bytes."""
+        """Arena bytes of the weight cache: read-only tensors with a block (resident or still
+        loading) that no op pins and no prefetch window holds, bytes."""
         with self._lock:
             return sum(t.arena_nbytes for t in self._tensors.values()
-                       if t.readonly and t.residency is Residency.DEVICE and not t.pins and not t.wanted)
+                       if t.readonly and t.offset is not None and not t.pins and not t.wanted)
 
     def snapshot(self) -> dict:
         """Device-wide and per-job counters, bytes."""
@@ -542,7 +566,8 @@ class MemoryManager:
         free bytes suffice, compact the arena (after letting the copies in flight land, so that
         their blocks can move too); else complete the swap-outs in flight ahead of their planned
         release; else evict (Note [Eviction order]). With ``clean_only`` only read-only tensors
-        are evicted and nothing waits for a copy; raises _Fragmented if that is not enough."""
+        tensors that no prefetch window holds are evicted and nothing waits for a copy; raises
+        _Fragmented if that is not enough."""
         size = round_up(nbytes)
         if self.allocator.in_use_nbytes + size <= self.limit_nbytes:    # the common case
             offset = self.allocator.allocate(size)
@@ -551,7 +576,7 @@ class MemoryManager:
         if clean_only or self.pool.state is State.SERVING:
             # the region was admitted against the budget, not the limit; the cache gives way first
             ceiling = self.limit_nbytes if clean_only else self.budget_nbytes
-            offset = self._allocate_evicting_clean(size, ceiling)
+            offset = self._allocate_evicting_clean(size, ceiling, unwanted_only=clean_only)
             if offset is not None:
                 return offset
             if clean_only:
@@ -591,19 +616,20 @@ class MemoryManager:
     def _eviction_rank(self, t: Tensor) -> tuple:
         """Higher is evicted first (Note [Eviction order])."""
         if t.readonly:
-            return (1 if t.wanted else 2, -t.last_used, 0)
+            return (1, t.last_used, 0) if t.wanted else (2, -t.last_used, 0)
         return (0, self.next_use(t), t.arena_nbytes)
 
-    def _allocate_evicting_clean(self, size: int, ceiling: int) -> int | None:
+    def _allocate_evicting_clean(self, size: int, ceiling: int, unwanted_only: bool = False) -> int | None:
         """A block of ``size`` bytes with the bytes in use within ``ceiling``, evicting read-only
-        tensors (Note [Eviction order]) while that is not yet possible; None if they run out."""
+        tensors (Note [Eviction order]; with ``unwanted_only``, only those no window holds) while
+        that is not yet possible; None if they run out."""
         while True:
             if self.allocator.in_use_nbytes + size <= ceiling:
                 offset = self.allocator.allocate(size)
                 if offset is not None:
                     return offset
             clean = [t for t in self._tensors.values() if t.readonly and t.residency is Residency.DEVICE
-                     and not t.pins and t.id not in self._acquiring]
+                     and not t.pins and t.id not in self._acquiring and not (unwanted_only and t.wanted)]
             if not clean:
                 return None
             self._swap_out(max(clean, key=self._eviction_rank))

@@ -15,6 +15,8 @@ import concurrent.futures
 
 import numpy as np
 
+from ..runtime.device import pinned_empty
+
 
 class Transfer:
     """A copy in flight. ``host`` is the destination host array of a device -> host copy."""
@@ -86,10 +88,3 @@ class TransferEngine:
 
         return Transfer(lambda: done.done, wait, pinned if host is None else None)
 
-
-def pinned_empty(cupy, shape, dtype) -> np.ndarray:  # pragma: no cover - cuda only
-    """A host array in page-locked memory (from CuPy's pinned memory pool)."""
-    dtype = np.dtype(dtype)
-    count = int(np.prod(shape, dtype=np.int64))
-    mem = cupy.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
-    return np.frombuffer(mem, dtype, count).reshape(shape)

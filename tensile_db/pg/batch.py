@@ -57,7 +57,7 @@ def _is_integer(value) -> bool:
 #: Every option: what it must be (for the error message) and the test of a value.
 _OPTIONS = {
     "window": ('an integer >= 1 (layers kept loaded ahead of the one computing) or "all"',
-               lambda v: v == "all" or (_is_integer(v) and v >= 1)),
+               lambda v: (isinstance(v, str) and v.lower() == "all") or (_is_integer(v) and v >= 1)),
     "batch_size": (f"an integer from 1 to {MAX_BATCH_SIZE}", lambda v: _is_integer(v) and 1 <= v <= MAX_BATCH_SIZE),
     "cache": ("true or false", lambda v: isinstance(v, bool)),
     "skip_nulls": ("true or false", lambda v: isinstance(v, bool)),
@@ -76,9 +76,13 @@ class BatchOptions:
 
 @dataclass(frozen=True)
 class ModelRow:
-    """A model's row without its weights. ``version`` is ``created_at`` as ISO 8601 UTC text."""
+    """A model's row without its weights. ``version`` names this row's contents in the whole
+    cluster: the database's oid, the owner and ``created_at`` as ISO 8601 UTC text (``id`` alone
+    repeats across databases, and a role could insert a row with a chosen id and created_at, but
+    not with another role as owner)."""
 
     id: int
+    database: int                           # oid of the database that holds the row
     version: str
     name: str
     spec: models.ModelSpec
@@ -103,7 +107,9 @@ def read_model(plpy, GD, name) -> ModelRow:
     """The model's row, weights left out. Raises ModelNotFound when the role sees no such model."""
     check_model_name(name)
     rows = plpy.execute(session.plan(plpy, GD, """
-        SELECT id, to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS version, task,
+        SELECT id, (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) AS database,
+               concat_ws('/', (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()), owner,
+                         to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')) AS version, task,
                architecture::text AS architecture, feature_names, label_classes
         FROM tensile.models WHERE name = $1""", ["text"]), [name])
     if not rows:
@@ -113,7 +119,8 @@ def read_model(plpy, GD, name) -> ModelRow:
     classes = list(row["label_classes"]) if row["label_classes"] else None
     spec = models.ModelSpec(models.parse_architecture(architecture), len(row["feature_names"]),
                             len(classes) if classes else 1, row["task"])
-    return ModelRow(row["id"], row["version"], name, spec, architecture, list(row["feature_names"]), classes)
+    return ModelRow(row["id"], row["database"], row["version"], name, spec, architecture, list(row["feature_names"]),
+                    classes)
 
 
 def _weights(plpy, GD, model: ModelRow) -> dict[str, np.ndarray]:
@@ -128,6 +135,7 @@ def _infer(plpy, GD, model: ModelRow, x: np.ndarray, window: int, opts: BatchOpt
     """Run x (N, F) float32 through the model on the coordinator: outputs (N, n_outputs) float32."""
     client, s = session.connect(plpy, GD)
     header = {"type": "predict", "model_name": model.name, "model_id": model.id, "model_version": model.version,
+              "database": model.database,
               "task": model.spec.task, "architecture": model.architecture, "n_outputs": model.spec.n_outputs,
               "window": window, "batch_size": opts.batch_size, "cache": opts.cache, "role": s["role"],
               "backend_pid": s["pid"]}
@@ -156,7 +164,7 @@ def _predict(plpy, GD, model_name, source, key, options) -> tuple[ModelRow, np.n
     model = read_model(plpy, GD, model_name)
     window = opts.window if opts.window is not None else session.prefetch_window(plpy, GD)
     layers = len(model.spec.dense_shapes())
-    window = layers if window == "all" else min(window, layers)
+    window = layers if isinstance(window, str) else min(window, layers)
     data = read_features(plpy, source, model.feature_names, key, opts.skip_nulls)
     if len(data.ids) == 0:
         return model, data.ids, np.empty((0, model.spec.n_outputs), dtype=np.float32)

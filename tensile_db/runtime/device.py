@@ -57,8 +57,6 @@ class Device:
         device can run asynchronously straight from it."""
         if self.xp is np:
             return np.empty(shape, dtype)
-        from ..memory.transfer import pinned_empty  # pragma: no cover - cuda only
-
         return pinned_empty(self.xp, shape, dtype)  # pragma: no cover - cuda only
 
     def to_host(self, array) -> np.ndarray:
@@ -102,3 +100,11 @@ class Device:
         engine's stream go on."""
         if self.xp is not np:  # pragma: no cover - cuda only
             self.xp.cuda.get_current_stream().synchronize()
+
+
+def pinned_empty(cupy, shape, dtype) -> np.ndarray:  # pragma: no cover - cuda only
+    """A host array in page-locked memory (from CuPy's pinned memory pool)."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    mem = cupy.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
+    return np.frombuffer(mem, dtype, count).reshape(shape)
