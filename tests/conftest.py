@@ -13,12 +13,23 @@ import shutil
 import site
 import subprocess
 import tempfile
+import time
 
 import psycopg
 import pytest
 
 #: Device budget of the test cluster's coordinator, bytes.
 TEST_BUDGET = 3 * 1024 * 1024
+
+
+def wait_until(predicate, timeout_s=10.0) -> bool:
+    """Poll ``predicate`` every 0.05 s until it is true (True) or ``timeout_s`` has passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _have_postgres() -> bool:

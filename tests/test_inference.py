@@ -21,6 +21,7 @@ from tensile_db.runtime import model as models
 from tensile_db.runtime.device import Device
 from tensile_db.runtime.program import Kind, Slot
 
+from conftest import wait_until
 from test_scheduler import FAST, make_job
 
 HIDDEN = [{"dense": 96}, {"dense": 64, "activation": "tanh"}, {"dense": 128}, {"dense": 48, "activation": "sigmoid"},
@@ -282,7 +283,7 @@ def test_calls_whose_models_do_not_fit_together_start_one_after_the_other():
     assert paused.wait(10)
     b = threading.Thread(target=lambda: results.update(b=svc.predict(second, x, 1, 64)[0]))
     b.start()
-    assert wait_for(lambda: svc._waiting)                 # b waits for memory while a runs
+    assert wait_until(lambda: svc._waiting)                 # b waits for memory while a runs
     assert len(svc._footprints) == 1 and svc.describe()["inference_calls"] == 2
     resume.set()
     a.join(10)
@@ -291,15 +292,6 @@ def test_calls_whose_models_do_not_fit_together_start_one_after_the_other():
     assert np.array_equal(results["a"], predict(service(), 1, spec, w0, x, window=1, batch_size=64)[0])
     assert not svc._waiting and not svc._footprints
     svc.manager.close()
-
-
-def wait_for(predicate, timeout_s=10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_a_waiting_acquire_drains_other_threads_pins_that_keep_coming_back(monkeypatch):
@@ -321,7 +313,7 @@ def test_a_waiting_acquire_drains_other_threads_pins_that_keep_coming_back(monke
     worker = threading.Thread(target=busy)
     worker.start()
     try:
-        assert wait_for(lambda: len(ops) > 10)
+        assert wait_until(lambda: len(ops) > 10)
         (big,) = mm.acquire(2, [], [Slot("b", Kind.ACTIVATION, (12 * 1024,))], wait=True)   # needs a's bytes
         assert big.offset is not None and mm.jobs[1].swap_outs >= 1
         mm.unpin([big])

@@ -16,7 +16,7 @@ import numpy as np
 import psycopg
 import pytest
 
-from conftest import TEST_BUDGET
+from conftest import TEST_BUDGET, wait_until
 from tensile_db.scheduler import POLICIES
 
 pytestmark = pytest.mark.db
@@ -40,15 +40,6 @@ def error_of(conn, fn, *args, **kwargs) -> str:
     with pytest.raises(psycopg.Error) as info:
         fn(conn, *args, **kwargs)
     return str(info.value)
-
-
-def wait_until(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def assert_scheduler_metrics(metrics, policy):

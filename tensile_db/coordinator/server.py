@@ -172,8 +172,8 @@ class Coordinator:
         jobs = {j.id: j for j in self.executor.jobs()}
         per_job = {str(jid): dict(c, model_name=jobs[jid].info.model_name)
                    for jid, c in snap.pop("jobs").items() if jid in jobs}
-        return dict(snap, **self.executor.describe(), **self.inference.describe(), type="memory", per_job=per_job, started_at=self.started_at,
-                    running_jobs=sum(j.state.value == "running" for j in jobs.values()),
+        return dict(snap, **self.executor.describe(), **self.inference.describe(), type="memory", per_job=per_job,
+                    started_at=self.started_at, running_jobs=sum(j.state.value == "running" for j in jobs.values()),
                     queued_jobs=sum(j.state.value == "queued" for j in jobs.values()))
 
     def _train(self, conn, header: dict, arrays: dict) -> None:

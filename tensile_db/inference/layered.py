@@ -67,7 +67,7 @@ def call_shape(model: ServedModel, n_rows: int, window: int, batch_size: int) ->
 def step_nbytes(model: ServedModel, i: int, rows: int) -> int:
     """Arena bytes of one step: layer ``i`` and its input and output activations for ``rows``
     rows, each rounded to the arena unit as the manager rounds them."""
-    n_in, n_out = model.spec.dense_shapes()[i]
+    n_in, n_out = model.shapes[i]
     return model.layers[i].arena_nbytes + round_up(rows * n_in * 4) + round_up(rows * n_out * 4)
 
 
@@ -118,7 +118,11 @@ def run(mm: MemoryManager, model: ServedModel, x: np.ndarray, window: int, batch
     stats = CallStats(window, n_layers, n_batches, batch_size)
     uses = n_batches * n_layers
     acts = models.activations(model.spec)
-    shapes = model.spec.dense_shapes()
+
+    def window_of(k: int) -> list[int]:
+        """The layers of uses k .. k + W, in use order, each once (none past the last use)."""
+        return list(dict.fromkeys(u % n_layers for u in range(k, min(k + window, uses - 1) + 1)))
+
     xs = models.standardize(model.scaling, x)
     logits = np.empty((n_rows, model.spec.n_outputs), np.float32)
     held: set[int] = set()              # layers in this call's window
@@ -128,8 +132,7 @@ def run(mm: MemoryManager, model: ServedModel, x: np.ndarray, window: int, batch
             if cancelled is not None and cancelled():
                 raise JobCancelled("cancelled by the caller")
             b, i = divmod(k, n_layers)
-            for u in range(k, min(k + window, uses - 1) + 1):       # the window: uses k .. k + W
-                j = u % n_layers
+            for j in window_of(k):
                 if j not in held:
                     held.add(j)
                     _count_prefetch(mm, model.layers[j], stats)
@@ -142,7 +145,7 @@ def run(mm: MemoryManager, model: ServedModel, x: np.ndarray, window: int, batch
                 stats.weight_loads += 1
                 stats.weight_loaded_nbytes += layer.nbytes
             step = time.perf_counter()
-            (out,) = mm.acquire(INFERENCE_JOB, [layer, h], [Slot(f"h{i + 1}", Kind.ACTIVATION, (n, shapes[i][1]))],
+            (out,) = mm.acquire(INFERENCE_JOB, [layer, h], [Slot(f"h{i + 1}", Kind.ACTIVATION, (n, model.shapes[i][1]))],
                                 what=f"layer {i} of model {model.name!r} (batch of {n} rows)", wait=True)
             stats.load_wait_s += time.perf_counter() - step
             try:
@@ -162,8 +165,7 @@ def run(mm: MemoryManager, model: ServedModel, x: np.ndarray, window: int, batch
                 logits[rows] = mm.to_host(h)
                 mm.free(h)
                 h = None
-            following = {u % n_layers for u in range(k + 1, min(k + 1 + window, uses - 1) + 1)} if k + 1 < uses else set()
-            for j in sorted(held - following):
+            for j in sorted(held - set(window_of(k + 1))):
                 held.discard(j)
                 mm.unwant(model.layers[j], keep=cache)
     finally:

@@ -36,7 +36,7 @@ class InferenceService:
         manager.register_job(INFERENCE_JOB)
         self.store = ModelStore(manager, host_limit_nbytes)
         self.cache_hits = 0            # layer uses served by a resident copy, cumulative
-        self._running: dict[int, dict] = {}       # call id -> what it is, running or waiting to start
+        self._calls: set[int] = set()             # calls running or waiting to start
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._admission = threading.Condition(self._lock)
@@ -54,7 +54,7 @@ class InferenceService:
             layered.check_fits(model, rows, self.manager.budget_nbytes, self.manager.in_use_nbytes)
             with self._lock:
                 call_id = next(self._ids)
-                self._running[call_id] = {"model_name": model.name, "rows": len(x)}
+                self._calls.add(call_id)
             try:
                 if on_accept is not None:
                     on_accept(call_id, effective_window, batches)
@@ -65,7 +65,7 @@ class InferenceService:
                 return outputs, stats
             finally:
                 with self._admission:
-                    del self._running[call_id]
+                    self._calls.remove(call_id)
                     self._footprints.pop(call_id, None)
                     self._admission.notify_all()
         finally:
@@ -106,11 +106,11 @@ class InferenceService:
         """Figures for ``tensile.memory``: calls running or waiting to start, the device bytes
         they hold, the weight cache (resident layers no call is using), and the cumulative loads,
         hits and evictions."""
-        counters = self.manager.snapshot()["jobs"][INFERENCE_JOB]
+        counters = self.manager.jobs[INFERENCE_JOB]
         cached = self.manager.cache_nbytes()
         with self._lock:
-            running, hits = len(self._running), self.cache_hits
-        return {"inference_calls": running, "inference_nbytes": counters["device_nbytes"] - cached,
-                "weight_cache_nbytes": cached, "weight_loads": counters["weight_loads"],
-                "weight_cache_hits": hits, "weight_cache_evictions": counters["cache_evictions"],
+            calls, hits = len(self._calls), self.cache_hits
+        return {"inference_calls": calls, "inference_nbytes": counters.device_nbytes - cached,
+                "weight_cache_nbytes": cached, "weight_loads": counters.weight_loads,
+                "weight_cache_hits": hits, "weight_cache_evictions": counters.cache_evictions,
                 **self.store.describe()}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import threading
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -54,10 +55,15 @@ class ServedModel:
     def host_nbytes(self) -> int:
         return sum(t.nbytes for t in self.layers)
 
+    @cached_property
+    def shapes(self) -> list[tuple[int, int]]:
+        """``(I, O)`` of every dense layer, output layer last."""
+        return self.spec.dense_shapes()
+
     def split(self, i: int, packed):
         """Layer ``i``'s (weight (I, O), bias (O,)) as views of its packed 1-D array (host or
         device)."""
-        n_in, n_out = self.spec.dense_shapes()[i]
+        n_in, n_out = self.shapes[i]
         return packed[:n_in * n_out].reshape(n_in, n_out), packed[n_in * n_out:]
 
 
@@ -94,12 +100,14 @@ class ModelStore:
         """The served model, held for a call until :meth:`checkin`; None if not held here (the
         caller then sends its weights to :meth:`add`)."""
         with self._lock:
-            m = self._models.get((model_id, version))
-            if m is None:
-                return None
+            return self._hold((model_id, version))
+
+    def _hold(self, key: tuple[int, str]) -> ServedModel | None:
+        m = self._models.get(key)
+        if m is not None:
             m.users += 1
-            self._models.move_to_end((model_id, version))
-            return m
+            self._models.move_to_end(key)
+        return m
 
     def add(self, model_id: int, version: str, name: str, spec: models.ModelSpec,
             weights: dict[str, np.ndarray], database: int = 0) -> ServedModel:
@@ -111,19 +119,15 @@ class ModelStore:
         device = self.manager.device
         m = ServedModel(model_id, version, name, spec, {k: v for k, v in arrays.items() if k[0] in "xy"},
                         database=database)
-        for i, (n_in, n_out) in enumerate(spec.dense_shapes()):
+        for i, (n_in, n_out) in enumerate(m.shapes):
             packed = device.host_empty((n_in * n_out + n_out,), np.float32)
             w, b = m.split(i, packed)
             w[...], b[...] = arrays[f"W{i}"], arrays[f"b{i}"]
             m.layers.append(self.manager.adopt(INFERENCE_JOB, f"{name}#{model_id}/layer{i}", Kind.WEIGHT, packed,
                                                readonly=True))
         with self._lock:
-            held = self._models.get((model_id, version))
+            held = self._hold((model_id, version))
             if held is not None:                  # another call added it meanwhile
-                held.users += 1
-                self._models.move_to_end((model_id, version))
-                m.users = 0
-                m.retired = True
                 self._forget(m)
                 return held
             m.users = 1

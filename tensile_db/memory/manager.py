@@ -348,17 +348,22 @@ class MemoryManager:
         swap-in); an op that accesses it waits for the copy. Makes room by eviction if the block
         does not fit. A no-op unless the tensor is on the host."""
         with self._lock:
-            if t.residency is not Residency.HOST:
-                return
-            try:
-                t.offset = self._place(t)
-            except _Fragmented:
-                return                          # the op that needs it will swap it in
-            t.residency = Residency.SWAPPING_IN
-            self._account(t, device=t.arena_nbytes)
-            t.transfer = self.engine.to_device(t.host, self.array(t, Residency.SWAPPING_IN))
-            if t.swapped_out:
+            if self._start_load(t) and t.swapped_out:   # else the op that needs it swaps it in
                 self.jobs[t.job_id].planned_swap_ins += 1
+
+    def _start_load(self, t: Tensor, clean_only: bool = False) -> bool:
+        """If ``t`` is on the host and a block can be placed for it (see :meth:`_make_room`),
+        start copying it in on the swap engine; returns whether it did."""
+        if t.residency is not Residency.HOST:
+            return False
+        try:
+            t.offset = self._place(t, clean_only)
+        except _Fragmented:
+            return False
+        t.residency = Residency.SWAPPING_IN
+        self._account(t, device=t.arena_nbytes)
+        t.transfer = self.engine.to_device(t.host, self.array(t, Residency.SWAPPING_IN), pinned=t.readonly)
+        return True
 
     def prefetch(self, t: Tensor) -> bool:
         """Hold the read-only tensor ``t`` in a call's prefetch window and start loading it if it
@@ -369,16 +374,7 @@ class MemoryManager:
         with self._lock:
             assert t.readonly, f"prefetch of {t.slot}, which is not read-only"
             t.wanted += 1
-            if t.residency is not Residency.HOST:
-                return False
-            try:
-                t.offset = self._place(t, clean_only=True)
-            except _Fragmented:
-                return False
-            t.residency = Residency.SWAPPING_IN
-            self._account(t, device=t.arena_nbytes)
-            t.transfer = self.engine.to_device(t.host, self.array(t, Residency.SWAPPING_IN), pinned=True)
-            return True
+            return self._start_load(t, clean_only=True)
 
     def unwant(self, t: Tensor, keep: bool = True) -> None:
         """A call's prefetch window has let go of the read-only tensor ``t``. With ``keep`` its
@@ -389,8 +385,7 @@ class MemoryManager:
             t.wanted -= 1
             if not keep and not t.wanted and not t.pins and t.offset is not None:
                 self._settle(t)
-                self._free_block(t)
-                t.residency = Residency.HOST
+                self._drop_device_copy(t)
                 self._unpinned.notify_all()
 
     def drop(self, t: Tensor) -> None:
@@ -565,7 +560,7 @@ class MemoryManager:
         anything can be evicted (and within the budget always). When no free block fits: if the
         free bytes suffice, compact the arena (after letting the copies in flight land, so that
         their blocks can move too); else complete the swap-outs in flight ahead of their planned
-        release; else evict (Note [Eviction order]). With ``clean_only`` only read-only tensors
+        release; else evict (Note [Eviction order]). With ``clean_only`` only read-only
         tensors that no prefetch window holds are evicted and nothing waits for a copy; raises
         _Fragmented if that is not enough."""
         size = round_up(nbytes)
@@ -717,12 +712,16 @@ class MemoryManager:
         """Evict now: a synchronous copy to the host (the reactive path); for a read-only tensor,
         whose host copy is kept, a free."""
         if t.readonly:
-            self._free_block(t)
-            t.residency = Residency.HOST
+            self._drop_device_copy(t)
             self.jobs[t.job_id].cache_evictions += 1
             return
         self.pool.disturb(f"eviction of {t.slot} of job {t.job_id}")
         self._left(t, self.device.to_host(self.array(t)))
+
+    def _drop_device_copy(self, t: Tensor) -> None:
+        """Free a resident read-only tensor's block; its host copy stays, so nothing is copied."""
+        self._free_block(t)
+        t.residency = Residency.HOST
 
     def _pack(self, working_set: list[Tensor], what: str) -> None:
         """Last resort when nothing is left to evict: swap out every other unpinned tensor, then

@@ -80,7 +80,7 @@ def source_query(source: str | None) -> str:
     text = (source or "").strip().rstrip(";").strip()
     if not text:
         raise InvalidArgument("source is empty; pass a query such as 'SELECT * FROM my_table' or a table name")
-    return f"SELECT * FROM {text}" if _TABLE_NAME.match(text) else text
+    return f"SELECT * FROM {text}" if is_table_name(text) else text
 
 
 def is_table_name(name: str | None) -> bool:
