@@ -1,6 +1,23 @@
 -- tensile_db install script. The build copies it to tensile_db--<version>.sql (extension/Makefile).
 \echo Use "CREATE EXTENSION tensile_db CASCADE" to load this file. \quit
 
+-- Security. Every statement here and every statement the extension's functions run qualifies its
+-- functions, operators and types (pg_catalog., tensile., OPERATOR(pg_catalog.=)), or runs with a
+-- pinned search_path, so objects another role creates in a schema on a caller's search_path are
+-- never called; only a user's `source` query is resolved with the caller's path. CREATE EXTENSION
+-- uses the schema tensile if it exists already: refuse one that another role owns, since its
+-- owner could have planted objects in it.
+DO $$
+BEGIN
+    IF EXISTS (SELECT FROM pg_catalog.pg_namespace n, pg_catalog.pg_roles r
+               WHERE n.nspname OPERATOR(pg_catalog.=) 'tensile' AND r.rolname OPERATOR(pg_catalog.=) current_user
+                 AND n.nspowner OPERATOR(pg_catalog.<>) r.oid) THEN
+        RAISE EXCEPTION 'schema tensile exists and is owned by another role'
+            USING HINT = 'drop or rename that schema, then CREATE EXTENSION tensile_db again';
+    END IF;
+END
+$$;
+
 -- The model registry -----------------------------------------------------------------------------
 
 CREATE TABLE tensile.models (
@@ -26,20 +43,24 @@ SELECT pg_catalog.pg_extension_config_dump('tensile.models_id_seq', '');
 -- about their training data (label classes, column means), so nothing is public by default.
 ALTER TABLE tensile.models ENABLE ROW LEVEL SECURITY;
 CREATE POLICY models_visible ON tensile.models FOR SELECT USING (
-    owner = current_user OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
-                                    WHERE r.rolname = owner AND pg_catalog.pg_has_role(current_user, r.oid, 'MEMBER')));
+    owner OPERATOR(pg_catalog.=) current_user
+    OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
+               WHERE r.rolname OPERATOR(pg_catalog.=) owner AND pg_catalog.pg_has_role(current_user, r.oid, 'MEMBER')));
 CREATE POLICY models_owned ON tensile.models FOR ALL
-    USING (owner = current_user) WITH CHECK (owner = current_user);
+    USING (owner OPERATOR(pg_catalog.=) current_user) WITH CHECK (owner OPERATOR(pg_catalog.=) current_user);
 GRANT USAGE ON SCHEMA tensile TO PUBLIC;
+-- Rows are written only by the extension, through tensile._write_model() (below), which checks
+-- what it writes; roles read the rows row-level security shows them.
+REVOKE ALL ON tensile.models FROM PUBLIC;
+GRANT SELECT ON tensile.models TO PUBLIC;
 
 -- Model names are unique across roles, so training checks a name against every model, visible
 -- or not; this reveals a name's owner and nothing else.
 CREATE FUNCTION tensile._model_owner(model_name text) RETURNS name
-LANGUAGE sql STABLE STRICT PARALLEL SAFE SECURITY DEFINER SET search_path = pg_catalog AS $$
-    SELECT owner FROM tensile.models WHERE name = model_name
+LANGUAGE sql STABLE STRICT PARALLEL SAFE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT owner FROM tensile.models WHERE name OPERATOR(pg_catalog.=) model_name
 $$;
 COMMENT ON FUNCTION tensile._model_owner(text) IS 'The owner of a model name, visible or not (internal)';
-GRANT SELECT, INSERT, DELETE ON tensile.models TO PUBLIC;
 
 -- Every PL/Python function here is PARALLEL UNSAFE: plpy.execute runs each query in a
 -- subtransaction, which PostgreSQL forbids during a parallel operation.
@@ -51,9 +72,10 @@ GRANT SELECT, INSERT, DELETE ON tensile.models TO PUBLIC;
 -- policy (tensile.policy) is one of them: one coordinator schedules the tensors of every job.
 
 CREATE FUNCTION tensile._server_setting(setting_name text) RETURNS text
-LANGUAGE sql STABLE STRICT PARALLEL SAFE SECURITY DEFINER SET search_path = pg_catalog AS $$
+LANGUAGE sql STABLE STRICT PARALLEL SAFE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     SELECT setting FROM pg_catalog.pg_file_settings
-    WHERE name = setting_name AND setting_name LIKE 'tensile.%' AND applied AND error IS NULL
+    WHERE name OPERATOR(pg_catalog.=) setting_name AND setting_name OPERATOR(pg_catalog.~~) 'tensile.%'
+      AND applied AND error IS NULL
     ORDER BY seqno DESC LIMIT 1
 $$;
 COMMENT ON FUNCTION tensile._server_setting(text) IS
@@ -77,6 +99,19 @@ except ImportError as exc:
 GD["tensile"] = entry
 $$;
 COMMENT ON FUNCTION tensile._bootstrap() IS 'Imports the tensile_db package into this session (internal)';
+
+-- Writing the model registry ---------------------------------------------------------------------
+-- The one way rows reach tensile.models: it applies the write that the extension's own code staged
+-- in this session (tensile_db.pg.registry) after validating the model, and nothing else; called
+-- directly it finds nothing staged and raises.
+
+CREATE FUNCTION tensile._write_model() RETURNS bigint
+LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].write_model(plpy, GD)
+$$;
+COMMENT ON FUNCTION tensile._write_model() IS
+'Applies the registry write staged by train_model or drop_model in this session (internal)';
 
 -- Training ---------------------------------------------------------------------------------------
 
@@ -164,10 +199,12 @@ if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
 return GD["tensile"].jobs(plpy, GD)
 $$;
 COMMENT ON FUNCTION tensile.job_status() IS
-'Live jobs of every backend, from the coordinator: progress, device and swapped bytes, the scheduler '
+'Live jobs of every backend, from the coordinator (role, model_name and loss only for jobs of roles the '
+'caller is a member of, or for superusers and pg_monitor): progress, device and swapped bytes, the scheduler '
 'policy, whether the job runs on a plan (schedule: cold start, planned or reactive), and its counts of '
 'planned swap-ins, passive (unplanned) swap-ins and recomputes';
 CREATE VIEW tensile.jobs AS SELECT * FROM tensile.job_status();
+GRANT SELECT ON tensile.jobs TO PUBLIC;
 COMMENT ON VIEW tensile.jobs IS
 'Live training jobs of every backend: state, epoch, loss, device and swapped bytes, policy, schedule, '
 'planned and passive swap-ins, recomputes';
@@ -193,6 +230,7 @@ COMMENT ON FUNCTION tensile.memory_status() IS
 'The device arena: budget, bytes in use, high-water mark since the coordinator started, per-job bytes; '
 'and the scheduler: policy, host-to-device and device-to-host bandwidth measured at start (bytes per '
 'second), plans made, and the latest plan''s predicted peak bytes and extra seconds per period; '
+'(per_job names models only as tensile.job_status does); '
 'and the planned pool: its state (idle, recording, planning, serving, or general only), the bytes its '
 'region holds, plans installed, allocations served by lookup, mismatches that sent requests back to the '
 'general pool, and for the last recorded period the planned arena, the lower bound (max live bytes) and '
@@ -202,6 +240,7 @@ COMMENT ON FUNCTION tensile.memory_status() IS
 'too), layer loads host to device, '
 'layer uses served from the cache, and cached layers evicted for room';
 CREATE VIEW tensile.memory AS SELECT * FROM tensile.memory_status();
+GRANT SELECT ON tensile.memory TO PUBLIC;
 COMMENT ON VIEW tensile.memory IS
 'The device: budget, in use, peak, host bytes, fragmentation, per job; the scheduler: policy, '
 'bandwidths, plans made, predicted peak and extra time; the planned pool: state, region, lookups, '

@@ -20,6 +20,11 @@ class ModelNotFound(TensileError):
     """No model of the given name exists in ``tensile.models``."""
 
 
+class CorruptModel(TensileError):
+    """A stored model's weights do not match its architecture (missing, extra, misshapen or
+    non-finite arrays, or an archive larger than its shapes allow)."""
+
+
 class DeviceOutOfMemory(TensileError):
     """A request for device memory cannot be met even after evicting every other tensor.
 
@@ -49,7 +54,11 @@ class JobCancelled(TensileError):
 
 
 class CoordinatorUnavailable(TensileError):
-    """The coordinator process could not be reached or started."""
+    """The coordinator process could not be reached or started, or did not answer in time."""
+
+
+class CoordinatorNotRunning(CoordinatorUnavailable):
+    """No coordinator listens (and none was to be started)."""
 
 
 class ProtocolError(TensileError):
@@ -58,6 +67,6 @@ class ProtocolError(TensileError):
 
 #: Errors that may be sent across the coordinator socket by class name.
 WIRE_ERRORS = {cls.__name__: cls for cls in (
-    TensileError, InvalidArgument, ModelNotFound, DeviceOutOfMemory, JobCancelled, CoordinatorUnavailable,
+    TensileError, InvalidArgument, ModelNotFound, CorruptModel, DeviceOutOfMemory, JobCancelled, CoordinatorUnavailable,
     ProtocolError,
 )}

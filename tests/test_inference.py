@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tensile_db.coordinator.executor import Executor
-from tensile_db.errors import DeviceOutOfMemory, InvalidArgument, JobCancelled, ProtocolError
+from tensile_db.errors import CorruptModel, DeviceOutOfMemory, InvalidArgument, JobCancelled, ProtocolError
 from tensile_db.inference import INFERENCE_JOB, layered
 from tensile_db.inference.service import InferenceService
 from tensile_db.memory.arena import round_up
@@ -156,7 +156,7 @@ def test_bad_calls_are_refused_with_the_value_named():
     with pytest.raises(DeviceOutOfMemory, match="lower options.batch_size"):
         predict(svc, 1, spec, w, x, window=1, batch_size=65536)
     broken = dict(w, W2=w["W2"][:, :3])
-    with pytest.raises(ProtocolError, match=r"W2 must have shape \(64, 128\)"):
+    with pytest.raises(CorruptModel, match=r"W2 must be a float array of shape \(64, 128\)"):
         svc.store.add(2, "v1", "broken", spec, broken)
     assert svc.store._models[(1, "v1")].users == 0
     assert svc.manager.jobs[INFERENCE_JOB].device_nbytes == svc.manager.cache_nbytes()

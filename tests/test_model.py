@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import io
 import json
+import zipfile
 
 import numpy as np
 import pytest
 
-from tensile_db.errors import InvalidArgument
+from tensile_db.errors import CorruptModel, InvalidArgument
 from tensile_db.runtime.model import (
-    MAX_WIDTH, Architecture, Layer, ModelSpec, TrainOptions, deserialize_weights, forward, init_weights,
+    MAX_WIDTH, Architecture, Layer, Limits, ModelSpec, TrainOptions, forward, init_weights, load_weights,
     parse_architecture, parse_options, serialize_weights,
 )
 
@@ -124,6 +125,11 @@ def test_learning_rate_defaults_per_optimizer():
     ('{"weight_decay": Infinity}', "options.weight_decay"),
     ({"standardize": 1}, "options.standardize"),
     ({"seed": 1.5}, "options.seed"),
+    ({"seed": -1}, "options.seed"),
+    ('{"lr": ' + "1" + "0" * 400 + "}", "options.lr is 1000"),          # what jsonb makes of 1e400
+    ({"lr": 1e39}, "options.lr is 1e+39, beyond the range of real"),
+    ({"weight_decay": 10 ** 400}, "options.weight_decay"),
+    ({"epochs": 10 ** 400}, "options.epochs must be from 1 to 100000, got 1000"),
     ("{bad json", "options is not valid JSON"),
     ("[]", "options must be a JSON object"),
     ("3", "options must be a JSON object"),
@@ -140,20 +146,77 @@ def test_parse_options_rejects(value, key):
 def test_serialize_round_trip():
     spec = ModelSpec(Architecture((Layer(5), Layer(3, "tanh"))), 4, 2, "classification")
     weights = init_weights(spec, seed=1)
-    weights["x_mean"] = np.arange(4, dtype=np.float32)
+    weights["x_mean"], weights["x_std"] = np.arange(4, dtype=np.float32), np.ones(4, dtype=np.float32)
     data = serialize_weights(weights)
     assert isinstance(data, bytes)
-    back = deserialize_weights(data)
+    back = load_weights(data, spec, "m")
     assert back.keys() == weights.keys()
     for k, v in weights.items():
         assert back[k].dtype == v.dtype and np.array_equal(back[k], v)
 
 
-def test_deserialize_never_unpickles():
+SPEC = ModelSpec(Architecture((Layer(5),)), 4, 2, "classification")
+
+
+def test_load_weights_never_unpickles():
+    weights = init_weights(SPEC, seed=0)
     buf = io.BytesIO()
-    np.savez(buf, W0=np.array([{"evil": 1}], dtype=object))   # needs pickle to load
-    with pytest.raises(ValueError, match="pickle"):
-        deserialize_weights(buf.getvalue())
+    np.savez(buf, **dict(weights, W0=np.array([{"evil": 1}] * 20, dtype=object).reshape(4, 5)))   # needs pickle
+    with pytest.raises(CorruptModel, match="'m'.*cannot be read.*pickle"):
+        load_weights(buf.getvalue(), SPEC, "m")
+
+
+def _zip(members: dict[str, bytes], compression=zipfile.ZIP_STORED) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+def _npy(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
+
+
+def test_load_weights_refuses_a_small_row_that_expands_before_decompressing_it():
+    weights = {k: _npy(v) for k, v in init_weights(SPEC, seed=0).items()}
+    weights["W0.npy"] = _npy(np.zeros((4, 5), np.float32)) + bytes(200 << 20)      # 200 MB of zeros
+    data = _zip(weights, zipfile.ZIP_DEFLATED)
+    assert len(data) < 1 << 20
+    with pytest.raises(CorruptModel, match=r"weight W0 holds 209,715,\d+ bytes, more than its shape \(4, 5\)"):
+        load_weights(data, SPEC, "m")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda w: w.update(extra=np.zeros(3, np.float32)), "has no use for"),
+    (lambda w: w.pop("b1"), r"weight b1 must be a float array of shape \(2,\), got nothing"),
+    (lambda w: w.update(W1=np.zeros((5, 3), np.float32)), r"weight W1 must be a float array of shape \(5, 2\)"),
+    (lambda w: w.update(b0=np.zeros(5, np.int64)), "weight b0 must be a float array"),
+    (lambda w: w.update(W0=np.full((4, 5), np.nan, np.float32)), "weight W0 has NaN or infinite values"),
+    (lambda w: w.update(x_mean=np.zeros(4, np.float32)), r"weight x_std must be a float array of shape \(4,\)"),
+    (lambda w: w.update(y_mean=np.zeros(1, np.float32), y_std=np.ones(1, np.float32)), "has no use for"),
+])
+def test_load_weights_checks_names_shapes_dtypes_and_values(change, message):
+    weights = init_weights(SPEC, seed=0)
+    change(weights)
+    with pytest.raises(CorruptModel, match=message):
+        load_weights(serialize_weights(weights), SPEC, "m")
+
+
+def test_load_weights_refuses_what_is_not_an_archive():
+    with pytest.raises(CorruptModel, match="not a NumPy .npz archive"):
+        load_weights(b"not a zip", SPEC, "m")
+
+
+def test_limits_refuse_models_larger_than_the_settings():
+    limits = Limits(max_layers=3, max_parameters=1000)
+    limits.check(ModelSpec(Architecture((Layer(8), Layer(8))), 4, 2, "classification"), "ok")
+    with pytest.raises(InvalidArgument, match=r"'deep' has 4 dense layers .* tensile.max_layers \(3\)"):
+        limits.check(ModelSpec(Architecture((Layer(8),) * 3), 4, 2, "classification"), "deep")
+    with pytest.raises(InvalidArgument, match=r"'wide' has 1,201 parameters, more than tensile.max_parameters"):
+        limits.check(ModelSpec(Architecture((Layer(200),)), 4, 1, "regression"), "wide")
 
 
 def test_init_weights_shapes_and_seed():

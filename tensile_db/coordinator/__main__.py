@@ -10,8 +10,8 @@ import logging
 import sys
 
 from ..memory.arena import UNIT_NBYTES
-from ..memory.manager import POOLS
-from ..scheduler import POLICIES
+from ..runtime.model import Limits
+from ..settings import POLICIES, POOLS
 from .server import Coordinator
 
 
@@ -25,15 +25,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", choices=POOLS, default="planned",
                         help="planned: recurring allocations at lifetime-planned offsets; general: best fit only")
     parser.add_argument("--postmaster-pid-file", help="exit when the pid in this file's first line is gone")
+    parser.add_argument("--max-layers", type=int, default=Limits.max_layers,
+                        help="refuse models of more dense layers than this")
+    parser.add_argument("--max-parameters", type=int, default=Limits.max_parameters,
+                        help="refuse models of more weights and biases than this")
     args = parser.parse_args(argv)
     if args.budget < UNIT_NBYTES:
         parser.error(f"--budget must be at least {UNIT_NBYTES} bytes, got {args.budget}")
-    if args.max_active_jobs < 1:
-        parser.error(f"--max-active-jobs must be at least 1, got {args.max_active_jobs}")
+    for flag in ("max_active_jobs", "max_layers", "max_parameters"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s tensile-coordinator[%(process)d] %(levelname)s %(message)s")
     coordinator = Coordinator(args.socket_dir, args.device, args.budget, args.max_active_jobs,
-                              args.postmaster_pid_file, policy=args.policy, pool=args.pool)
+                              args.postmaster_pid_file, policy=args.policy, pool=args.pool,
+                              limits=Limits(args.max_layers, args.max_parameters))
     coordinator.serve_forever()
     return 0
 

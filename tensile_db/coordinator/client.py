@@ -5,44 +5,37 @@ starts one when none answers: a detached process in a new session (it outlives t
 started it) whose output goes to ``coordinator.log`` beside the socket. If two backends start one
 at the same time, the lock in the socket directory lets one serve and the other exit; both
 backends then connect to the winner.
+
+Nothing here waits without a bound: a connection attempt that finds the listen queue full (a busy
+or stopped coordinator) is retried after ``pause(seconds)``, which a backend uses to let
+PostgreSQL deliver a cancel, and gives up at a deadline; :meth:`CoordinatorClient.abort` wakes a
+thread blocked in a send or receive on the connection.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
+import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Client
+from multiprocessing.connection import Connection
 
 import numpy as np
 
-from ..errors import CoordinatorUnavailable
+from ..errors import CoordinatorNotRunning, CoordinatorUnavailable
+from ..runtime.model import Limits
 from . import protocol
-from .server import SOCKET_NAME, secure_dir
-
-#: Longest Unix socket path the kernel accepts, bytes, less a margin.
-MAX_SOCKET_PATH = 100
-
-
-def socket_dir_for(data_dir: str) -> str:
-    """The coordinator's directory for a cluster: ``<data_dir>/tensile_coordinator`` or, when that
-    makes the socket path too long for ``AF_UNIX``, a per-cluster directory under the temp dir."""
-    path = os.path.join(data_dir, "tensile_coordinator")
-    if len(os.path.join(path, SOCKET_NAME)) <= MAX_SOCKET_PATH:
-        return path
-    digest = hashlib.sha256(os.path.realpath(data_dir).encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), f"tensile-{os.geteuid()}-{digest}")
+from .address import LOG_NAME, SOCKET_NAME, coordinator_state, secure_dir, socket_address
 
 
 @dataclass(frozen=True)
 class StartSpec:
     """How to start a coordinator: interpreter, device, budget (bytes), admission limit, scheduler
-    policy (one of ``tensile_db.scheduler.POLICIES``), pool (one of
-    ``tensile_db.memory.manager.POOLS``), and the postmaster pid file whose disappearance stops it."""
+    policy (one of ``tensile_db.settings.POLICIES``), pool (one of
+    ``tensile_db.settings.POOLS``), the postmaster pid file whose disappearance stops it, and
+    the largest model it builds (layers, parameters)."""
 
     python: str = sys.executable
     device: str = "cpu"
@@ -52,13 +45,15 @@ class StartSpec:
     pool: str = "planned"
     postmaster_pid_file: str | None = None
     python_path: str | None = None      # prepended to PYTHONPATH, so the interpreter finds this package
+    limits: Limits = Limits()
 
 
 def command(socket_dir: str, spec: StartSpec) -> list[str]:
     """The command line that runs a coordinator for ``socket_dir`` (see ``__main__.py``)."""
     argv = [spec.python, "-m", "tensile_db.coordinator", "--socket-dir", socket_dir, "--device", spec.device,
             "--budget", str(spec.budget_nbytes), "--max-active-jobs", str(spec.max_active_jobs),
-            "--policy", spec.policy, "--pool", spec.pool]
+            "--policy", spec.policy, "--pool", spec.pool, "--max-layers", str(spec.limits.max_layers),
+            "--max-parameters", str(spec.limits.max_parameters)]
     if spec.postmaster_pid_file:
         argv += ["--postmaster-pid-file", spec.postmaster_pid_file]
     return argv
@@ -71,16 +66,31 @@ def start(socket_dir: str, spec: StartSpec) -> subprocess.Popen:
     env = dict(os.environ)
     if spec.python_path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (spec.python_path, env.get("PYTHONPATH")) if p)
-    with open(os.path.join(socket_dir, "coordinator.log"), "ab") as log:
+    with open(os.path.join(socket_dir, LOG_NAME), "ab") as log:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                 start_new_session=True, close_fds=True, cwd=socket_dir)
 
 
 class CoordinatorClient:
-    """One connection to the coordinator."""
+    """One connection to the coordinator of ``socket_dir``."""
 
-    def __init__(self, conn):
+    def __init__(self, conn: Connection, socket_dir: str):
         self.conn = conn
+        self.socket_dir = socket_dir
+
+    def state(self) -> str:
+        """The coordinator's process state in words (see :func:`.address.coordinator_state`)."""
+        return coordinator_state(self.socket_dir)
+
+    def abort(self) -> None:
+        """Shut the connection down in both directions: a send or receive blocked on it in another
+        thread fails at once, and the coordinator sees the connection close (which cancels a job
+        or call). Call :meth:`close` afterwards."""
+        try:
+            with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def request(self, header: dict, arrays: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
         """Send one request and return the reply; raises the error the coordinator sent."""
@@ -107,22 +117,52 @@ class CoordinatorClient:
         self.close()
 
 
-def connect(socket_dir: str, start_spec: StartSpec | None = None, timeout_s: float = 30.0) -> CoordinatorClient:
+def _attempt(socket_dir: str) -> Connection | None:
+    """One connection attempt that never blocks: the connection, or None when the coordinator's
+    listen queue is full. Raises FileNotFoundError or ConnectionRefusedError when none listens."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        with socket_address(socket_dir) as address:
+            sock.connect(address)
+    except BlockingIOError:
+        sock.close()
+        return None
+    except BaseException:
+        sock.close()
+        raise
+    sock.setblocking(True)
+    return Connection(sock.detach())
+
+
+def connect(socket_dir: str, start_spec: StartSpec | None = None, timeout_s: float = 30.0,
+            pause=time.sleep) -> CoordinatorClient:
     """Connect to the coordinator of ``socket_dir``, starting one with ``start_spec`` if none
-    answers. Raises CoordinatorUnavailable after ``timeout_s`` seconds."""
+    answers; between attempts calls ``pause(0.05)``.
+
+    Raises CoordinatorUnavailable when none runs and ``start_spec`` is None, when a started one
+    exits, or after ``timeout_s`` seconds (naming the coordinator's process state).
+    """
     address = os.path.join(socket_dir, SOCKET_NAME)
     deadline = time.monotonic() + timeout_s
     proc = None
     while True:
         try:
-            return CoordinatorClient(Client(address, family="AF_UNIX"))
+            conn = _attempt(socket_dir)
+            if conn is not None:
+                return CoordinatorClient(conn, socket_dir)
+            if time.monotonic() > deadline:
+                raise CoordinatorUnavailable(
+                    f"the coordinator at {address} ({coordinator_state(socket_dir)}) accepted no connection within "
+                    f"{timeout_s:g} s; see {os.path.join(socket_dir, LOG_NAME)}, or stop it "
+                    "(SELECT tensile.stop_coordinator()) and call again")
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             if start_spec is None:
-                raise CoordinatorUnavailable(f"no coordinator is running at {address}") from exc
+                raise CoordinatorNotRunning(f"no coordinator is running at {address}") from exc
             if proc is None:
                 proc = start(socket_dir, start_spec)
             if time.monotonic() > deadline or (proc.poll() not in (None, 0)):
                 raise CoordinatorUnavailable(
                     f"could not start the coordinator at {address} (exit status {proc.poll()}); "
-                    f"see {os.path.join(socket_dir, 'coordinator.log')}") from exc
-            time.sleep(0.05)
+                    f"see {os.path.join(socket_dir, LOG_NAME)}") from exc
+        pause(0.05)

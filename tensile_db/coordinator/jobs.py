@@ -236,8 +236,8 @@ def _standardize(spec, options, x, y):
     else:
         y = np.asarray(y, dtype=np.float32).reshape(-1, 1)
         if options.standardize:
-            std = float(y.std()) or 1.0
-            scaling["y_mean"] = np.array([y.mean()], dtype=np.float32)
+            std = float(y.std(dtype=np.float64)) or 1.0      # float64: squares of labels near 1e30 overflow float32
+            scaling["y_mean"] = np.array([y.mean(dtype=np.float64)], dtype=np.float32)
             scaling["y_std"] = np.array([std], dtype=np.float32)
             y = ((y - scaling["y_mean"]) / scaling["y_std"]).astype(np.float32)
     return np.ascontiguousarray(x), np.ascontiguousarray(y), scaling

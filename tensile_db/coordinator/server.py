@@ -1,9 +1,12 @@
 """The coordinator server: one process per cluster and device.
 
 It listens on ``<socket_dir>/coordinator.sock`` (``socket_dir`` is 0700, so only processes of
-the PostgreSQL OS user can connect) and serves each backend connection on its own thread. Only
-one coordinator runs per ``socket_dir``: it holds an exclusive ``flock`` on
-``coordinator.lock`` for its lifetime, so two backends racing to start one cannot both win.
+the PostgreSQL OS user can connect; see :mod:`.address`) and serves each backend connection on
+its own thread. Only one coordinator runs per ``socket_dir``: it holds an exclusive ``flock`` on
+``coordinator.lock`` for its lifetime, and writes its pid there, so two backends racing to start
+one cannot both win, and a backend that waits too long can say what the coordinator is doing.
+Models larger than the :class:`~tensile_db.runtime.model.Limits` it was started with are refused
+before anything is built for them.
 Given the postmaster's pid file, it polls the postmaster's pid twice a second and exits when the
 server has gone, taking every job with it.
 
@@ -22,7 +25,6 @@ import fcntl
 import logging
 import os
 import queue
-import stat
 import threading
 import time
 from multiprocessing.connection import Listener
@@ -35,39 +37,31 @@ from ..memory.manager import MemoryManager
 from ..runtime import model as models
 from ..runtime.device import Device
 from . import protocol
+from .address import LOCK_NAME, SOCKET_NAME, secure_dir, socket_address
 from .executor import Executor
 from .jobs import JobInfo, TrainingJob
 
 log = logging.getLogger(__name__)
 
-SOCKET_NAME = "coordinator.sock"
-LOCK_NAME = "coordinator.lock"
 #: How often a training connection looks for a cancel while waiting for progress, seconds.
 POLL_S = 0.05
-
-
-def secure_dir(path: str) -> str:
-    """Create ``path`` with mode 0700 if missing; refuse one that others can enter."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
-        raise TensileError(f"socket directory {path} must be owned by uid {os.geteuid()} with mode 0700 "
-                           f"(it has uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
-    return path
+#: Connections the listener queues before the coordinator accepts them.
+BACKLOG = 128
 
 
 class Coordinator:
     """The server. ``serve_forever()`` blocks; returns False at once if another holds the lock.
 
-    ``policy`` is the scheduler policy, one of ``tensile_db.scheduler.POLICIES``; the executor
+    ``policy`` is the scheduler policy, one of ``tensile_db.settings.POLICIES``; the executor
     raises InvalidArgument for another when the server starts. ``pool`` is one of
-    ``tensile_db.memory.manager.POOLS``.
+    ``tensile_db.settings.POOLS``.
     """
 
     def __init__(self, socket_dir: str, device: str = "cpu", budget_nbytes: int = 1 << 30,
                  max_active_jobs: int = 8, postmaster_pid_file: str | None = None, policy: str = "tensile",
-                 pool: str = "planned"):
+                 pool: str = "planned", limits: models.Limits = models.Limits()):
         self.socket_dir = secure_dir(socket_dir)
+        self.limits = limits
         self.device_name = device
         self.budget_nbytes = budget_nbytes
         self.max_active_jobs = max_active_jobs
@@ -91,6 +85,8 @@ class Coordinator:
         except BlockingIOError:
             log.info("another coordinator holds %s; exiting", LOCK_NAME)
             return False
+        os.ftruncate(self._lock_fd, 0)
+        os.write(self._lock_fd, f"{os.getpid()}\n".encode())
         device = Device(self.device_name)
         self.manager = MemoryManager(device, self.budget_nbytes, pool=self.pool)
         if device.name == "cuda":  # pragma: no cover - needs a GPU
@@ -102,8 +98,9 @@ class Coordinator:
         self.inference = InferenceService(self.manager)
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)          # stale: we hold the lock, nobody serves it
-        listener = Listener(self.socket_path, family="AF_UNIX")
-        os.chmod(self.socket_path, 0o600)
+        with socket_address(self.socket_dir) as address:
+            listener = Listener(address, family="AF_UNIX", backlog=BACKLOG)
+            os.chmod(address, 0o600)
         if self.postmaster_pid_file:
             threading.Thread(target=self._watch_postmaster, name="tensile-watch", daemon=True).start()
         log.info("coordinator %d serving %s on %s, budget %d bytes, policy %s, pool %s", os.getpid(),
@@ -170,7 +167,7 @@ class Coordinator:
         scheduler figures (policy, bandwidths, plans)."""
         snap = self.manager.snapshot()
         jobs = {j.id: j for j in self.executor.jobs()}
-        per_job = {str(jid): dict(c, model_name=jobs[jid].info.model_name)
+        per_job = {str(jid): dict(c, model_name=jobs[jid].info.model_name, role=jobs[jid].info.role)
                    for jid, c in snap.pop("jobs").items() if jid in jobs}
         return dict(snap, **self.executor.describe(), **self.inference.describe(), type="memory", per_job=per_job,
                     started_at=self.started_at, running_jobs=sum(j.state.value == "running" for j in jobs.values()),
@@ -187,6 +184,7 @@ class Coordinator:
                            str(header.get("model_name", "")))
         except KeyError as exc:
             raise ProtocolError(f"train request without {exc}") from None
+        self.limits.check(spec, info.model_name)
         job = TrainingJob(info, spec, options, x, y)
         self.executor.submit(job)
         try:
@@ -214,6 +212,7 @@ class Coordinator:
             window, batch_size, cache = header["window"], header["batch_size"], bool(header.get("cache", True))
         except KeyError as exc:
             raise ProtocolError(f"predict request without {exc}") from None
+        self.limits.check(spec, name)
         model = self.inference.store.checkout(model_id, version)
         if model is None:
             protocol.send(conn, {"type": "need_weights"})
@@ -261,8 +260,9 @@ class Coordinator:
         out = models.forward(job.spec, job.result, x)
         if job.spec.task == "classification":
             fit = {"train_accuracy": float((out.argmax(axis=1) == y.reshape(-1)).mean())}
-        else:
-            fit = {"train_rmse": float(np.sqrt(np.mean((out.reshape(-1) - y.reshape(-1)) ** 2)))}
+        else:      # in float64: labels near float32's limit square beyond it
+            error = out.reshape(-1).astype(np.float64) - y.reshape(-1).astype(np.float64)
+            fit = {"train_rmse": float(np.sqrt(np.mean(error ** 2)))}
         m = job.memory
         return dict(fit, train_loss=job.loss, epochs=job.epoch, samples=len(x), batch_size=job.batch,
                     train_time_s=job.finished_at - job.started_at, queued_s=job.started_at - job.created_at,

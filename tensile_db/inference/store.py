@@ -25,7 +25,6 @@ from functools import cached_property
 
 import numpy as np
 
-from ..errors import ProtocolError
 from ..memory.manager import MemoryManager, Tensor
 from ..runtime import model as models
 from ..runtime.program import Kind
@@ -67,26 +66,6 @@ class ServedModel:
         return packed[:n_in * n_out].reshape(n_in, n_out), packed[n_in * n_out:]
 
 
-def _checked(spec: models.ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The arrays the spec needs, as float32; raises ProtocolError naming a missing or misshapen one."""
-    shapes = {}
-    for i, (n_in, n_out) in enumerate(spec.dense_shapes()):
-        shapes[f"W{i}"], shapes[f"b{i}"] = (n_in, n_out), (n_out,)
-    for name in ("x_mean", "x_std"):
-        if name in weights:
-            shapes[name] = (spec.n_features,)
-    for name in ("y_mean", "y_std"):
-        if name in weights:
-            shapes[name] = (1,)
-    out = {}
-    for name, shape in shapes.items():
-        if name not in weights or tuple(weights[name].shape) != shape:
-            got = tuple(weights[name].shape) if name in weights else "nothing"
-            raise ProtocolError(f"model weights: {name} must have shape {shape}, got {got}")
-        out[name] = np.asarray(weights[name], dtype=np.float32)
-    return out
-
-
 class ModelStore:
     """The served models of one coordinator, by (id, version). Thread-safe."""
 
@@ -113,9 +92,9 @@ class ModelStore:
             weights: dict[str, np.ndarray], database: int = 0) -> ServedModel:
         """Serve a model from its weight arrays (``runtime.model`` names) and hold it for a call.
         ``version`` must name the row's contents across the cluster (the backend puts the
-        database, the owner and ``created_at`` in it). Raises ProtocolError if an array is missing
-        or has the wrong shape."""
-        arrays = _checked(spec, weights)
+        database, the owner and ``created_at`` in it). Raises CorruptModel if an array is missing,
+        extra, misshapen or not finite (:func:`~tensile_db.runtime.model.check_weights`)."""
+        arrays = models.check_weights(spec, weights, name)
         device = self.manager.device
         m = ServedModel(model_id, version, name, spec, {k: v for k, v in arrays.items() if k[0] in "xy"},
                         database=database)

@@ -68,6 +68,7 @@ import numpy as np
 
 from ..errors import DeviceOutOfMemory, InvalidArgument
 from ..runtime.program import Kind, Slot
+from ..settings import POOLS
 from .arena import ArenaAllocator, round_up
 from .planned import PlannedPool, State
 from .transfer import Transfer, TransferEngine
@@ -138,9 +139,6 @@ NextUse = Callable[[Tensor], float]
 #: How long an acquire waits for other threads' ops to release the blocks it needs, seconds,
 #: before it raises DeviceOutOfMemory.
 PIN_WAIT_S = 60.0
-
-#: the pools a manager can serve recurring allocations from (the ``tensile.pool`` setting)
-POOLS = ("planned", "general")
 
 
 class MemoryManager:

@@ -1,6 +1,6 @@
 """``tensile.predict_batch`` and ``CALL tensile.predict_into``: batch inference on the coordinator.
 
-The backend side of issue 5's protocol (the coordinator side is :mod:`tensile_db.inference`):
+The backend side of the ``predict`` protocol (the coordinator side is :mod:`tensile_db.inference`):
 
 1. Validate the options, then read the model's row *without* its weights: id, version
    (``created_at``), task, architecture, feature names, classes. Row-level security applies, so
@@ -107,11 +107,13 @@ def read_model(plpy, GD, name) -> ModelRow:
     """The model's row, weights left out. Raises ModelNotFound when the role sees no such model."""
     check_model_name(name)
     rows = plpy.execute(session.plan(plpy, GD, """
-        SELECT id, (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) AS database,
-               concat_ws('/', (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()), owner,
-                         to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')) AS version, task,
-               architecture::text AS architecture, feature_names, label_classes
-        FROM tensile.models WHERE name = $1""", ["text"]), [name])
+        SELECT id, d.oid AS database,
+               pg_catalog.concat_ws('/', d.oid, owner, pg_catalog.to_char(created_at AT TIME ZONE 'UTC',
+                                                                         'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')) AS version,
+               task, architecture::pg_catalog.text AS architecture, feature_names, label_classes
+        FROM tensile.models,
+             (SELECT oid FROM pg_catalog.pg_database WHERE datname OPERATOR(pg_catalog.=) pg_catalog.current_database()) d
+        WHERE name OPERATOR(pg_catalog.=) $1""", ["pg_catalog.text"]), [name])
     if not rows:
         raise ModelNotFound(f'model "{name}" does not exist; SELECT name FROM tensile.models lists the models')
     row = rows[0]
@@ -119,35 +121,45 @@ def read_model(plpy, GD, name) -> ModelRow:
     classes = list(row["label_classes"]) if row["label_classes"] else None
     spec = models.ModelSpec(models.parse_architecture(architecture), len(row["feature_names"]),
                             len(classes) if classes else 1, row["task"])
+    session.limits(session.settings(plpy, GD)).check(spec, name)
     return ModelRow(row["id"], row["database"], row["version"], name, spec, architecture, list(row["feature_names"]),
                     classes)
 
 
 def _weights(plpy, GD, model: ModelRow) -> dict[str, np.ndarray]:
-    rows = plpy.execute(session.plan(plpy, GD, "SELECT weights FROM tensile.models WHERE id = $1", ["bigint"]),
-                        [model.id])
+    """The model's weights, checked against its architecture. Raises ModelNotFound or CorruptModel."""
+    rows = plpy.execute(session.plan(plpy, GD, "SELECT weights FROM tensile.models WHERE id OPERATOR(pg_catalog.=) $1",
+                                     ["pg_catalog.int8"]), [model.id])
     if not rows:
         raise ModelNotFound(f'model "{model.name}" was replaced or dropped while this call read it; call again')
-    return models.deserialize_weights(rows[0]["weights"])
+    return models.load_weights(rows[0]["weights"], model.spec, model.name)
 
 
 def _infer(plpy, GD, model: ModelRow, x: np.ndarray, window: int, opts: BatchOptions) -> np.ndarray:
     """Run x (N, F) float32 through the model on the coordinator: outputs (N, n_outputs) float32."""
     client, s = session.connect(plpy, GD)
+    timeout_s = session.coordinator_timeout(plpy, GD)
     header = {"type": "predict", "model_name": model.name, "model_id": model.id, "model_version": model.version,
               "database": model.database,
               "task": model.spec.task, "architecture": model.architecture, "n_outputs": model.spec.n_outputs,
               "window": window, "batch_size": opts.batch_size, "cache": opts.cache, "role": s["role"],
               "backend_pid": s["pid"]}
 
-    def on_message(reply: dict, arrays: dict) -> None:
+    def until_accepted(reply: dict) -> None:
+        """Answer the coordinator until it accepts the call (within the timeout at each step)."""
         if reply["type"] == "need_weights":
-            client.send({"type": "weights"}, _weights(plpy, GD, model))
-        elif reply["type"] != "accepted":
+            weights = _weights(plpy, GD, model)
+            reply, _ = session.exchange(plpy, GD, client, lambda: client.request({"type": "weights"}, weights),
+                                        "the start of a prediction", timeout_s)
+        if reply["type"] != "accepted":
             raise ProtocolError(f"unexpected {reply['type']!r} message from the coordinator during prediction")
 
+    def on_message(reply: dict, arrays: dict) -> None:
+        raise ProtocolError(f"unexpected {reply['type']!r} message from the coordinator during prediction")
+
     with client:
-        client.send(header, {"x": x})
+        reply, _ = session.request(plpy, GD, client, header, {"x": x}, doing="the start of a prediction")
+        until_accepted(reply)
         result, arrays = session.await_result(plpy, GD, client, "prediction", on_message)
     outputs = arrays.get("outputs")
     expected = (x.shape[0], model.spec.n_outputs)
@@ -193,13 +205,16 @@ def _target(plpy, GD, target) -> str:
     name = (target or "").strip()
     if not is_table_name(name):
         raise InvalidArgument(f"target must be a table name, optionally schema-qualified, got {target!r}")
-    oid = plpy.execute(session.plan(plpy, GD, "SELECT to_regclass($1)::oid AS oid", ["text"]), [name])[0]["oid"]
+    oid = plpy.execute(session.plan(plpy, GD, "SELECT pg_catalog.to_regclass($1)::pg_catalog.oid AS oid",
+                                    ["pg_catalog.text"]), [name])[0]["oid"]
     if oid is None:
         plpy.execute(f"CREATE TABLE {name} ({', '.join(f'{c} {t}' for c, t in TARGET_COLUMNS.items())})")
         return name
     columns = plpy.execute(session.plan(plpy, GD, """
-        SELECT attname::text AS name, format_type(atttypid, atttypmod) AS type FROM pg_attribute
-        WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped""", ["oid"]), [oid])
+        SELECT attname::pg_catalog.text AS name, pg_catalog.format_type(atttypid, atttypmod) AS type
+        FROM pg_catalog.pg_attribute
+        WHERE attrelid OPERATOR(pg_catalog.=) $1 AND attnum OPERATOR(pg_catalog.>) 0 AND NOT attisdropped""",
+        ["pg_catalog.oid"]), [oid])
     have = {r["name"]: r["type"] for r in columns}
     problems = [f"column {c} {t} is missing" if c not in have else f"column {c} is {have[c]}, not {t}"
                 for c, t in TARGET_COLUMNS.items() if have.get(c) != t]
@@ -214,10 +229,12 @@ def predict_into(plpy, GD, model_name, source, target, key, options) -> dict:
     to); the procedure's INOUT ``rows``: how many were written."""
     table = _target(plpy, GD, target)
     model, ids, outputs = _predict(plpy, GD, model_name, source, key, options)
+    # Row k's probabilities are $3[(k - 1) * $4 + 1 : k * $4], with pg_catalog's operators.
+    first, last = "(k OPERATOR(pg_catalog.-) 1) OPERATOR(pg_catalog.*) $4 OPERATOR(pg_catalog.+) 1", "k OPERATOR(pg_catalog.*) $4"
     insert = plpy.prepare(f"""
         INSERT INTO {table} (id, prediction, probabilities)
-        SELECT $1[k], $2[k], CASE WHEN $4 > 0 THEN $3[(k - 1) * $4 + 1 : k * $4] END
-        FROM generate_subscripts($1, 1) AS k""", ["bigint[]", "double precision[]", "real[]", "integer"])
+        SELECT $1[k], $2[k], CASE WHEN $4 OPERATOR(pg_catalog.>) 0 THEN $3[{first} : {last}] END
+        FROM pg_catalog.generate_subscripts($1, 1) AS k""", ["bigint[]", "double precision[]", "real[]", "integer"])
     predictions = _predictions(model, outputs)
     width = outputs.shape[1] if model.classes else 0
     for start in range(0, len(ids), INSERT_CHUNK_ROWS):

@@ -10,6 +10,12 @@ to the rows without any NULL (and, where rows are named by their ordinal, one by
 which were kept). Parallel aggregation is switched off for the scan so that no partial aggregates
 are combined.
 
+The source is exactly one query (or a table name): one with several statements is refused by
+name (``sqlparse`` splits it), and every statement built around it runs through a cursor, which
+PostgreSQL opens only for a plan of exactly one query, so text after a ``;`` never runs even where
+the split and the server's parser disagree. Every function, operator and type the scan adds is qualified
+with ``pg_catalog``, so the caller's ``search_path`` resolves only the names in ``source``.
+
 Limit: one column's bytes must stay under PostgreSQL's 1 GB value limit, about 268 million rows
 (134 million with an integer key).
 """
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgument
+from ..runtime.model import FLOAT32_MAX
 
 #: PostgreSQL type OIDs accepted as numeric input, with their SQL names.
 NUMERIC_TYPES = {16: "boolean", 20: "bigint", 21: "smallint", 23: "integer", 700: "real",
@@ -80,7 +87,23 @@ def source_query(source: str | None) -> str:
     text = (source or "").strip().rstrip(";").strip()
     if not text:
         raise InvalidArgument("source is empty; pass a query such as 'SELECT * FROM my_table' or a table name")
+    if ";" in text:
+        import sqlparse      # only for sources that may hold several statements
+
+        if len([s for s in sqlparse.split(text) if s.strip()]) > 1:
+            raise _several_statements()
     return f"SELECT * FROM {text}" if is_table_name(text) else text
+
+
+def _several_statements() -> InvalidArgument:
+    return InvalidArgument("source must be exactly one query (or a table name); it holds several statements "
+                           "separated by ';' — pass only the SELECT")
+
+
+def _source(plpy, source: str | None) -> tuple[str, dict[str, int]]:
+    """The source's query and its columns' type OIDs (see :func:`_column_types`)."""
+    query = source_query(source)
+    return query, _column_types(plpy, query)
 
 
 def is_table_name(name: str | None) -> bool:
@@ -89,12 +112,28 @@ def is_table_name(name: str | None) -> bool:
 
 
 def _type_name(plpy, oid: int) -> str:
-    return NUMERIC_TYPES.get(oid) or plpy.execute(f"SELECT format_type({int(oid)}, NULL) AS t")[0]["t"]
+    return NUMERIC_TYPES.get(oid) or plpy.execute(f"SELECT pg_catalog.format_type({int(oid)}, NULL) AS t")[0]["t"]
+
+
+def _run_one(plpy, sql: str):
+    """Run one statement built around the user's source. Its plan is first opened as a cursor
+    (and closed at once): PostgreSQL opens one only for a plan of exactly one query, before
+    executing anything, so a source that smuggles in more statements (``x) s; DROP ...; SELECT
+    (1``) runs none of them. Raises InvalidArgument for several statements; PostgreSQL's errors
+    of the query itself pass through."""
+    plan = plpy.prepare(sql)
+    try:
+        plpy.cursor(plan).close()
+    except plpy.SPIError as exc:
+        if "multi-query" in str(exc):
+            raise _several_statements() from None
+        raise
+    return plpy.execute(plan)
 
 
 def _column_types(plpy, query: str) -> dict[str, int]:
     """The source's columns and their type OIDs, from a plan that reads no row."""
-    probe = plpy.execute(f"SELECT * FROM ({query}\n) AS tensile_source LIMIT 0")
+    probe = _run_one(plpy, f"SELECT * FROM ({query}\n) AS tensile_source LIMIT 0")
     return dict(zip(probe.colnames(), probe.coltypes()))
 
 
@@ -125,16 +164,17 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
 
     names = list(dict.fromkeys(c for c, _ in columns))
     complete = " AND ".join(f"{ident(c)} IS NOT NULL" for c in names)
-    aggregates = [f"count({ident(c)}) AS nn{i}" for i, c in enumerate(names)]
-    aggregates += [f"string_agg({_ENCODINGS[t][0]}({value(c, t)}), '') FILTER (WHERE {complete}) AS c{i}"
-                   for i, (c, t) in enumerate(columns)]
+    aggregates = [f"pg_catalog.count({ident(c)}) AS nn{i}" for i, c in enumerate(names)]
+    aggregates += [f"pg_catalog.string_agg(pg_catalog.{_ENCODINGS[t][0]}({value(c, t)}), ''::pg_catalog.bytea) "
+                   f"FILTER (WHERE {complete}) AS c{i}" for i, (c, t) in enumerate(columns)]
     if want_kept and skip_nulls:
-        aggregates.append(f"string_agg(boolsend({complete}), '') AS kept")
-    parallel = plpy.execute("SELECT current_setting('max_parallel_workers_per_gather') AS old, "
-                            "set_config('max_parallel_workers_per_gather', '0', true)")[0]["old"]
-    row = plpy.execute(f"SELECT count(*) AS n, count(*) FILTER (WHERE {complete}) AS complete, "
-                       f"{', '.join(aggregates)} FROM ({query}\n) AS tensile_source")[0]
-    plpy.execute(f"SELECT set_config('max_parallel_workers_per_gather', {plpy.quote_literal(parallel)}, true)")
+        aggregates.append(f"pg_catalog.string_agg(pg_catalog.boolsend({complete}), ''::pg_catalog.bytea) AS kept")
+    parallel = plpy.execute("SELECT pg_catalog.current_setting('max_parallel_workers_per_gather') AS old, "
+                            "pg_catalog.set_config('max_parallel_workers_per_gather', '0', true)")[0]["old"]
+    scan = (f"SELECT pg_catalog.count(*) AS n, pg_catalog.count(*) FILTER (WHERE {complete}) AS complete, "
+            f"{', '.join(aggregates)} FROM ({query}\n) AS tensile_source")
+    row = _run_one(plpy, scan)[0]
+    plpy.execute(f"SELECT pg_catalog.set_config('max_parallel_workers_per_gather', {plpy.quote_literal(parallel)}, true)")
     n = row["n"]
     nulls = {c: n - row[f"nn{i}"] for i, c in enumerate(names) if row[f"nn{i}"] < n}
     if nulls and not skip_nulls:
@@ -161,8 +201,7 @@ def read_training_data(plpy, source: str, label: str, features: list[str] | None
     missing or non-numeric column, NULLs (unless ``skip_nulls``), no rows, or non-finite values;
     errors of the query itself (unknown table, permission denied) come from PostgreSQL.
     """
-    query = source_query(source)
-    types = _column_types(plpy, query)
+    query, types = _source(plpy, source)
     if not label:
         raise InvalidArgument("label is empty; name the column to predict")
     _check_present(types, [label], "label")
@@ -204,8 +243,7 @@ def read_features(plpy, source: str, features: list[str], key: str | None, skip_
     bigint, NULLs (unless ``skip_nulls``: those rows are left out) or non-finite features; errors
     of the query itself (unknown table, permission denied) come from PostgreSQL.
     """
-    query = source_query(source)
-    types = _column_types(plpy, query)
+    query, types = _source(plpy, source)
     _check_present(types, features, "feature")
     _check_numeric(plpy, types, features, "feature")
     columns = [(c, "real") for c in features]
@@ -232,6 +270,10 @@ def encode_labels(data: TrainingData, task: str) -> tuple[np.ndarray, list[float
     """Targets for the coordinator: class indices (N,) int32 and the class values in index order
     for classification; (N, 1) float32 and None for regression."""
     if task == "regression":
+        beyond = int((np.abs(data.y) > FLOAT32_MAX).sum())
+        if beyond:
+            raise InvalidArgument(f'label column "{data.label}" has {beyond:,} values beyond the range of real '
+                                  f"(float32, about 3.4e38), where the device computes; scale the label in the source")
         return data.y.astype(np.float32).reshape(-1, 1), None
     classes, index = np.unique(data.y, return_inverse=True)
     if not np.all(classes == np.round(classes)):

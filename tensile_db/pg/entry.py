@@ -1,6 +1,11 @@
 """What the extension's SQL functions call. Each entry turns tensile_db errors into SQL errors
 with a fitting SQLSTATE; PostgreSQL's own errors (unknown table, permission denied, cancel) pass
-through unchanged."""
+through unchanged.
+
+The status functions behind ``tensile.jobs`` and ``tensile.memory`` show every job, but a role
+sees the model name, loss and role of a job only when it is a member of the job's role;
+superusers and members of ``pg_monitor`` see everything. The filter is applied here, so calling
+the functions directly shows no more than the views."""
 
 from __future__ import annotations
 
@@ -8,16 +13,20 @@ import datetime
 import functools
 import json
 
-from ..errors import (CoordinatorUnavailable, DeviceOutOfMemory, InvalidArgument, JobCancelled, ModelNotFound,
-                      ProtocolError, TensileError)
+from ..errors import (CoordinatorNotRunning, CoordinatorUnavailable, CorruptModel, DeviceOutOfMemory,
+                      InvalidArgument, JobCancelled, ModelNotFound, ProtocolError, TensileError)
 from . import batch as _batch
 from . import predict as _predict
-from . import session
+from . import registry, session
 from . import train as _train
+
+#: Job fields only members of the job's role (and superusers, pg_monitor) see.
+PRIVATE_JOB_FIELDS = ("role", "model_name", "loss")
 
 SQLSTATE = {
     InvalidArgument: "22023",          # invalid_parameter_value
     ModelNotFound: "42704",            # undefined_object
+    CorruptModel: "XX001",             # data_corrupted
     DeviceOutOfMemory: "53200",        # out_of_memory
     JobCancelled: "57014",             # query_canceled
     CoordinatorUnavailable: "08006",   # connection_failure
@@ -26,12 +35,22 @@ SQLSTATE = {
 
 
 def _sql_errors(fn):
+    """``fn`` with its errors as SQL errors: a TensileError with its class's SQLSTATE (XX000 for
+    the root), PostgreSQL's own errors (``plpy.SPIError``: cancel, permission denied) as they are,
+    and any other exception — a defect — as an internal error that names it and asks for a report
+    rather than a raw Python traceback."""
     @functools.wraps(fn)
     def wrapper(plpy, *args):
         try:
             return fn(plpy, *args)
         except TensileError as exc:
-            plpy.error(str(exc), sqlstate=SQLSTATE.get(type(exc), "XX000"))
+            sqlstate = next((SQLSTATE[c] for c in type(exc).__mro__ if c in SQLSTATE), "XX000")
+            plpy.error(str(exc), sqlstate=sqlstate)
+        except (plpy.SPIError, plpy.Error):
+            raise
+        except Exception as exc:
+            plpy.error(f"internal error in tensile_db: {type(exc).__name__}: {exc}; please report it with the call "
+                       "that caused it", sqlstate="XX000")
     return wrapper
 
 
@@ -42,12 +61,8 @@ predict_batch = _sql_errors(_batch.predict_batch)
 predict_into = _sql_errors(_batch.predict_into)
 
 
-@_sql_errors
-def drop_model(plpy, GD, name: str) -> bool:
-    rows = plpy.execute(session.plan(plpy, GD, "DELETE FROM tensile.models WHERE name = $1 RETURNING id", ["text"]), [name])
-    if not rows:
-        raise ModelNotFound(f'model "{name}" does not exist (or is owned by another role)')
-    return True
+write_model = _sql_errors(registry.write_model)
+drop_model = _sql_errors(registry.drop)
 
 
 def _sql_row(row: dict) -> dict:
@@ -65,16 +80,36 @@ def _ask(plpy, GD, request: str) -> dict | None:
     """The coordinator's answer, or None if none is running (a status query never starts one)."""
     try:
         client, _ = session.connect(plpy, GD, start=False)
-    except CoordinatorUnavailable:
+    except CoordinatorNotRunning:
         return None
     with client:
-        return client.request({"type": request})[0]
+        return session.request(plpy, GD, client, {"type": request}, doing=f"a {request} request")[0]
+
+
+def _hide_others(plpy, GD, rows: list[dict]) -> None:
+    """Blank PRIVATE_JOB_FIELDS of every row whose ``role`` the calling role is not a member of,
+    unless it is a superuser or a member of pg_monitor."""
+    roles = sorted({r["role"] for r in rows})
+    if not roles:
+        return
+    mine = plpy.execute(session.plan(plpy, GD, """
+        SELECT pg_catalog.pg_has_role('pg_monitor', 'MEMBER') AS monitor,
+               (SELECT pg_catalog.array_agg(rolname::pg_catalog.text) FROM pg_catalog.pg_roles
+                WHERE rolname OPERATOR(pg_catalog.=) ANY ($1) AND pg_catalog.pg_has_role(oid, 'MEMBER')) AS roles""",
+        ["pg_catalog.name[]"]), [roles])[0]
+    if mine["monitor"]:
+        return
+    visible = set(mine["roles"] or ())
+    for r in rows:
+        if r["role"] not in visible:
+            r.update(dict.fromkeys(PRIVATE_JOB_FIELDS))
 
 
 @_sql_errors
 def jobs(plpy, GD) -> list[dict]:
     reply = _ask(plpy, GD, "jobs")
     rows = reply["jobs"] if reply else []
+    _hide_others(plpy, GD, rows)
     for r in rows:
         r["created_at"], r["started_at"] = _timestamp(r["created_at"]), _timestamp(r["started_at"])
     return [_sql_row(r) for r in rows]
@@ -85,6 +120,7 @@ def memory(plpy, GD) -> list[dict]:
     reply = _ask(plpy, GD, "memory")
     if reply is None:
         return []
+    _hide_others(plpy, GD, list(reply["per_job"].values()))
     reply["per_job"] = json.dumps({job_id: _sql_row(c) for job_id, c in reply["per_job"].items()})
     reply["started_at"] = _timestamp(reply["started_at"])
     return [_sql_row(reply)]
@@ -94,7 +130,7 @@ def memory(plpy, GD) -> list[dict]:
 def start_coordinator(plpy, GD) -> int:
     client, _ = session.connect(plpy, GD, start=True)
     with client:
-        return client.request({"type": "ping"})[0]["pid"]
+        return session.request(plpy, GD, client, {"type": "ping"}, doing="a ping")[0]["pid"]
 
 
 @_sql_errors

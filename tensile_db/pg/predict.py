@@ -2,7 +2,10 @@
 
 The model is cached for the session in GD, keyed by name, and checked on every call against the
 row's ``id`` in ``tensile.models`` (one indexed lookup through a prepared plan): replacing a model
-gives it a new id, so a cached copy is never used after the model changed.
+gives it a new id, so a cached copy is never used after the model changed. A model is loaded only
+within ``tensile.max_layers`` / ``tensile.max_parameters`` and with weights that match its
+architecture (:func:`~tensile_db.runtime.model.load_weights`). A row's features must be a
+one-dimensional array of finite numbers: NaN, infinities and 2-D arrays are refused by name.
 """
 
 from __future__ import annotations
@@ -27,20 +30,24 @@ class CachedModel:
 
 
 def load(plpy, GD, name: str) -> CachedModel:
+    """The model ``name`` as the calling role sees it, cached for the session. Raises
+    ModelNotFound, InvalidArgument (a model larger than the limits) or CorruptModel."""
     cache = GD.setdefault("tensile_models", {})
-    rows = plpy.execute(session.plan(plpy, GD, "SELECT id FROM tensile.models WHERE name = $1", ["text"]), [name])
+    rows = plpy.execute(session.plan(plpy, GD, "SELECT id FROM tensile.models WHERE name OPERATOR(pg_catalog.=) $1",
+                                     ["pg_catalog.text"]), [name])
     if not rows:
         cache.pop(name, None)
         raise ModelNotFound(f'model "{name}" does not exist; SELECT name FROM tensile.models lists the models')
     cached = cache.get(name)
     if cached is None or cached.id != rows[0]["id"]:
         row = plpy.execute(session.plan(plpy, GD, """
-            SELECT id, task, architecture::text AS architecture, feature_names, label_classes, weights
-            FROM tensile.models WHERE name = $1""", ["text"]), [name])[0]
+            SELECT id, task, architecture::pg_catalog.text AS architecture, feature_names, label_classes, weights
+            FROM tensile.models WHERE id OPERATOR(pg_catalog.=) $1""", ["pg_catalog.int8"]), [rows[0]["id"]])[0]
         classes = list(row["label_classes"]) if row["label_classes"] else None
         spec = models.ModelSpec(models.parse_architecture(json.loads(row["architecture"])), len(row["feature_names"]),
                                 len(classes) if classes else 1, row["task"])
-        cached = CachedModel(row["id"], spec, models.deserialize_weights(row["weights"]), classes,
+        session.limits(session.settings(plpy, GD)).check(spec, name)
+        cached = CachedModel(row["id"], spec, models.load_weights(row["weights"], spec, name), classes,
                              list(row["feature_names"]))
         cache[name] = cached
     return cached
@@ -48,13 +55,21 @@ def load(plpy, GD, name: str) -> CachedModel:
 
 def _outputs(plpy, GD, name: str, features) -> tuple[CachedModel, np.ndarray]:
     m = load(plpy, GD, name)
+    if any(isinstance(v, list) for v in features):
+        raise InvalidArgument(f"features must be a one-dimensional array of {m.spec.n_features} numbers, got a "
+                              f"multidimensional array; pass ARRAY[{', '.join(m.feature_names[:3])}, ...]")
     if len(features) != m.spec.n_features:
         raise InvalidArgument(f'model "{name}" expects {m.spec.n_features} features ({", ".join(m.feature_names)}), '
                               f"got {len(features)}")
     if any(v is None for v in features):
         raise InvalidArgument(f"features[{[v is None for v in features].index(True) + 1}] is NULL; "
                               f'model "{name}" needs a value for every feature')
-    return m, models.forward(m.spec, m.weights, np.asarray(features, dtype=np.float32).reshape(1, -1))[0]
+    x = np.asarray(features, dtype=np.float32).reshape(1, -1)
+    bad = np.flatnonzero(~np.isfinite(x[0]))
+    if len(bad):
+        raise InvalidArgument(f"features[{bad[0] + 1}] ({m.feature_names[bad[0]]}) is {x[0, bad[0]]}; "
+                              f'model "{name}" needs finite numbers: filter or clip such rows')
+    return m, models.forward(m.spec, m.weights, x)[0]
 
 
 def predict(plpy, GD, name: str, features) -> float:

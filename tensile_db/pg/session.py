@@ -11,29 +11,40 @@ the budget every job shares, so no session may change them with ``SET``, ``ALTER
 - ``tensile.device_budget``: the device arena, with units as ``pg_size_bytes`` reads them
   (default ``1GB``).
 - ``tensile.max_active_jobs``: jobs trained at once; more wait queued (default 8).
-- ``tensile.policy``: the scheduler policy, one of :data:`tensile_db.scheduler.POLICIES`
+- ``tensile.policy``: the scheduler policy, one of :data:`tensile_db.settings.POLICIES`
   (default ``tensile``).
 - ``tensile.pool``: ``planned`` (default: recurring allocations at lifetime-planned offsets once
   a period has been recorded) or ``general`` (the best-fit pool only), one of
-  :data:`tensile_db.memory.manager.POOLS`.
+  :data:`tensile_db.settings.POOLS`.
+- ``tensile.max_layers`` / ``tensile.max_parameters``: the largest model trained or served
+  (default 1000 dense layers, 100,000,000 parameters); larger ones are refused at once.
 - ``tensile.python``: interpreter for the coordinator (default: the virtual environment that holds
   this package, else ``python3`` on the postmaster's PATH).
 - ``tensile.python_path``: extra ``site`` directories for PL/Python (read by ``tensile._bootstrap``).
 
-The first five take effect when the coordinator starts; ``tensile.stop_coordinator()`` lets the
+All but the last two take effect when the coordinator starts; ``tensile.stop_coordinator()`` lets the
 next call start one with new values.
 
-One setting is the session's own, read with ``current_setting`` (so ``postgresql.conf``, ``ALTER
-ROLE / DATABASE ... SET`` or a session's ``SET`` all reach it): it only shapes how this session's
-calls use the shared device, which stays within the budget whatever it says.
+Two settings are the session's own, read with ``current_setting`` (so ``postgresql.conf``, ``ALTER
+ROLE / DATABASE ... SET`` or a session's ``SET`` all reach them): they only shape how this
+session's calls use the shared device and how long they wait.
 
 - ``tensile.prefetch_window``: how many layers ``tensile.predict_batch`` keeps loaded on the
   device ahead of the layer it computes, an integer >= 1 or ``all`` (default 2); the call's
   ``window`` option overrides it.
+- ``tensile.coordinator_timeout``: seconds to wait for the coordinator to accept a connection or
+  answer a request (default 30); a training or a prediction, once accepted, waits as long as it runs.
 
-Waiting: :func:`await_result` waits for the coordinator's final reply in ``WAIT_SLICE_S`` slices,
-calling into SPI between slices so that ``pg_cancel_backend`` and ``statement_timeout`` reach the
-backend, which then sends ``{"type": "cancel"}`` before re-raising.
+Waiting: every exchange with the coordinator — connecting, sending the rows, each reply — runs in
+:func:`exchange`: the socket I/O on a helper thread while this thread waits in ``WAIT_SLICE_S``
+slices, calling into SPI between them so that ``pg_cancel_backend``, ``statement_timeout`` and
+``pg_terminate_backend`` reach the backend within a slice, and failing at the deadline with the
+coordinator's process state. On any error the connection is shut down, which the coordinator
+takes as a cancel: it stops the job or call and frees its device memory.
+
+Every statement here is immune to the caller's ``search_path``: functions, operators and types
+are schema-qualified (``pg_catalog.``, ``tensile.``); only the user's ``source`` is resolved with
+the caller's path.
 """
 
 from __future__ import annotations
@@ -41,27 +52,30 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 
+from ..coordinator import address
 from ..coordinator import client as coordinator_client
 from ..errors import CoordinatorUnavailable, InvalidArgument
-from ..memory.manager import POOLS
-from ..scheduler import POLICIES
+from ..runtime.model import Limits
+from ..settings import POLICIES, POOLS
 
-_SETTINGS_SQL = """
-SELECT current_user::text AS role, pg_backend_pid() AS pid,
-       coalesce(nullif(tensile._server_setting('tensile.device'), ''), 'cpu') AS device,
-       pg_size_bytes(coalesce(nullif(tensile._server_setting('tensile.device_budget'), ''), '1GB')) AS budget,
-       coalesce(nullif(tensile._server_setting('tensile.max_active_jobs'), ''), '8')::int AS max_active_jobs,
-       coalesce(nullif(tensile._server_setting('tensile.policy'), ''), 'tensile') AS policy,
-       coalesce(nullif(tensile._server_setting('tensile.pool'), ''), 'planned') AS pool,
-       nullif(tensile._server_setting('tensile.python'), '') AS python
-"""
+#: The tensile.* settings of the configuration files, by name, with their defaults.
+SERVER_SETTINGS = {"device": "cpu", "device_budget": "1GB", "max_active_jobs": "8", "policy": "tensile",
+                   "pool": "planned", "max_layers": str(Limits.max_layers),
+                   "max_parameters": str(Limits.max_parameters), "python": ""}
+_SETTINGS_SQL = ("SELECT current_user AS role, pg_catalog.pg_backend_pid() AS pid, "
+                 + ", ".join(f"tensile._server_setting('tensile.{k}') AS {k}" for k in SERVER_SETTINGS))
 
 #: How long one wait for the coordinator lasts before the backend checks for a cancel, seconds.
 WAIT_SLICE_S = 0.1
 #: tensile.prefetch_window when it is not set: layers loaded ahead of the one computing.
 DEFAULT_PREFETCH_WINDOW = 2
+#: tensile.coordinator_timeout when it is not set, seconds.
+DEFAULT_COORDINATOR_TIMEOUT_S = 30.0
 
 
 def plan(plpy, GD, sql: str, types: list[str] | None = None):
@@ -73,12 +87,27 @@ def plan(plpy, GD, sql: str, types: list[str] | None = None):
 
 
 def settings(plpy, GD) -> dict:
-    return plpy.execute(plan(plpy, GD, _SETTINGS_SQL))[0]
+    """The role, the backend's pid and the tensile.* server settings (defaults filled in)."""
+    row = plpy.execute(plan(plpy, GD, _SETTINGS_SQL))[0]
+    return dict(row, **{k: row[k] or default for k, default in SERVER_SETTINGS.items()})
+
+
+def _positive_int(s: dict, key: str) -> int:
+    text = s[key].strip()
+    if not re.fullmatch(r"[0-9]{1,18}", text) or int(text) < 1:
+        raise InvalidArgument(f"tensile.{key} is {s[key]!r}; it must be a positive integer: set it in the "
+                              "server's configuration files and reload them (SELECT pg_reload_conf())")
+    return int(text)
+
+
+def limits(s: dict) -> Limits:
+    """The largest model the settings ``s`` allow. Raises InvalidArgument for a malformed value."""
+    return Limits(_positive_int(s, "max_layers"), _positive_int(s, "max_parameters"))
 
 
 def socket_dir() -> str:
     # A backend's working directory is the cluster's data directory.
-    return coordinator_client.socket_dir_for(os.getcwd())
+    return address.socket_dir_for(os.getcwd())
 
 
 def _default_python() -> str:
@@ -89,31 +118,136 @@ def _default_python() -> str:
     return shutil.which("python3") or "python3"
 
 
-def connect(plpy, GD, start: bool = True):
-    """A client connected to this cluster's coordinator, started on demand if ``start``.
+def _start_spec(plpy, GD, s: dict) -> coordinator_client.StartSpec:
+    """How to start a coordinator with the settings ``s``. Raises InvalidArgument for a value
+    not allowed."""
+    for key, allowed in (("policy", POLICIES), ("pool", POOLS), ("device", ("cpu", "cuda"))):
+        if s[key] not in allowed:
+            raise InvalidArgument(f"tensile.{key} is {s[key]!r}; it must be one of {', '.join(allowed)}: set it in "
+                                  "the server's configuration files and reload them (SELECT pg_reload_conf())")
+    budget = plpy.execute(plan(plpy, GD, "SELECT pg_catalog.pg_size_bytes($1) AS b", ["pg_catalog.text"]),
+                          [s["device_budget"]])[0]["b"]
+    return coordinator_client.StartSpec(
+        python=s["python"] or _default_python(), device=s["device"], budget_nbytes=int(budget),
+        max_active_jobs=_positive_int(s, "max_active_jobs"), policy=s["policy"], pool=s["pool"],
+        postmaster_pid_file=os.path.join(os.getcwd(), "postmaster.pid"),
+        python_path=str(Path(__file__).resolve().parent.parent.parent), limits=limits(s))
 
-    Raises InvalidArgument, when ``start``, for a ``tensile.policy`` not in POLICIES or a
-    ``tensile.pool`` not in POOLS, and CoordinatorUnavailable when no coordinator answers.
+
+def connect(plpy, GD, start: bool = True):
+    """``(client, settings)``: a client connected to this cluster's coordinator, started on
+    demand if ``start``. Waits in slices (see :func:`pause`) up to ``tensile.coordinator_timeout``.
+
+    Raises InvalidArgument, when ``start``, for a tensile.* setting not allowed, and
+    CoordinatorUnavailable when no coordinator answers in time.
     """
     s = settings(plpy, GD)
-    if start and s["policy"] not in POLICIES:
-        raise InvalidArgument(f"tensile.policy is {s['policy']!r}; it must be one of {', '.join(POLICIES)}: "
-                              "set it in the server's configuration files and reload them (SELECT pg_reload_conf())")
-    if start and s["pool"] not in POOLS:
-        raise InvalidArgument(f"tensile.pool is {s['pool']!r}; it must be one of {', '.join(POOLS)}: "
-                              "set it in the server's configuration files and reload them (SELECT pg_reload_conf())")
-    spec = coordinator_client.StartSpec(
-        python=s["python"] or _default_python(), device=s["device"], budget_nbytes=int(s["budget"]),
-        max_active_jobs=int(s["max_active_jobs"]), policy=s["policy"], pool=s["pool"],
-        postmaster_pid_file=os.path.join(os.getcwd(), "postmaster.pid"),
-        python_path=str(Path(__file__).resolve().parent.parent.parent))
-    return coordinator_client.connect(socket_dir(), spec if start else None), s
+    spec = _start_spec(plpy, GD, s) if start else None
+    client = coordinator_client.connect(socket_dir(), spec, timeout_s=coordinator_timeout(plpy, GD),
+                                        pause=lambda seconds: pause(plpy, GD, seconds))
+    return client, s
+
+
+def pause(plpy, GD, seconds: float) -> None:
+    """Sleep ``seconds``, then call into SPI so that PostgreSQL can deliver a cancel,
+    ``statement_timeout`` or termination (raised here as a Python exception)."""
+    time.sleep(seconds)
+    plpy.execute(plan(plpy, GD, "SELECT 1"))
+
+
+def session_setting(plpy, GD, name: str) -> str | None:
+    """A setting of this session (``SET``, ``ALTER ROLE / DATABASE ... SET`` or the configuration
+    files reach it), or None when it was never set."""
+    return plpy.execute(plan(plpy, GD, "SELECT pg_catalog.current_setting($1, true) AS v", ["pg_catalog.text"]),
+                        [name])[0]["v"]
+
+
+def coordinator_timeout(plpy, GD) -> float:
+    """The session's ``tensile.coordinator_timeout``, seconds (default
+    ``DEFAULT_COORDINATOR_TIMEOUT_S``). Raises InvalidArgument naming a value that is not a
+    positive number."""
+    value = session_setting(plpy, GD, "tensile.coordinator_timeout")
+    text = (value or "").strip()
+    if not text:
+        return DEFAULT_COORDINATOR_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 1e9:
+        raise InvalidArgument(f"tensile.coordinator_timeout is {value!r}; it must be a positive number of seconds "
+                              "(SET tensile.coordinator_timeout = 30)")
+    return seconds
+
+
+def _thread(target) -> threading.Thread:
+    """A started daemon thread that PostgreSQL's signals never interrupt: it inherits a mask
+    blocking every signal, so cancels and timeouts reach the backend's own thread."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        thread = threading.Thread(target=target, name="tensile-io", daemon=True)
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    return thread
+
+
+def exchange(plpy, GD, client, io, doing: str, timeout_s: float | None):
+    """Run ``io()`` — a send and/or receive on ``client`` — on a helper thread and return what
+    it returns, waiting in ``WAIT_SLICE_S`` slices with a call into SPI between them.
+
+    ``timeout_s`` None waits as long as the coordinator works (a training); else raises
+    CoordinatorUnavailable after that many seconds, naming ``doing`` and the coordinator's
+    process state. A closed connection raises CoordinatorUnavailable too; errors the coordinator
+    sent are raised as they are. On any exception (a cancel included) the connection is shut
+    down first, so the helper thread ends and the coordinator cancels the work.
+    """
+    done = threading.Event()
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["value"] = io()
+        except BaseException as exc:        # handed to the waiting thread
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    check = plan(plpy, GD, "SELECT 1")
+    thread = _thread(run)
+    try:
+        while not done.wait(WAIT_SLICE_S):
+            plpy.execute(check)              # lets PostgreSQL deliver a cancel or statement_timeout
+            if deadline is not None and time.monotonic() > deadline:
+                raise CoordinatorUnavailable(
+                    f"the coordinator ({client.state()}) did not answer within {timeout_s:g} s during {doing}; "
+                    f"see {socket_dir()}/{address.LOG_NAME}, or stop it (SELECT tensile.stop_coordinator()) "
+                    "and call again (tensile.coordinator_timeout sets the wait)")
+        error = outcome.get("error")
+        if isinstance(error, (EOFError, OSError)):
+            raise CoordinatorUnavailable(
+                f"the coordinator closed the connection during {doing} ({error!r}); see "
+                f"{socket_dir()}/{address.LOG_NAME}, then call again") from None
+        if error is not None:
+            raise error
+        return outcome["value"]
+    except BaseException:
+        client.abort()
+        thread.join(1.0)
+        raise
+
+
+def request(plpy, GD, client, header: dict, arrays: dict | None = None, doing: str = "a request"):
+    """Send one request and return the reply ``(header, arrays)``, within
+    ``tensile.coordinator_timeout`` (see :func:`exchange`)."""
+    return exchange(plpy, GD, client, lambda: client.request(header, arrays), doing, coordinator_timeout(plpy, GD))
 
 
 def prefetch_window(plpy, GD) -> int | str:
     """The session's ``tensile.prefetch_window``: an integer >= 1 or ``"all"`` (default
     ``DEFAULT_PREFETCH_WINDOW`` when unset or empty). Raises InvalidArgument naming any other value."""
-    value = plpy.execute(plan(plpy, GD, "SELECT current_setting('tensile.prefetch_window', true) AS w"))[0]["w"]
+    value = session_setting(plpy, GD, "tensile.prefetch_window")
     text = (value or "").strip().lower()
     if not text:
         return DEFAULT_PREFETCH_WINDOW
@@ -126,33 +260,17 @@ def prefetch_window(plpy, GD) -> int | str:
 
 
 def await_result(plpy, GD, client, doing: str, on_message) -> tuple[dict, dict]:
-    """Wait for the coordinator's ``result`` message and return it as ``(header, arrays)``.
-
-    Waits in ``WAIT_SLICE_S`` slices, calling into SPI between them so that PostgreSQL can
-    deliver a cancel or ``statement_timeout``; hands every other message to
-    ``on_message(header, arrays)``. On any error (a cancel, an error the coordinator sent, one
-    raised by ``on_message``) sends ``{"type": "cancel"}`` and re-raises. Raises
-    CoordinatorUnavailable, naming ``doing`` ("training"), when the coordinator closes the
-    connection.
-    """
-    check = plan(plpy, GD, "SELECT 1")
+    """Wait for the coordinator's ``result`` message and return it as ``(header, arrays)``;
+    hands every other message to ``on_message(header, arrays)``. Each wait is an
+    :func:`exchange` without a deadline, so cancel and ``statement_timeout`` reach the backend;
+    on any error (a cancel, an error the coordinator sent, one raised by ``on_message``) the
+    connection is shut down, which cancels the work, and the error re-raised."""
     try:
         while True:
-            if not client.poll(WAIT_SLICE_S):
-                plpy.execute(check)          # lets PostgreSQL deliver a cancel or statement_timeout
-                continue
-            try:
-                header, arrays = client.receive()
-            except (EOFError, OSError) as exc:
-                raise CoordinatorUnavailable(
-                    f"the coordinator closed the connection during {doing} ({exc!r}); see "
-                    f"{socket_dir()}/coordinator.log, then call again") from None
+            header, arrays = exchange(plpy, GD, client, client.receive, doing, None)
             if header["type"] == "result":
                 return header, arrays
             on_message(header, arrays)
     except BaseException:
-        try:
-            client.send({"type": "cancel"})
-        except OSError:
-            pass
+        client.abort()
         raise

@@ -19,11 +19,12 @@ from __future__ import annotations
 import io
 import json
 import math
+import zipfile
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..errors import InvalidArgument
+from ..errors import CorruptModel, InvalidArgument
 from . import kernels
 
 TASKS = ("classification", "regression")
@@ -31,6 +32,8 @@ OPTIMIZERS = ("adam", "sgd")
 ACTIVATIONS = ("relu", "tanh", "sigmoid", "none")
 #: Largest width of one dense layer; wider is almost certainly a typo.
 MAX_WIDTH = 1 << 16
+#: Largest magnitude of a float32; options and labels beyond it cannot be computed with.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,30 @@ class ModelSpec:
         return sum(i * o + o for i, o in self.dense_shapes())
 
 
+@dataclass(frozen=True)
+class Limits:
+    """The largest model the coordinator builds, set by the administrator in the server's
+    configuration (``tensile.max_layers``, ``tensile.max_parameters``). A training program has a
+    fixed number of ops per dense layer, so ``max_layers`` bounds the ops per iteration too (and
+    with it the time to build a program and the length of the period the jobs share)."""
+
+    max_layers: int = 1000              # dense layers, the output layer included
+    max_parameters: int = 100_000_000   # weights and biases, elements (float32: 400 MB)
+
+    def check(self, spec: ModelSpec, name: str) -> None:
+        """Raise InvalidArgument naming the model, its size and the setting it exceeds."""
+        layers = len(spec.architecture.layers) + 1
+        if layers > self.max_layers:
+            raise InvalidArgument(f"model {name!r} has {layers:,} dense layers (with the output layer), more than "
+                                  f"tensile.max_layers ({self.max_layers:,}); use fewer layers, or ask the "
+                                  "administrator to raise tensile.max_layers")
+        parameters = spec.n_parameters()
+        if parameters > self.max_parameters:
+            raise InvalidArgument(f"model {name!r} has {parameters:,} parameters, more than tensile.max_parameters "
+                                  f"({self.max_parameters:,}); use narrower or fewer layers, or ask the "
+                                  "administrator to raise tensile.max_parameters")
+
+
 # --- parsing ------------------------------------------------------------------------------------
 
 
@@ -147,6 +174,25 @@ def parse_architecture(value) -> Architecture:
     return Architecture(tuple(parsed))
 
 
+def _shown(value) -> str:
+    """A JSON value as the user wrote it, cut to a readable length."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_float32(key: str, value) -> float:
+    """``value`` as a float, or InvalidArgument naming ``key`` when it is not finite or beyond
+    float32's range (about 3.4e38), where the device computes."""
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not (math.isfinite(number) and abs(number) <= FLOAT32_MAX):
+        raise InvalidArgument(f"{key} is {_shown(value)}, beyond the range of real (float32, about 3.4e38); "
+                              "pass a finite value of a sensible size")
+    return number
+
+
 _OPTION_TYPES = {
     "task": (str, type(None)), "epochs": int, "batch_size": int, "optimizer": str,
     "lr": (int, float, type(None)), "momentum": (int, float), "weight_decay": (int, float),
@@ -156,21 +202,25 @@ _OPTION_TYPES = {
 
 def parse_options(value) -> TrainOptions:
     """Validate training options (JSON text or dict). Raises InvalidArgument naming the key."""
-    obj = load_json_object(value, "options")
+    obj = dict(load_json_object(value, "options"))
     check_keys(obj, tuple(_OPTION_TYPES), "options")
     for key, val in obj.items():
         types = _OPTION_TYPES[key]
         if not isinstance(val, types) or (isinstance(val, bool) and types is not bool):
-            raise InvalidArgument(f"options.{key} has the wrong type: got {json.dumps(val)}")
+            raise InvalidArgument(f"options.{key} has the wrong type: got {_shown(val)}")
+        if key in ("lr", "momentum", "weight_decay") and val is not None:
+            obj[key] = check_float32(f"options.{key}", val)
     opts = TrainOptions(**obj)
     if opts.task is not None and opts.task not in TASKS:
         raise InvalidArgument(f"options.task must be one of {', '.join(TASKS)}, got {opts.task!r}")
     if opts.optimizer not in OPTIMIZERS:
         raise InvalidArgument(f"options.optimizer must be one of {', '.join(OPTIMIZERS)}, got {opts.optimizer!r}")
     if not 1 <= opts.epochs <= 100_000:
-        raise InvalidArgument(f"options.epochs must be from 1 to 100000, got {opts.epochs}")
+        raise InvalidArgument(f"options.epochs must be from 1 to 100000, got {_shown(opts.epochs)}")
     if not 1 <= opts.batch_size <= 1 << 20:
-        raise InvalidArgument(f"options.batch_size must be from 1 to {1 << 20}, got {opts.batch_size}")
+        raise InvalidArgument(f"options.batch_size must be from 1 to {1 << 20}, got {_shown(opts.batch_size)}")
+    if not 0 <= opts.seed < 1 << 63:
+        raise InvalidArgument(f"options.seed must be an integer from 0 to 2^63 - 1, got {_shown(opts.seed)}")
     if opts.lr is not None and not (math.isfinite(opts.lr) and opts.lr > 0):
         raise InvalidArgument(f"options.lr must be a positive number, got {opts.lr}")
     if not 0 <= opts.momentum < 1:
@@ -202,10 +252,76 @@ def serialize_weights(weights: dict[str, np.ndarray]) -> bytes:
     return buf.getvalue()
 
 
-def deserialize_weights(data: bytes) -> dict[str, np.ndarray]:
-    """Inverse of :func:`serialize_weights`; never unpickles."""
-    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-        return {k: npz[k] for k in npz.files}
+#: Bytes an ``.npy`` member may hold beyond its array's data: the format's header.
+NPY_HEADER_NBYTES = 4096
+#: Optional arrays that come in pairs: the feature scaling (F,) and, for regression, the target's (1,).
+_SCALING = (("x_mean", "x_std"), ("y_mean", "y_std"))
+
+
+def weight_shapes(spec: ModelSpec, names) -> dict[str, tuple[int, ...]]:
+    """The arrays a model of ``spec`` consists of and their shapes: ``W{i}`` (I, O) and ``b{i}``
+    (O,) for every dense layer, and each scaling pair that ``names`` holds part of."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i, (n_in, n_out) in enumerate(spec.dense_shapes()):
+        shapes[f"W{i}"], shapes[f"b{i}"] = (n_in, n_out), (n_out,)
+    names = set(names)
+    for pair, shape in zip(_SCALING, ((spec.n_features,), (1,))):
+        if names & set(pair) and (pair[0] != "y_mean" or spec.task == "regression"):
+            shapes.update({n: shape for n in pair})
+    return shapes
+
+
+def check_weights(spec: ModelSpec, weights: dict[str, np.ndarray], name: str) -> dict[str, np.ndarray]:
+    """The weights as float32 arrays, checked against ``spec``: exactly the arrays of
+    :func:`weight_shapes`, each of that shape, of a floating dtype, with finite values. Raises
+    CorruptModel naming the model and the first array that is missing, extra or wrong."""
+    shapes = weight_shapes(spec, weights)
+    extra = sorted(set(weights) - set(shapes))
+    if extra:
+        raise CorruptModel(f"model {name!r}: its weights hold arrays the architecture has no use for ({', '.join(extra[:5])}); "
+                           "train the model again")
+    out = {}
+    for key, shape in shapes.items():
+        a = weights.get(key)
+        if a is None or tuple(a.shape) != shape or a.dtype.kind != "f":
+            got = "nothing" if a is None else f"{a.dtype} {tuple(a.shape)}"
+            raise CorruptModel(f"model {name!r}: weight {key} must be a float array of shape {shape}, got {got}; "
+                               "train the model again")
+        a = np.asarray(a, dtype=np.float32)
+        if not np.isfinite(a).all():
+            raise CorruptModel(f"model {name!r}: weight {key} has NaN or infinite values; train the model again")
+        out[key] = a
+    return out
+
+
+def load_weights(data: bytes, spec: ModelSpec, name: str) -> dict[str, np.ndarray]:
+    """Inverse of :func:`serialize_weights`, checked against ``spec`` before anything is
+    decompressed: every member of the archive must be one of the spec's arrays and no larger than
+    that array's bytes plus an ``.npy`` header, so a small row cannot expand into gigabytes. Never
+    unpickles. Raises CorruptModel naming the model (see also :func:`check_weights`)."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        members = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise CorruptModel(f"model {name!r}: its weights are not a NumPy .npz archive ({exc}); train the model again") from None
+    with archive:
+        arrays = {m.filename.removesuffix(".npy"): m for m in members}
+        shapes = weight_shapes(spec, arrays)
+        for key, member in arrays.items():
+            shape = shapes.get(key)
+            if shape is None or not member.filename.endswith(".npy"):
+                raise CorruptModel(f"model {name!r}: its weights hold arrays the architecture has no use for "
+                                   f"({member.filename}); train the model again")
+            limit = math.prod(shape) * 8 + NPY_HEADER_NBYTES       # float64 at most
+            if member.file_size > limit:
+                raise CorruptModel(f"model {name!r}: weight {key} holds {member.file_size:,} bytes, more than its "
+                                   f"shape {shape} allows ({limit:,}); train the model again")
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+                weights = {k: npz[k] for k in npz.files}
+        except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
+            raise CorruptModel(f"model {name!r}: its weights cannot be read ({exc}); train the model again") from None
+    return check_weights(spec, weights, name)
 
 
 def activations(spec: ModelSpec) -> list[str]:

@@ -1,0 +1,76 @@
+"""Where a cluster's coordinator listens, and how a caller reads its state. A leaf module: the
+backends import it without the server.
+
+The socket directory is ``<data_dir>/tensile_coordinator``, mode 0700, owned by the server's OS
+user, inside the data directory (itself 0700): no other OS user can create it first, enter it or
+connect. A Unix socket path longer than the kernel's limit (108 bytes) is reached through
+``/proc/self/fd/<fd of the directory>/coordinator.sock``, so the location never moves to a shared
+place such as ``/tmp``, however long the data directory's path.
+
+The coordinator writes its pid into ``coordinator.lock`` once it holds the lock, so a caller that
+waits too long for an answer can say what the coordinator is doing (running, stopped, gone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+
+from ..errors import TensileError
+
+SOCKET_NAME = "coordinator.sock"
+LOCK_NAME = "coordinator.lock"
+LOG_NAME = "coordinator.log"
+#: Longest Unix socket path used as it is, bytes (the kernel's limit is 107 plus the NUL).
+MAX_SOCKET_PATH = 100
+#: What ``/proc/<pid>/stat`` state letters mean, for error messages.
+_PROCESS_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped (SIGSTOP)",
+                   "t": "stopped by a debugger", "Z": "a zombie", "X": "dead", "I": "idle"}
+
+
+def socket_dir_for(data_dir: str) -> str:
+    """The coordinator's directory for the cluster whose data directory is ``data_dir``."""
+    return os.path.join(data_dir, "tensile_coordinator")
+
+
+def secure_dir(path: str) -> str:
+    """Create ``path`` with mode 0700 if missing; raise TensileError for one that is not owned by
+    this OS user or that others may enter."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise TensileError(f"socket directory {path} must be a directory owned by uid {os.geteuid()} with mode "
+                           f"0700 (it has uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); remove it and call again")
+    return path
+
+
+@contextlib.contextmanager
+def socket_address(socket_dir: str):
+    """The address to bind or connect for ``socket_dir``'s socket: its path, or when that is too
+    long for ``AF_UNIX``, the same file through ``/proc/self/fd``, valid inside the ``with``."""
+    path = os.path.join(socket_dir, SOCKET_NAME)
+    if len(path.encode()) <= MAX_SOCKET_PATH:
+        yield path
+        return
+    fd = os.open(socket_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{SOCKET_NAME}"
+    finally:
+        os.close(fd)
+
+
+def coordinator_state(socket_dir: str) -> str:
+    """What the coordinator of ``socket_dir`` is doing, in words, for an error message:
+    ``"pid 1234, stopped (SIGSTOP)"``, ``"pid 1234, not running"``, or ``"no pid recorded"``."""
+    try:
+        with open(os.path.join(socket_dir, LOCK_NAME)) as f:
+            pid = int(f.readline())
+    except (OSError, ValueError):
+        return "no pid recorded"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            letter = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return f"pid {pid}, not running"
+    return f"pid {pid}, {_PROCESS_STATES.get(letter, 'state ' + letter)}"
