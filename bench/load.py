@@ -280,7 +280,8 @@ def phase_b(cluster: EmbeddedCluster, conninfo: str, base: Path, args) -> bool:
     for t in side:
         t.start()
     # pgbench speaks only to the cluster's Unix socket; the server trusts local connections.
-    cmd = ["pgbench", "-n", "-M", "prepared", "-P", str(PROGRESS_S), "-f", str(script), "-c", str(args.clients), "-j", str(args.threads),
+    cmd = ["pgbench", "-n", "-M", "prepared", "-P", str(PROGRESS_S), "-f", str(script), "-c", str(args.clients),
+           "-j", str(args.threads),
            "-T", str(args.duration), "-h", str(cluster.socket_dir), "-p", str(cluster.port), "-U", "postgres", DATABASE]
     t0 = time.perf_counter()
     try:

@@ -41,7 +41,8 @@ def secure_dir(path: str) -> str:
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
         raise TensileError(f"socket directory {path} must be a directory owned by uid {os.geteuid()} with mode "
-                           f"0700 (it has uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); remove it and call again")
+                           f"0700 (it has uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); remove it and call "
+                           "again")
     return path
 
 

@@ -103,16 +103,17 @@ def parse_options(value) -> BatchOptions:
     return BatchOptions(**obj)
 
 
-def read_model(plpy, GD, name) -> ModelRow:
-    """The model's row, weights left out. Raises ModelNotFound when the role sees no such model."""
+def read_model(plpy, GD, name, limits: models.Limits) -> ModelRow:
+    """The model's row, weights left out. Raises ModelNotFound when the role sees no such model,
+    InvalidArgument when it is larger than ``limits``."""
     check_model_name(name)
     rows = plpy.execute(session.plan(plpy, GD, """
         SELECT id, d.oid AS database,
                pg_catalog.concat_ws('/', d.oid, owner, pg_catalog.to_char(created_at AT TIME ZONE 'UTC',
                                                                          'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')) AS version,
                task, architecture::pg_catalog.text AS architecture, feature_names, label_classes
-        FROM tensile.models,
-             (SELECT oid FROM pg_catalog.pg_database WHERE datname OPERATOR(pg_catalog.=) pg_catalog.current_database()) d
+        FROM tensile.models, (SELECT oid FROM pg_catalog.pg_database
+                              WHERE datname OPERATOR(pg_catalog.=) pg_catalog.current_database()) d
         WHERE name OPERATOR(pg_catalog.=) $1""", ["pg_catalog.text"]), [name])
     if not rows:
         raise ModelNotFound(f'model "{name}" does not exist; SELECT name FROM tensile.models lists the models')
@@ -121,7 +122,7 @@ def read_model(plpy, GD, name) -> ModelRow:
     classes = list(row["label_classes"]) if row["label_classes"] else None
     spec = models.ModelSpec(models.parse_architecture(architecture), len(row["feature_names"]),
                             len(classes) if classes else 1, row["task"])
-    session.limits(session.settings(plpy, GD)).check(spec, name)
+    limits.check(spec, name)
     return ModelRow(row["id"], row["database"], row["version"], name, spec, architecture, list(row["feature_names"]),
                     classes)
 
@@ -135,9 +136,9 @@ def _weights(plpy, GD, model: ModelRow) -> dict[str, np.ndarray]:
     return models.load_weights(rows[0]["weights"], model.spec, model.name)
 
 
-def _infer(plpy, GD, model: ModelRow, x: np.ndarray, window: int, opts: BatchOptions) -> np.ndarray:
+def _infer(plpy, GD, s: dict, model: ModelRow, x: np.ndarray, window: int, opts: BatchOptions) -> np.ndarray:
     """Run x (N, F) float32 through the model on the coordinator: outputs (N, n_outputs) float32."""
-    client, s = session.connect(plpy, GD)
+    client, _ = session.connect(plpy, GD, s=s)
     timeout_s = session.coordinator_timeout(plpy, GD)
     header = {"type": "predict", "model_name": model.name, "model_id": model.id, "model_version": model.version,
               "database": model.database,
@@ -173,14 +174,15 @@ def _infer(plpy, GD, model: ModelRow, x: np.ndarray, window: int, opts: BatchOpt
 def _predict(plpy, GD, model_name, source, key, options) -> tuple[ModelRow, np.ndarray, np.ndarray]:
     """The model, the ids (N,) int64 and the outputs (N, n_outputs) float32 of the source's rows."""
     opts = parse_options(options)
-    model = read_model(plpy, GD, model_name)
+    s = session.settings(plpy, GD)
+    model = read_model(plpy, GD, model_name, session.limits(s))
     window = opts.window if opts.window is not None else session.prefetch_window(plpy, GD)
     layers = len(model.spec.dense_shapes())
     window = layers if isinstance(window, str) else min(window, layers)
     data = read_features(plpy, source, model.feature_names, key, opts.skip_nulls)
     if len(data.ids) == 0:
         return model, data.ids, np.empty((0, model.spec.n_outputs), dtype=np.float32)
-    return model, data.ids, _infer(plpy, GD, model, data.x, window, opts)
+    return model, data.ids, _infer(plpy, GD, s, model, data.x, window, opts)
 
 
 def _predictions(model: ModelRow, outputs: np.ndarray) -> np.ndarray:
@@ -230,7 +232,8 @@ def predict_into(plpy, GD, model_name, source, target, key, options) -> dict:
     table = _target(plpy, GD, target)
     model, ids, outputs = _predict(plpy, GD, model_name, source, key, options)
     # Row k's probabilities are $3[(k - 1) * $4 + 1 : k * $4], with pg_catalog's operators.
-    first, last = "(k OPERATOR(pg_catalog.-) 1) OPERATOR(pg_catalog.*) $4 OPERATOR(pg_catalog.+) 1", "k OPERATOR(pg_catalog.*) $4"
+    first = "(k OPERATOR(pg_catalog.-) 1) OPERATOR(pg_catalog.*) $4 OPERATOR(pg_catalog.+) 1"
+    last = "k OPERATOR(pg_catalog.*) $4"
     insert = plpy.prepare(f"""
         INSERT INTO {table} (id, prediction, probabilities)
         SELECT $1[k], $2[k], CASE WHEN $4 OPERATOR(pg_catalog.>) 0 THEN $3[{first} : {last}] END

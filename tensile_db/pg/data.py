@@ -174,7 +174,8 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
     scan = (f"SELECT pg_catalog.count(*) AS n, pg_catalog.count(*) FILTER (WHERE {complete}) AS complete, "
             f"{', '.join(aggregates)} FROM ({query}\n) AS tensile_source")
     row = _run_one(plpy, scan)[0]
-    plpy.execute(f"SELECT pg_catalog.set_config('max_parallel_workers_per_gather', {plpy.quote_literal(parallel)}, true)")
+    plpy.execute("SELECT pg_catalog.set_config('max_parallel_workers_per_gather', "
+                 f"{plpy.quote_literal(parallel)}, true)")
     n = row["n"]
     nulls = {c: n - row[f"nn{i}"] for i, c in enumerate(names) if row[f"nn{i}"] < n}
     if nulls and not skip_nulls:

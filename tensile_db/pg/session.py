@@ -134,14 +134,15 @@ def _start_spec(plpy, GD, s: dict) -> coordinator_client.StartSpec:
         python_path=str(Path(__file__).resolve().parent.parent.parent), limits=limits(s))
 
 
-def connect(plpy, GD, start: bool = True):
+def connect(plpy, GD, start: bool = True, s: dict | None = None):
     """``(client, settings)``: a client connected to this cluster's coordinator, started on
-    demand if ``start``. Waits in slices (see :func:`pause`) up to ``tensile.coordinator_timeout``.
+    demand if ``start`` with the settings ``s`` (read when None). Waits in slices (see
+    :func:`pause`) up to ``tensile.coordinator_timeout``.
 
     Raises InvalidArgument, when ``start``, for a tensile.* setting not allowed, and
     CoordinatorUnavailable when no coordinator answers in time.
     """
-    s = settings(plpy, GD)
+    s = s or settings(plpy, GD)
     spec = _start_spec(plpy, GD, s) if start else None
     client = coordinator_client.connect(socket_dir(), spec, timeout_s=coordinator_timeout(plpy, GD),
                                         pause=lambda seconds: pause(plpy, GD, seconds))

@@ -86,7 +86,7 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
     skipped = f", {data.skipped_rows:,} rows with NULLs skipped" if data.skipped_rows else ""
     plpy.notice(f"tensile: training {model_name!r} ({task}) on {len(y):,} rows, {len(data.feature_names)} features"
                 f"{', ' + str(n_outputs) + ' classes' if classes else ''}{skipped}")
-    client, s = session.connect(plpy, GD)
+    client, _ = session.connect(plpy, GD, s=s)
     header = {"type": "train", "model_name": model_name, "role": s["role"], "backend_pid": s["pid"],
               "architecture": arch.to_json(), "options": opts.to_json(), "task": task, "n_outputs": n_outputs}
     with client:

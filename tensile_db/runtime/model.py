@@ -278,8 +278,8 @@ def check_weights(spec: ModelSpec, weights: dict[str, np.ndarray], name: str) ->
     shapes = weight_shapes(spec, weights)
     extra = sorted(set(weights) - set(shapes))
     if extra:
-        raise CorruptModel(f"model {name!r}: its weights hold arrays the architecture has no use for ({', '.join(extra[:5])}); "
-                           "train the model again")
+        raise CorruptModel(f"model {name!r}: its weights hold arrays the architecture has no use for "
+                           f"({', '.join(extra[:5])}); train the model again")
     out = {}
     for key, shape in shapes.items():
         a = weights.get(key)
@@ -303,7 +303,8 @@ def load_weights(data: bytes, spec: ModelSpec, name: str) -> dict[str, np.ndarra
         archive = zipfile.ZipFile(io.BytesIO(data))
         members = archive.infolist()
     except (zipfile.BadZipFile, ValueError, OSError) as exc:
-        raise CorruptModel(f"model {name!r}: its weights are not a NumPy .npz archive ({exc}); train the model again") from None
+        raise CorruptModel(f"model {name!r}: its weights are not a NumPy .npz archive ({exc}); "
+                           "train the model again") from None
     with archive:
         arrays = {m.filename.removesuffix(".npy"): m for m in members}
         shapes = weight_shapes(spec, arrays)
