@@ -32,6 +32,7 @@ bench: $(VENV)/.bench-deps package extension
 	$(PY) bench/scheduler.py
 	$(PY) bench/pool.py
 	$(PY) bench/inference.py
+	$(PY) bench/fairness.py
 	$(PY) bench/load.py
 
 system-deps:

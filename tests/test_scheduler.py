@@ -1,10 +1,11 @@
-"""The planned scheduler (issue 3): combined timeline, planners, and the invariants of execution.
+"""The planned scheduler: combined timeline, planners, fair sharing, and the invariants of execution.
 
 Invariants checked on real runs of the executor on ``cpu``: the budget is never exceeded under
 any policy; training under every policy gives the same losses and weights as unlimited memory,
 bit for bit (recompute included); every tensor an op touches is resident when the op runs; plans
 are re-made when jobs arrive and leave and no job is lost; the plan's predicted combined peak
-matches the measured one within 2%.
+matches the measured one within 2%; jobs of very different program lengths share the device by
+time (the short one runs many iterations per period) while the combined timeline stays periodic.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from tensile_db.runtime.program import Op, build_training_program
 from tensile_db.scheduler import POLICIES
 from tensile_db.scheduler.cost import CostModel
 from tensile_db.scheduler.planners import plan_swap_score, plan_tensile, plan_vdnn
-from tensile_db.scheduler.timeline import JobTrace, Timeline, simulate
+from tensile_db.scheduler.reactive import FarthestNextUse
+from tensile_db.scheduler.timeline import (MAX_STRETCH, JobTrace, Timeline, iterations_per_period, period_of,
+                                           round_of, simulate)
 from tensile_db.scheduler.trace import AccessSequence
 
 SPEC = ModelSpec(Architecture((Layer(96, "relu", 0.2), Layer(64, "tanh"), Layer(48, "relu"))), 16, 4,
@@ -144,6 +147,85 @@ def test_simulation_without_decisions_has_no_extra_time():
     assert sim.period_s == pytest.approx(float(np.sum(seq.times_s)))
 
 
+SMALL_SPEC = ModelSpec(Architecture((Layer(8, "relu"),)), 16, 4, "classification")
+
+
+def test_iterations_per_period_give_each_job_about_the_same_time():
+    n_ops = {1: 2407, 2: 13, 3: 13}
+    repeats = iterations_per_period({1: 1.0, 2: 0.01, 3: 0.6}, n_ops)
+    assert repeats == {1: 1, 2: 100, 3: 1}          # floor: never more than the slowest job's time
+    assert period_of(repeats, n_ops) == 2407
+    capped = iterations_per_period({1: 1.0, 2: 1e-9, 3: 0.0}, n_ops)
+    assert capped[2] == capped[3] == MAX_STRETCH * 2407 // 13
+    assert iterations_per_period({1: 2.0, 2: 2.0}, {1: 28, 2: 28}) == {1: 1, 2: 1}
+
+
+def test_round_of_spreads_a_period_of_ops_over_the_rounds_in_order():
+    for n_ops, period in ((13, 2407), (2407, 2407), (130, 2407), (7, 7)):
+        rounds = [round_of(q, n_ops, period) for q in range(n_ops)]
+        assert rounds[0] == 0 and rounds[-1] < period
+        assert all(a < b for a, b in zip(rounds, rounds[1:]))   # at most one op of a job per round
+
+
+def test_a_timeline_holds_every_iteration_of_the_period():
+    long_seq, short_seq = sequence(), sequence(SMALL_SPEC)
+    n_long, n_short = len(long_seq.program.ops), len(short_seq.program.ops)
+    k = 5
+    tl = Timeline([JobTrace(1, long_seq, 0, 0), JobTrace(2, short_seq, 3, 1, repeats=k)],
+                  period=max(n_long, k * n_short))
+    assert tl.n == n_long + k * n_short
+    positions = [q for j, q in tl.events if j == 2]
+    start = positions.index(0)
+    assert positions[start:] + positions[:start] == list(range(k * n_short))   # iterations in order
+    assert tl.durations_s[tl.index[(2, n_short + 1)]] == short_seq.times_s[1]
+    for name, slot in short_seq.program.slots.items():
+        mine = [t for t in tl.tensors if (t.job_id, t.slot) == (2, name)]
+        if slot.kind.persistent:                     # one tensor accessed in every iteration
+            assert len(mine) == 1 and len(mine[0].positions) == k * len(short_seq.program.positions[name])
+        else:                                        # one lifetime per iteration
+            assert [t.repeat for t in mine] == list(range(k))
+            assert all(t.positions[-1] < (t.repeat + 1) * n_short for t in mine)
+    # the short job alone: k lifetimes of each activation, one at a time, so the peak is one iteration's
+    alone = Timeline([JobTrace(2, short_seq, repeats=k)])
+    assert alone.vanilla_peak_nbytes() == short_seq.program.vanilla_peak_nbytes()
+
+
+@pytest.mark.parametrize("planner", [plan_tensile, plan_swap_score, plan_vdnn])
+def test_planners_plan_every_iteration_of_a_job_in_the_period(planner):
+    k = 3
+    tl = Timeline([JobTrace(1, sequence(), 0, 0), JobTrace(2, sequence(seconds=2e-3), 7, 1, repeats=k)],
+                  period=k * len(sequence().program.ops))
+    target = int(0.6 * tl.vanilla_peak_nbytes())
+    plan = planner(tl, FAST, target)
+    _assert_valid(plan, tl)
+    n_prog = len(tl.program(2).ops)
+    repeats = {q // n_prog for job, q in plan.after if job == 2}
+    if planner is plan_vdnn:
+        assert repeats == set(range(k))            # every layer input of every iteration
+    else:
+        assert plan.predicted_peak_nbytes <= target
+        assert repeats                              # actions keyed by period position
+
+
+def test_farthest_next_use_counts_rounds_of_the_device():
+    short, long_ = build_training_program(SMALL_SPEC, OPTIONS, 64), build_training_program(SPEC, OPTIONS, 64)
+    policy = FarthestNextUse()
+    policy.track(1, short)
+    policy.track(2, long_)
+    policy.pace(1, 0.25)                             # four ops of the short job per round
+    for job_id, program in ((1, short), (2, long_)):
+        policy.advance(job_id, 0)
+
+    class T:
+        def __init__(self, job_id, slot):
+            self.job_id, self.slot = job_id, slot
+
+    w_short, w_long = short.ops[1].reads[1], long_.ops[1].reads[1]     # the first layer's weights
+    assert policy(T(1, w_short)) == 0.25 * short.next_use(w_short, 0)
+    assert policy(T(2, w_long)) == long_.next_use(w_long, 0)
+    assert policy(T(3, w_long)) == math.inf
+
+
 # --- planners ---------------------------------------------------------------------------------
 
 
@@ -157,10 +239,10 @@ def _assert_valid(plan, timeline: Timeline) -> None:
         seen.add(key)
         start, length = d.window(timeline.n)
         assert length > 0
-        prog = timeline.program(d.job_id)
-        for p in prog.positions[d.slot]:
-            k = timeline.index[(d.job_id, p)]
-            assert timeline.cyclic(start, k) >= length, f"{d.slot} absent at its access {prog.ops[p].name}"
+        accesses = [q for t in timeline.tensors if (t.job_id, t.slot) == (d.job_id, d.slot) for q in t.positions]
+        for q in accesses:
+            k = timeline.index[(d.job_id, q)]
+            assert timeline.cyclic(start, k) >= length, f"{d.slot} absent at its access at period position {q}"
 
 
 @pytest.mark.parametrize("planner", [plan_tensile, plan_swap_score])
@@ -390,3 +472,81 @@ def test_replans_when_measured_times_drift():
     iteration(5e-3)                                    # the moving average moves past 25%
     assert sched.replan_reasons == [f"op times of job {job.id} drifted"]
     sched.close()
+
+
+# --- fair sharing -------------------------------------------------------------------------------
+
+LONG_SPEC = ModelSpec(Architecture(tuple(Layer(16, "relu") for _ in range(30))), 16, 4, "classification")
+
+
+def _record_rounds(job: TrainingJob, ex: Executor, log: list) -> None:
+    """Wrap every op of the job so it appends (round, job id, position, period, iterations per
+    period of every job) to ``log`` when it runs."""
+
+    def wrap(position: int, op: Op) -> Op:
+        def run(arrays, ctx):
+            log.append((ex.round, job.id, position, ex.period, tuple(sorted(ex.iterations_per_period().items()))))
+            op.run(arrays, ctx)
+        return Op(op.name, op.reads, op.writes, run)
+
+    job.program.ops[:] = [wrap(p, op) for p, op in enumerate(job.program.ops)]
+
+
+def test_a_short_job_beside_a_long_one_runs_many_iterations_per_period_on_a_periodic_timeline():
+    long_job = make_job(LONG_SPEC, TrainOptions(epochs=10_000, batch_size=64, seed=1), seed=1)
+    short = make_job(SMALL_SPEC, TrainOptions(epochs=40, batch_size=64, seed=2), seed=2)     # 320 iterations
+    n_long, n_short = len(long_job.program.ops), len(short.program.ops)
+    ex = Executor(MemoryManager(Device("cpu"), 1 << 26, pool="general"), policy="tensile", cost=FAST)
+    log: list = []
+    for job in (long_job, short):
+        _record_rounds(job, ex, log)
+    ex.start()
+    try:
+        ex.submit(long_job)
+        while long_job.iterations < 4:                # its op times have settled
+            time.sleep(0.001)
+        ex.submit(short)
+        long_before = long_job.iterations
+        while (event := short.events.get(timeout=120))[0] == "progress":
+            pass
+        assert event[0] == "done"
+        long_during = long_job.iterations - long_before
+    finally:
+        ex.stop()
+    # the short job did not wait for one iteration of the long one per iteration of its own
+    assert long_during < short.iterations / 4
+    # the longest stretch of rounds with both jobs at one pace
+    segments: dict[tuple, list] = {}
+    for record in log:
+        segments.setdefault(record[3:], []).append(record)
+    (period, repeats), steady = max(((key, rs) for key, rs in segments.items() if len(key[1]) == 2),
+                                    key=lambda item: len(item[1]))
+    repeats = dict(repeats)
+    assert repeats[long_job.id] == 1 and repeats[short.id] >= 4
+    assert period == max(n_long, repeats[short.id] * n_short)
+    r0 = steady[0][0] + 1
+    assert steady[-1][0] >= r0 + 2 * period, "expected two whole periods at one pace"
+    windows = [[(r - start, job, p) for r, job, p, *_ in steady if start <= r < start + period]
+               for start in (r0, r0 + period)]
+    assert windows[0] == windows[1]                  # the combined timeline repeats every period
+    ops = [job for _, job, _ in windows[0]]
+    assert ops.count(long_job.id) == n_long and ops.count(short.id) == repeats[short.id] * n_short
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_jobs_of_different_lengths_stay_in_budget_and_match_vanilla_bit_for_bit(policy):
+    def jobs():
+        return [make_job(LONG_SPEC, TrainOptions(epochs=1, batch_size=64, optimizer="adam", lr=0.005, seed=11), seed=1),
+                make_job(SMALL_SPEC, TrainOptions(epochs=8, batch_size=64, optimizer="adam", lr=0.005, seed=12), seed=2)]
+
+    reference = jobs()
+    run(reference, 64 * sum(j.vanilla_peak_nbytes for j in reference), "reactive")
+    mine = jobs()
+    budget = budget_of(mine, 0.5)
+    mm, _ = run(mine, budget, policy, check_residency=True)
+    assert mm.peak_nbytes <= budget and sum(j.memory.swap_outs for j in mine) > 0
+    assert mine[1].finished_at < mine[0].finished_at    # the short job is not held to the long one's pace
+    for ref, job in zip(reference, mine):
+        assert job.loss == ref.loss
+        for name, value in ref.result.items():
+            assert np.array_equal(job.result[name], value), f"{policy}: {name} differs"

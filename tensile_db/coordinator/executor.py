@@ -1,14 +1,22 @@
-"""The executor: admission control and round-robin execution of every running job's ops.
+"""The executor: admission control and fair, periodic execution of every running job's ops.
 
 One thread runs all jobs on the device, in rounds. Each round it admits queued jobs while fewer
-than ``max_active_jobs`` run, then lets every running job run the ops that are due: with ``R``
-the longest program among the running jobs, a job of ``L`` ops runs op ``p`` of an iteration in
-round ``start + p * R // L``, so every job completes one iteration per ``R`` rounds. The ops of
-concurrent jobs interleave as kernels of concurrent processes would on a GPU, the memory manager
-sees one combined timeline, and that timeline repeats every ``R`` rounds, which is what the
-scheduler plans (:mod:`tensile_db.scheduler`). A job whose smallest possible working set exceeds the budget is refused at
-submission with the bytes it needs; a cancelled job is removed between two ops and its device
-memory freed at once.
+than ``max_active_jobs`` run, then lets every running job run the op that is due. The rounds form
+periods (Note [Fair sharing] in :mod:`tensile_db.scheduler.timeline`): in a period of ``R`` rounds
+a job runs ``k`` iterations, its *iterations per period*, chosen by the scheduler so that every
+job gets about the same device time per period; its op at period position ``q`` is due in round
+``start + round_of(q, k * L, R)``. So a small model beside a long one completes many iterations
+while the long one completes one, and a job's progress does not depend on the length of the
+others' programs. The ops of concurrent jobs interleave as kernels of concurrent processes would
+on a GPU, the memory manager sees one combined timeline, and that timeline repeats every period,
+which is what the scheduler plans (:mod:`tensile_db.scheduler`).
+
+The iterations per period and the period change only when a job arrives or leaves and when a
+job's measured op times settle; a job whose pace changes is re-anchored so that its next op is
+due at once (no stall, no burst), the memory manager is told that the schedule changed, and the
+scheduler re-plans for the new timeline. A job whose smallest possible working set exceeds the
+budget is refused at submission with the bytes it needs; a cancelled job is removed between two
+ops and its device memory freed at once.
 """
 
 from __future__ import annotations
@@ -17,14 +25,32 @@ import collections
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 from ..errors import DeviceOutOfMemory, JobCancelled, TensileError
 from ..memory.manager import MemoryManager
 from ..scheduler.cost import CostModel
 from ..scheduler.engine import Scheduler
+from ..scheduler.timeline import period_of, round_of
 from .jobs import JobState, TrainingJob
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pace:
+    """Where a running job is in the executor's periods: the round its current period started in
+    (its phase, mod the period), its iterations per period, and the iterations of the current
+    period it has completed."""
+
+    start: int
+    repeats: int
+    iteration: int = 0
+
+    def offset(self, job: TrainingJob, period: int) -> int:
+        """Rounds from the start of the job's period to the round its next op is due in."""
+        n_prog = len(job.program.ops)
+        return round_of(self.iteration * n_prog + job.next_position, self.repeats * n_prog, period)
 
 
 class Executor:
@@ -39,8 +65,12 @@ class Executor:
         self.manager = manager
         self.scheduler = Scheduler(manager, policy, cost)
         self.max_active_jobs = max_active_jobs
+        # ``_cond`` guards ``queued``, ``running``, ``_stopping`` and which jobs ``_pace`` holds;
+        # the executor's thread alone changes ``round``, ``period``, ``_repace`` and the paces.
         self.round = 0
-        self._iteration_start: dict[int, int] = {}      # job id -> round its iteration started
+        self.period = 1                                 # rounds per period
+        self._pace: dict[int, _Pace] = {}               # running job id -> its place in the periods
+        self._repace = False                            # recompute the paces before the next round
         self.queued: collections.deque[TrainingJob] = collections.deque()
         self.running: dict[int, tuple[TrainingJob, object]] = {}
         self._cond = threading.Condition()
@@ -101,12 +131,15 @@ class Executor:
                     if not self._stopping:
                         self._cond.wait()
                     continue
+                if self._repace:
+                    self._set_paces()
                 turn = list(self.running.values())
             period = self.period
             plan = self.scheduler.plan
             try:
                 if self.scheduler.replan_reasons:
-                    self.scheduler.replan({j.id: self._iteration_start[j.id] % period for j, _ in turn}, period)
+                    self.scheduler.replan({j.id: self._pace[j.id].start % period for j, _ in turn}, period,
+                                          {j.id: self._pace[j.id].repeats for j, _ in turn})
                 self.scheduler.poll()
             except Exception:  # planning is an optimisation: never let it stop the jobs
                 log.exception("scheduling failed; the jobs go on under the reactive fallback")
@@ -119,8 +152,8 @@ class Executor:
                 if job.cancel_requested.is_set():
                     self._finish(job, JobState.CANCELLED, JobCancelled("cancelled by the caller"))
                     continue
-                n_ops = len(job.program.ops)
-                while self._iteration_start[job.id] + job.next_position * period // n_ops <= self.round:
+                pace = self._pace[job.id]
+                while pace.start + pace.offset(job, period) <= self.round:
                     try:
                         next(ops)
                     except StopIteration:
@@ -132,33 +165,61 @@ class Executor:
                         self._finish(job, JobState.FAILED, exc)
                         break
                     if job.next_position == 0:
-                        self._iteration_start[job.id] += period
-                        self.scheduler.iteration_done(job)
+                        pace.iteration += 1
+                        if pace.iteration == pace.repeats:
+                            pace.start, pace.iteration = pace.start + period, 0
+                        self._repace |= self.scheduler.iteration_done(job)
+                        self.scheduler.at_iteration(job, pace.iteration)
             self.round += 1
-
-    @property
-    def period(self) -> int:
-        """Rounds per iteration of every running job: the longest running program, in ops."""
-        return max((len(j.program.ops) for j, _ in list(self.running.values())), default=1)
 
     def describe(self) -> dict:
         """The scheduler's figures for ``tensile.memory`` (see :meth:`Scheduler.describe`)."""
         return self.scheduler.describe()
 
+    def iterations_per_period(self) -> dict[int, int]:
+        """Running job id -> its iterations per period now."""
+        with self._cond:
+            return {job_id: pace.repeats for job_id, pace in self._pace.items()}
+
+    def _set_paces(self) -> None:
+        """Give every admitted job the iterations per period the scheduler asks for now, and the
+        period that follows; a running job whose pace changes is re-anchored so that its next op
+        is due in this round. A newly admitted job (no pace yet) gets one starting now."""
+        self._repace = False
+        jobs = self.scheduler.jobs
+        repeats = self.scheduler.iterations_per_period()
+        period = period_of(repeats, {j: len(job.program.ops) for j, job in jobs.items()})
+        changed = False
+        for job_id, k in repeats.items():
+            job, pace = jobs[job_id], self._pace.get(job_id)
+            if pace is None:
+                self._pace[job_id] = _Pace(self.round, k)
+            elif (pace.repeats, self.period) != (k, period):
+                pace.repeats, pace.iteration = k, pace.iteration % k
+                pace.start = self.round - pace.offset(job, period)
+                self.scheduler.at_iteration(job, pace.iteration)
+                changed = True
+        self.period = period
+        self.scheduler.paced(period, repeats)
+        if changed:
+            self.manager.schedule_changed("the jobs' iterations per period changed")
+
     def _admit(self, job: TrainingJob) -> None:
-        period = max(self.period, len(job.program.ops))
-        phases = {j: start % period for j, start in self._iteration_start.items()}
-        delay = self.scheduler.stagger(job, phases, period, self.round)
         self.manager.register_job(job.id)
         self.scheduler.admit(job)
+        self._set_paces()
+        phases = {j: pace.start % self.period for j, pace in self._pace.items() if j != job.id}
+        repeats = {j: pace.repeats for j, pace in self._pace.items()}
+        self._pace[job.id].start += self.scheduler.stagger(job, phases, self.period, self.round, repeats)
+        self.scheduler.at_iteration(job, 0)
         job.state, job.started_at = JobState.RUNNING, time.time()
-        self._iteration_start[job.id] = self.round + delay
         self.running[job.id] = (job, job.ops(self.manager, self.manager.device, self.scheduler))
 
     def _finish(self, job: TrainingJob, state: JobState, error: BaseException | None = None) -> None:
         with self._cond:
-            self.running.pop(job.id, None)
-        self._iteration_start.pop(job.id, None)
+            if self.running.pop(job.id, None) is not None:
+                self._repace = True
+            self._pace.pop(job.id, None)
         self.scheduler.forget(job)
         job.memory = self.manager.release_job(job.id)
         job.state, job.error, job.finished_at = state, error, time.time()

@@ -2,7 +2,8 @@
 
 - ``trace.py``: access sequences with measured op times (the cold-start record).
 - ``cost.py``: the cost model, host<->device bandwidth measured at start.
-- ``timeline.py``: the combined timeline of all running jobs and the simulator of a plan.
+- ``timeline.py``: the combined timeline of all running jobs, the executor's pace (fair sharing:
+  iterations per period of each job) and the simulator of a plan.
 - ``planners.py``: TENSILE's planner, the swap selection of arXiv 1903.06631, and vDNN.
 - ``reactive.py``: farthest next use, the fallback that keeps every job inside the budget.
 - ``engine.py``: the :class:`Scheduler` the executor runs around every op.

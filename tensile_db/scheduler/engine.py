@@ -4,6 +4,14 @@ Around every op the executor calls :meth:`Scheduler.before` and :meth:`Scheduler
 take the plan's actions for that op (release and swap-in before, swap-out and drop after) through
 the memory manager, fold the op's measured time into the job's access sequence, and follow the
 job's position for the reactive fallback (farthest next use, :mod:`~tensile_db.scheduler.reactive`).
+Plan actions are keyed by the op's period position (Note [Fair sharing] in
+:mod:`~tensile_db.scheduler.timeline`): the executor says which iteration of the period a job is in
+with :meth:`Scheduler.at_iteration`.
+
+Fair sharing: :meth:`Scheduler.iterations_per_period` is the policy that gives every running job
+about the same device time per period; the executor asks for it when a job arrives or leaves and
+when :meth:`Scheduler.iteration_done` reports that a job's op times have settled, and reports the
+pace it runs with :meth:`Scheduler.paced` (a change of pace is a reason to re-plan).
 
 Re-planning (TENSILE, arXiv 2105.13336, section 4.3): the scheduler asks for a new plan when a job
 arrives (the new job then runs its cold-start iteration under the reactive policy, in bytes the
@@ -31,15 +39,17 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from ..memory.arena import UNIT_NBYTES
+from ..settings import POLICIES
 from .cost import CostModel, measure_bandwidth
 from .planners import Plan, plan_swap_score, plan_tensile, plan_vdnn
 from .reactive import FarthestNextUse
-from .timeline import JobTrace, Timeline
-from .trace import AccessSequence
+from .timeline import JobTrace, Timeline, iterations_per_period, round_of
+from .trace import SETTLE_ITERATIONS, AccessSequence
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("tensile", "reactive", "vdnn", "swap_score")
+#: most delays :meth:`Scheduler.stagger` compares (a period may be tens of thousands of rounds)
+STAGGER_CANDIDATES = 256
 _PLANNERS = {"tensile": plan_tensile, "swap_score": plan_swap_score, "vdnn": plan_vdnn}
 
 
@@ -75,8 +85,11 @@ class Scheduler:
         # On cpu the buffers are plain host memory; on cuda they come from the arena.
         nbytes = 16 << 20 if manager.device.name == "cpu" else min(16 << 20, max(manager.budget_nbytes // 4, 4096))
         self.cost = cost or measure_bandwidth(manager.device, manager.engine, nbytes=nbytes)
+        # Fields below are used by the executor's thread only, except ``plan`` (read by describe()).
         self.jobs: dict[int, object] = {}                 # running jobs, in admission order
         self.sequences: dict[int, AccessSequence] = {}
+        self._repeat: dict[int, int] = {}                 # job id -> its iteration of the period (0 to k - 1)
+        self._period, self._repeats = 1, {}               # the executor's pace, as last reported to paced()
         self.plan: Plan | None = None
         self.plans_made = 0
         self.plan_seconds = 0.0                           # time spent planning, cumulative
@@ -103,28 +116,71 @@ class Scheduler:
         if self.jobs.pop(job.id, None) is not None:
             self._want_replan(f"job {job.id} left")
         self.sequences.pop(job.id, None)
+        self._repeat.pop(job.id, None)
         self.reactive.forget(job.id)
 
-    def iteration_done(self, job) -> None:
+    def iteration_done(self, job) -> bool:
+        """The job completed an iteration. True when its op times have just settled
+        (:data:`~.trace.SETTLE_ITERATIONS`): the iterations per period of the running jobs should
+        be recomputed (:meth:`iterations_per_period`)."""
         seq = self.sequences[job.id]
         seq.end_iteration()
         if seq.iterations == 1:
             self._want_replan(f"job {job.id} measured")
         elif (job.id in self._plan_times and seq.drift(self._plan_times[job.id]) > self.drift
-              and seq.iterations - self._plan_iteration[job.id] >= self.drift_every):
+                and seq.iterations - self._plan_iteration[job.id] >= self.drift_every):
             self._want_replan(f"op times of job {job.id} drifted")
+            self._plan_iteration[job.id] = seq.iterations    # not again until drift_every more
+        return seq.iterations == SETTLE_ITERATIONS
+
+    # -- fair sharing --------------------------------------------------------------------------
+
+    def iterations_per_period(self) -> dict[int, int]:
+        """Job id -> iterations per period for every running job, each getting about the same
+        device time per period (:func:`~.timeline.iterations_per_period`). A job's iteration time
+        is the sum of its ops' least measured times once they have settled
+        (:attr:`~.trace.AccessSequence.best_iteration_s`, seconds); before that, its op count
+        times the mean op time of the settled jobs (or its op count, if none is)."""
+        if not self.jobs:
+            return {}
+        n_ops = {j: len(job.program.ops) for j, job in self.jobs.items()}
+        settled = [j for j in self.jobs if self.sequences[j].settled]
+        op_s = (sum(self.sequences[j].best_iteration_s for j in settled) / sum(n_ops[j] for j in settled)
+                if settled else 1.0)
+        iteration_s = {j: self.sequences[j].best_iteration_s if j in settled else n_ops[j] * op_s
+                       for j in self.jobs}
+        return iterations_per_period(iteration_s, n_ops)
+
+    def paced(self, period: int, repeats: dict[int, int]) -> None:
+        """The executor now runs ``repeats`` (job id -> iterations per period) in periods of
+        ``period`` rounds. A change of either is a schedule change: re-plan. One op of a job of
+        ``L`` ops takes ``period / (k * L)`` rounds, the unit in which the reactive fallback
+        compares distances to the next use across jobs."""
+        if (period, repeats) != (self._period, self._repeats):
+            self._period, self._repeats = period, dict(repeats)
+            self._want_replan("iterations per period changed")
+        for job_id, k in repeats.items():
+            self.reactive.pace(job_id, period / (k * len(self.jobs[job_id].program.ops)))
+
+    def at_iteration(self, job, repeat: int) -> None:
+        """The job's next ops belong to its iteration ``repeat`` (0 to k - 1) of the period: the
+        plan's actions for op ``p`` are those at period position ``repeat * L + p``."""
+        self._repeat[job.id] = repeat
 
     # -- around every op -----------------------------------------------------------------------
 
     def before(self, job, position: int) -> None:
         if self.plan is not None:
-            self._act(self.plan.before.get((job.id, position), ()))
+            self._act(self.plan.before.get((job.id, self._period_position(job, position)), ()))
 
     def after(self, job, position: int, seconds: float) -> None:
         self.sequences[job.id].record(position, seconds)
         self.reactive.advance(job.id, position)
         if self.plan is not None:
-            self._act(self.plan.after.get((job.id, position), ()))
+            self._act(self.plan.after.get((job.id, self._period_position(job, position)), ()))
+
+    def _period_position(self, job, position: int) -> int:
+        return self._repeat.get(job.id, 0) * len(job.program.ops) + position
 
     def _act(self, actions) -> None:
         for kind, job_id, slot in actions:
@@ -135,27 +191,33 @@ class Scheduler:
 
     # -- planning ------------------------------------------------------------------------------
 
-    def stagger(self, job, phases: dict[int, int], period: int, now: int) -> int:
+    def stagger(self, job, phases: dict[int, int], period: int, now: int,
+                repeats: dict[int, int] | None = None) -> int:
         """Rounds (0 to ``period - 1``) to hold a newly admitted job back so that its memory peak
         falls where the running jobs' combined usage is lowest: the shortest delay among those
-        whose combined unscheduled peak, counted per round, is least. ``phases``: running job id
-        -> round (mod ``period``) its iteration starts in; ``now``: the current round. Only the
-        ``tensile`` policy staggers; TENSILE itself starts a job whenever it arrives."""
+        whose combined unscheduled peak, counted per round, is least (at most
+        :data:`STAGGER_CANDIDATES` delays, evenly spaced, are tried). ``phases``: running job id ->
+        round (mod ``period``) its period starts in; ``now``: the current round; ``repeats``: job
+        id -> iterations per period (1 for a job not in it). Only the ``tensile`` policy
+        staggers; TENSILE itself starts a job whenever it arrives."""
         if self.policy != "tensile" or not phases:
             return 0
+        repeats = repeats or {}
         combined = np.zeros(period)
         for job_id, phase in phases.items():
-            combined += np.roll(_round_usage(self.sequences[job_id].program, period), phase)
-        mine = _round_usage(job.program, period)
-        peaks = [float(np.max(combined + np.roll(mine, (now + delay) % period))) for delay in range(period)]
-        return int(np.argmin(peaks))
+            combined += np.roll(_round_usage(self.sequences[job_id].program, period, repeats.get(job_id, 1)), phase)
+        mine = _round_usage(job.program, period, repeats.get(job.id, 1))
+        delays = range(0, period, -(-period // STAGGER_CANDIDATES))
+        peaks = [float(np.max(combined + np.roll(mine, (now + delay) % period))) for delay in delays]
+        return delays[int(np.argmin(peaks))]
 
-    def replan(self, phases: dict[int, int], period: int, wait: bool = False) -> None:
+    def replan(self, phases: dict[int, int], period: int, repeats: dict[int, int] | None = None,
+               wait: bool = False) -> None:
         """Start making a new plan for the running jobs, on the planning thread, from a snapshot
         of their access sequences; :meth:`poll` installs it when it is ready (with ``wait``, at
-        once). ``phases``: job id -> the round (mod ``period``, the executor's rounds per
-        iteration of every running job) its current iteration started in.
-        Jobs run meanwhile under the previous plan, so planning never stalls them."""
+        once). ``phases``: job id -> the round (mod ``period``, the executor's rounds per period)
+        its current period started in; ``repeats``: job id -> iterations per period (1 for a job
+        not in it). Jobs run meanwhile under the previous plan, so planning never stalls them."""
         reasons, self.replan_reasons = tuple(self.replan_reasons), []
         measured = [j for j in self.jobs.values() if self.sequences[j.id].measured]
         cold = [j for j in self.jobs.values() if not self.sequences[j.id].measured]
@@ -166,10 +228,12 @@ class Scheduler:
             request.target = max(int((self.mm.budget_nbytes - reserve) * (1.0 - self.headroom)), floor)
             request.period = period
             order = {job_id: i for i, job_id in enumerate(self.jobs)}
-            request.traces = [JobTrace(j.id, self.sequences[j.id].snapshot(), phases[j.id], order[j.id])
-                              for j in measured]
+            request.traces = [JobTrace(j.id, self.sequences[j.id].snapshot(), phases[j.id], order[j.id],
+                                       (repeats or {}).get(j.id, 1)) for j in measured]
         self._request = request
         self.history = (self.history + [request.record])[-64:]
+        if self._pending is not None:
+            self._pending.cancel()                       # superseded: skip it if not started yet
         self._pending = self._planning.submit(self._make, request)
         if wait:
             self._pending.result()
@@ -249,17 +313,18 @@ class _Request:
 
 
 @functools.lru_cache(maxsize=64)
-def _round_usage(program, period: int) -> np.ndarray:
-    """(period,) float64: bytes a job of ``program`` holds in each round of an iteration spread
-    over ``period`` rounds (the largest at its ops in that round; an empty round keeps the
-    previous op's)."""
-    per_op = Timeline([JobTrace(0, AccessSequence(program))]).usage([])
-    n_ops = len(program.ops)
-    rounds = np.full(period, np.nan)
-    for p in range(n_ops):
-        r = p * period // n_ops
-        rounds[r] = per_op[p] if np.isnan(rounds[r]) else max(rounds[r], per_op[p])
-    for r in range(period):
-        if np.isnan(rounds[r]):
-            rounds[r] = rounds[r - 1]
-    return rounds
+def _op_usage(program) -> np.ndarray:
+    """(ops,) int64: bytes a job of ``program`` holds at each op of an iteration, alone."""
+    return Timeline([JobTrace(0, AccessSequence(program))]).usage([])
+
+
+def _round_usage(program, period: int, repeats: int = 1) -> np.ndarray:
+    """(period,) float64: bytes a job of ``program`` holds in each round of a period of
+    ``period`` rounds in which it runs ``repeats`` iterations (the largest at its ops in that
+    round; an empty round keeps the previous op's)."""
+    per_op = _op_usage(program)
+    q = np.arange(repeats * len(per_op))
+    rounds = np.full(period, -1.0)
+    np.maximum.at(rounds, round_of(q, len(q), period), per_op[q % len(per_op)])
+    last_filled = np.maximum.accumulate(np.where(rounds >= 0, np.arange(period), 0))
+    return rounds[last_filled]

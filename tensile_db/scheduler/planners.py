@@ -2,7 +2,9 @@
 
 Every planner returns a :class:`Plan` over the combined timeline of the measured jobs
 (:mod:`tensile_db.scheduler.timeline`); the executor carries it out and the memory manager's
-reactive eviction covers whatever the plan misses.
+reactive eviction covers whatever the plan misses. A job that runs several iterations per period
+is planned in each of them: its activations have one lifetime per iteration, and the plan's
+actions are keyed by period position, so each iteration gets its own swaps and recomputes.
 
 - :func:`plan_tensile` (TENSILE, Zhang et al., arXiv 2105.13336, section 4, changed where noted):
   while the combined timeline's peak is above the target, take the event at the peak and, among
@@ -48,9 +50,10 @@ class Plan:
     Attributes:
         policy: the planner's name.
         decisions: the planned absences.
-        before: (job_id, position) -> actions to take before that op: ``("release", job, slot)``
-            then ``("swap_in", job, slot)``.
-        after: (job_id, position) -> ``("swap_out", job, slot)`` and ``("drop", job, slot)``.
+        before: (job_id, q) -> actions to take before the op at period position ``q`` of the
+            job (:class:`~.timeline.Timeline`): ``("release", job, slot)`` then
+            ``("swap_in", job, slot)``.
+        after: (job_id, q) -> ``("swap_out", job, slot)`` and ``("drop", job, slot)``.
         predicted_peak_nbytes: the combined peak of the measured jobs under the plan.
         vanilla_peak_nbytes: the same without a plan.
         target_nbytes: the peak the planner aimed for.
@@ -99,7 +102,7 @@ class _Gap:
     tensor: TensorInfo
     a: int                 # event of the access before the absence
     b: int                 # event of the access after it
-    pa: int                # the same as positions in the job's program
+    pa: int                # the same as period positions of the job
     pb: int
 
 
@@ -113,17 +116,21 @@ class _State:
         self.taken: set[tuple[int, str, int]] = set()       # (job, slot, a) already decided
         self.extra: dict[tuple[int, str], set[int]] = {}    # positions read by planned recomputes
         self.sim = simulate(timeline, [], cost)
-        self._gaps: dict[tuple[int, str], list[_Gap]] = {}
+        # (job, slot) -> repeat -> gaps; a decision on a slot invalidates all its repeats
+        self._gaps: dict[tuple[int, str], dict[int, list[_Gap]]] = {}
 
     def gaps(self, t: TensorInfo) -> list[_Gap]:
         """The absences of ``t`` not decided yet (cached until a decision touches ``t``)."""
-        key = (t.job_id, t.slot)
-        if key not in self._gaps:
-            self._gaps[key] = self._find_gaps(t)
-        return self._gaps[key]
+        cached = self._gaps.setdefault((t.job_id, t.slot), {})
+        if t.repeat not in cached:
+            cached[t.repeat] = self._find_gaps(t)
+        return cached[t.repeat]
 
     def _find_gaps(self, t: TensorInfo) -> list[_Gap]:
-        pos = sorted(set(t.positions) | self.extra.get((t.job_id, t.slot), set()))
+        extra = self.extra.get((t.job_id, t.slot), set())
+        if not t.persistent:                                # only the reads within this lifetime
+            extra = {q for q in extra if t.positions[0] <= q <= t.positions[-1]}
+        pos = sorted(set(t.positions) | extra)
         pairs = list(zip(pos, pos[1:]))
         if t.persistent:
             pairs.append((pos[-1], pos[0]))
@@ -166,7 +173,7 @@ class _State:
         t = gap.tensor
         prog = self.tl.program(t.job_id)
         recipe = prog.recipe(t.slot)
-        if recipe is None or gap.pa < recipe[-1] or gap.pb <= gap.pa:
+        if recipe is None or gap.pa % len(prog.ops) < recipe[-1] or gap.pb <= gap.pa:
             return None
         inputs = prog.recipe_inputs_of(recipe, t.slot)
         for d in self.decisions:
@@ -257,9 +264,10 @@ def plan_swap_score(timeline: Timeline, cost: CostModel, target_nbytes: int) -> 
 
 
 def plan_vdnn(timeline: Timeline, cost: CostModel, target_nbytes: int | None = None) -> Plan:
-    """vDNN_all on every job of the timeline (see the module docstring); ignores the target."""
+    """vDNN_all on every job of the timeline, in each of its iterations of the period (see the
+    module docstring); ignores the target."""
     decisions = []
-    for job_id in timeline.traces:
+    for job_id, trace in timeline.traces.items():
         prog = timeline.program(job_id)
         names = [op.name for op in prog.ops]
         first_backward = next(i for i, n in enumerate(names) if n.endswith("_backward"))
@@ -272,10 +280,10 @@ def plan_vdnn(timeline: Timeline, cost: CostModel, target_nbytes: int | None = N
             free = next((q for q in dense if q > pa), first_backward - 1)
             above = f"dense{layer + 1}_backward"
             back = names.index(above) if above in names else first_backward
-            index = timeline.index
             if not pa < free < back <= pb:
                 continue
-            decisions.append(Decision(job_id, slot, prog.slots[slot].arena_nbytes, "swap",
-                                      index[(job_id, pa)], index[(job_id, pb)],
-                                      index[(job_id, free)], index[(job_id, back)]))
+            for i in range(trace.repeats):
+                at = {q: timeline.index[(job_id, i * len(names) + q)] for q in (pa, pb, free, back)}
+                decisions.append(Decision(job_id, slot, prog.slots[slot].arena_nbytes, "swap",
+                                          at[pa], at[pb], at[free], at[back]))
     return Plan.build("vdnn", timeline, decisions, cost, target_nbytes)

@@ -1,19 +1,43 @@
-"""The combined timeline of all running jobs, and the simulator that predicts a plan's memory and time.
+"""The combined timeline of all running jobs, the executor's pace, and the simulator that predicts
+a plan's memory and time.
 
-The executor interleaves jobs in rounds: with ``R`` the longest program (in ops) among the running
-jobs, every job runs one iteration per ``R`` rounds, op ``p`` of a job of ``L`` ops in round
-``phase + p * R // L`` of the period (``phase`` is the round its iteration starts in). One period
-of ``R`` rounds is therefore one iteration of every job, and the sequence of ops in it, the
-*combined timeline*, repeats as long as the same jobs run. TENSILE plans each job against the sum
-of the per-job peaks; planning against the combined timeline sees that the jobs' peaks fall at
-different times.
+Note [Fair sharing]
+-------------------
+The executor interleaves jobs in rounds. A period is ``R`` rounds; in one period a job of ``L``
+ops runs ``k`` whole iterations (its *iterations per period*), that is ``n = k * L`` ops, and the
+op at *period position* ``q = i * L + p`` (op ``p`` of the period's iteration ``i``) runs in round
+``phase + q * R // n`` (:func:`round_of`, the one place this formula lives; ``phase`` is the round
+its period starts in). The sequence of ops in one period, the *combined timeline*, repeats as long
+as the same jobs run at the same pace, so a plan made for one period applies to every period.
+
+Rationale: with one iteration of every job per period (``k = 1``), every job ran at the pace of the
+longest program: a small model beside a 400-layer one ran about 65 times slower than alone. Here
+each job gets about the same device time per period instead: :func:`iterations_per_period` gives a
+job ``k = floor(T_max / T)`` iterations per period, where ``T`` is its iteration time and
+``T_max`` the longest such time, so no job gets more device time per period than the slowest
+job's one iteration. ``T`` is the sum of the job's least measured op times once they have settled
+(:mod:`~tensile_db.scheduler.trace`), and before that its op count times the settled jobs' mean op
+time. The period is then the most ops any job runs in one (:func:`period_of`), so no job runs
+more than one op per round. This is weighted round robin with quanta fixed per schedule (compare
+deficit round robin, Shreedhar and Varghese, SIGCOMM 1995): the ``k`` of every job change only
+when a job arrives or leaves and when a job's op times settle, which keeps the timeline periodic,
+as the plans need; each such change is a schedule change (a re-plan).
+
+Limitations: ``k`` is capped so that a job's ops per period stay within :data:`MAX_STRETCH` times
+the longest program (a job whose ops are far cheaper than the longest job's gets less than an
+equal share, rather than a period of unbounded length); the iterations per period do not follow
+op times that drift later; ``floor`` leaves a job whose iteration is up to twice as fast as the
+slowest one at one iteration per period (measured times on a shared machine vary that much).
 
 Memory on the timeline is counted the way the memory manager counts it: a non-persistent tensor
-holds its arena bytes from the op that first writes it to the end of its last access; a persistent
+holds its arena bytes from the op that first writes it to the end of its last access in the same
+iteration (so a job of ``k`` iterations per period has ``k`` such lifetimes of it); a persistent
 one always; a planned absence (a :class:`Decision`) removes a cyclic window of events. Because a
 swap-out's bytes are freed at a fixed event (the executor waits there if the copy is late) and a
 swap-in's are taken at a fixed event, memory over the timeline depends only on the plan, not on
 timing; only the predicted time does, which :func:`simulate` computes with one FIFO copy channel.
+TENSILE plans each job against the sum of the per-job peaks; planning against the combined
+timeline sees that the jobs' peaks fall at different times.
 """
 
 from __future__ import annotations
@@ -25,27 +49,64 @@ import numpy as np
 from .cost import CostModel
 from .trace import AccessSequence
 
+#: most ops of one job in a period, as a multiple of the longest program (Note [Fair sharing])
+MAX_STRETCH = 4
+
+
+def round_of(q: int, n_ops: int, period: int) -> int:
+    """Round, counted from the start of the job's period, in which a job that runs ``n_ops`` ops
+    per period of ``period`` rounds runs the op at period position ``q`` (0 <= q < n_ops)."""
+    return q * period // n_ops
+
+
+def iterations_per_period(iteration_s: dict[int, float], n_ops: dict[int, int]) -> dict[int, int]:
+    """Iterations per period of each job (job id -> k >= 1) so that every job gets about the same
+    device time per period (Note [Fair sharing]). ``iteration_s``: job id -> its iteration time,
+    seconds (or any unit common to all jobs); ``n_ops``: job id -> ops in its program."""
+    longest_s = max(iteration_s.values())
+    cap_ops = MAX_STRETCH * max(n_ops.values())
+    repeats = {}
+    for job_id, seconds in iteration_s.items():
+        cap = max(1, cap_ops // n_ops[job_id])
+        repeats[job_id] = max(1, int(min(cap, longest_s / seconds))) if seconds > 0 else cap
+    return repeats
+
+
+def period_of(repeats: dict[int, int], n_ops: dict[int, int]) -> int:
+    """Rounds per period: the most ops any job runs in one (job id -> iterations per period, job
+    id -> ops in its program); 1 without jobs."""
+    return max((k * n_ops[j] for j, k in repeats.items()), default=1)
+
 
 @dataclass(frozen=True)
 class JobTrace:
-    """A job on the timeline: its access sequence (with op times), the round its iteration starts
-    in (mod the period), and its place in each round (admission order)."""
+    """A job on the timeline: its access sequence (with op times), the round its period starts in
+    (mod the period), its place in each round (admission order), and its iterations per period."""
 
     job_id: int
     sequence: AccessSequence
     phase: int = 0
     order: int = 0
+    repeats: int = 1
+
+    @property
+    def n_ops(self) -> int:
+        """Ops of the job in one period."""
+        return self.repeats * len(self.sequence.program.ops)
 
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """A tensor of a job as the planner sees it: arena bytes, persistence, accessing positions."""
+    """A tensor of a job as the planner sees it: arena bytes, persistence, and the period positions
+    that access it. A persistent tensor is one over the whole period; a non-persistent one is one
+    per iteration of its job in the period (``repeat``: which)."""
 
     job_id: int
     slot: str
     nbytes: int
     persistent: bool
     positions: tuple[int, ...]
+    repeat: int = 0
 
 
 @dataclass
@@ -75,45 +136,59 @@ class Decision:
 
 
 class Timeline:
-    """The ops of one period of the combined timeline, in execution order. ``period`` is the
-    executor's rounds per iteration (its longest running program, which may be a job not on this
-    timeline); by default the longest program here.
+    """The ops of one period of the combined timeline, in execution order (Note [Fair sharing]).
+    ``period`` is the executor's rounds per period (which may come from a job not on this
+    timeline); by default the most ops any job here runs in one period.
 
     Attributes:
         period: rounds per period.
-        events: (job_id, position) per event, in order; ``n`` of them.
-        index: (job_id, position) -> event index.
+        events: (job_id, q) per event, in order, ``q`` the op's period position (op ``q % L`` of
+            the job's program of ``L`` ops, in its iteration ``q // L`` of the period); ``n`` of them.
+        index: (job_id, q) -> event index.
         durations_s: (n,) float64 seconds, each op's measured time.
         tensors: every tensor of every job, as :class:`TensorInfo`.
+
+    Raises:
+        ValueError: no traces, or a period shorter than some job's ops per period.
     """
 
     def __init__(self, traces: list[JobTrace], period: int | None = None):
         if not traces:
             raise ValueError("a timeline needs at least one job")
         self.traces = {t.job_id: t for t in traces}
-        longest = max(len(t.sequence.program.ops) for t in traces)
-        if period is not None and period < longest:
-            raise ValueError(f"period {period} is shorter than the longest program ({longest} ops)")
-        self.period = period or longest
+        most = max(t.n_ops for t in traces)
+        if period is not None and period < most:
+            raise ValueError(f"period {period} is shorter than the most ops of a job in one ({most})")
+        self.period = period or most
         keyed = []
         for t in traces:
-            n_ops = len(t.sequence.program.ops)
-            for p in range(n_ops):
-                keyed.append(((t.phase + p * self.period // n_ops) % self.period, t.order, p, t.job_id))
+            for q in range(t.n_ops):
+                keyed.append(((t.phase + round_of(q, t.n_ops, self.period)) % self.period, t.order, q, t.job_id))
         keyed.sort()
-        self.events = [(job, p) for _, _, p, job in keyed]
+        self.events = [(job, q) for _, _, q, job in keyed]
         self.n = len(self.events)
         self.index = {e: k for k, e in enumerate(self.events)}
-        self.durations_s = np.array([self.traces[j].sequence.times_s[p] for j, p in self.events])
+        self.durations_s = np.array([self.traces[j].sequence.times_s[q % self.n_program_ops(j)]
+                                     for j, q in self.events])
         self.tensors: list[TensorInfo] = []
         for t in traces:
-            prog = t.sequence.program
+            prog, n_prog = t.sequence.program, len(t.sequence.program.ops)
             for name, slot in prog.slots.items():
-                self.tensors.append(TensorInfo(t.job_id, name, slot.arena_nbytes, slot.kind.persistent,
-                                               tuple(prog.positions[name])))
+                pos = prog.positions[name]
+                if slot.kind.persistent:
+                    self.tensors.append(TensorInfo(t.job_id, name, slot.arena_nbytes, True,
+                                                   tuple(i * n_prog + p for i in range(t.repeats) for p in pos)))
+                    continue
+                for i in range(t.repeats):
+                    self.tensors.append(TensorInfo(t.job_id, name, slot.arena_nbytes, False,
+                                                   tuple(i * n_prog + p for p in pos), i))
 
     def program(self, job_id: int):
         return self.traces[job_id].sequence.program
+
+    def n_program_ops(self, job_id: int) -> int:
+        """Ops in the job's program (one iteration); its period positions are taken mod this."""
+        return len(self.traces[job_id].sequence.program.ops)
 
     def cyclic(self, start: int, end: int) -> int:
         """Events from ``start`` forward to ``end`` (0 when equal)."""

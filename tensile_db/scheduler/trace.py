@@ -5,7 +5,15 @@ in a cold-start iteration. Here the order of accesses, the tensors each op reads
 their sizes come from the job's :class:`~tensile_db.runtime.program.Program`, which is exact from
 the first iteration; what the cold-start iteration records is the time of every op, measured
 around the op's arithmetic (without waits for transfers). Later iterations keep the times current
-with an exponential moving average.
+with an exponential moving average, which the planners use.
+
+The executor's fair sharing (Note [Fair sharing] in :mod:`tensile_db.scheduler.timeline`) needs
+how much device time a job's iteration takes relative to the others', not where its times are
+heading. For that the sequence also keeps each op's least time over the iterations after the cold
+start: a wall-clock op time on a shared machine only gains from contention (another thread
+holding the GIL, the copy thread, other processes; a job measured in its cold start while a plan
+was being made read ten times its later time), and the cold start adds first-touch costs. The
+estimate is *settled* after :data:`SETTLE_ITERATIONS` iterations.
 """
 
 from __future__ import annotations
@@ -14,6 +22,9 @@ import numpy as np
 
 from ..runtime.program import Program
 
+#: iterations (the cold start included) after which :attr:`AccessSequence.best_iteration_s` is used
+SETTLE_ITERATIONS = 4
+
 
 class AccessSequence:
     """One job's access sequence and its op times.
@@ -21,6 +32,7 @@ class AccessSequence:
     Attributes:
         program: the job's program (op order, reads, writes, slot sizes).
         times_s: (ops,) float64, smoothed op times in seconds; NaN until first measured.
+        best_s: (ops,) float64, each op's least time in seconds after the cold start; NaN before.
         iterations: complete iterations recorded.
     """
 
@@ -30,18 +42,21 @@ class AccessSequence:
         self.program = program
         self.smoothing = smoothing
         self.times_s = np.full(len(program.ops), np.nan)
+        self.best_s = np.full(len(program.ops), np.nan)
         self.iterations = 0
 
     def snapshot(self) -> "AccessSequence":
         """A copy whose times no longer change (the program is shared)."""
         copy = AccessSequence(self.program, self.smoothing)
-        copy.times_s, copy.iterations = self.times_s.copy(), self.iterations
+        copy.times_s, copy.best_s, copy.iterations = self.times_s.copy(), self.best_s.copy(), self.iterations
         return copy
 
     def record(self, position: int, seconds: float) -> None:
         """Fold one measured time of op ``position`` (seconds) into the moving average."""
         old = self.times_s[position]
         self.times_s[position] = seconds if np.isnan(old) else old + self.smoothing * (seconds - old)
+        if self.iterations > 0:
+            self.best_s[position] = np.fmin(self.best_s[position], seconds)
 
     def end_iteration(self) -> None:
         self.iterations += 1
@@ -52,8 +67,19 @@ class AccessSequence:
         return self.iterations > 0 and not np.isnan(self.times_s).any()
 
     @property
+    def settled(self) -> bool:
+        """True once :attr:`best_iteration_s` is an estimate to share the device by."""
+        return self.iterations >= SETTLE_ITERATIONS and not np.isnan(self.best_s).any()
+
+    @property
     def iteration_s(self) -> float:
+        """Seconds of one iteration, from the smoothed op times."""
         return float(np.nansum(self.times_s))
+
+    @property
+    def best_iteration_s(self) -> float:
+        """Seconds of one iteration, from each op's least time after the cold start."""
+        return float(np.nansum(self.best_s))
 
     def drift(self, reference_s: np.ndarray) -> float:
         """Relative change of the iteration time since ``reference_s`` (the times a plan used)."""
