@@ -230,7 +230,6 @@ COMMENT ON FUNCTION tensile.memory_status() IS
 'The device arena: budget, bytes in use, high-water mark since the coordinator started, per-job bytes; '
 'and the scheduler: policy, host-to-device and device-to-host bandwidth measured at start (bytes per '
 'second), plans made, and the latest plan''s predicted peak bytes and extra seconds per period; '
-'(per_job names models only as tensile.job_status does); '
 'and the planned pool: its state (idle, recording, planning, serving, or general only), the bytes its '
 'region holds, plans installed, allocations served by lookup, mismatches that sent requests back to the '
 'general pool, and for the last recorded period the planned arena, the lower bound (max live bytes) and '
@@ -238,7 +237,8 @@ COMMENT ON FUNCTION tensile.memory_status() IS
 'for each job alone; and batch inference: predict calls running or waiting for device memory, the '
 'device bytes they hold, the bytes of model layers kept in the weight cache (counted in in_use_bytes '
 'too), layer loads host to device, '
-'layer uses served from the cache, and cached layers evicted for room';
+'layer uses served from the cache, and cached layers evicted for room; per_job names models only as '
+'tensile.job_status does';
 CREATE VIEW tensile.memory AS SELECT * FROM tensile.memory_status();
 GRANT SELECT ON tensile.memory TO PUBLIC;
 COMMENT ON VIEW tensile.memory IS

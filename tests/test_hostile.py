@@ -169,6 +169,44 @@ def test_the_install_script_refuses_a_schema_another_role_made(cluster, conn):
     conn.execute(f"DROP DATABASE {db}")
 
 
+#: The extension's objects as the catalog holds them: functions (definition, security, settings,
+#: volatility, grants, comment), relations (grants), policies (expressions).
+CATALOG = """
+SELECT 'function', p.oid::regprocedure::text,
+       pg_get_functiondef(p.oid) || p.prosecdef || coalesce(p.proconfig::text, '') || p.provolatile::text
+       || p.proparallel::text || coalesce(p.proacl::text, '') || coalesce(obj_description(p.oid, 'pg_proc'), '')
+FROM pg_proc p WHERE p.pronamespace = 'tensile'::regnamespace
+UNION ALL
+SELECT 'relation', c.relname::text, c.relkind::text || coalesce(c.relacl::text, '') FROM pg_class c
+WHERE c.relnamespace = 'tensile'::regnamespace
+UNION ALL
+SELECT 'policy', policyname::text, cmd || coalesce(qual, '') || coalesce(with_check, '') FROM pg_policies
+WHERE schemaname = 'tensile'
+ORDER BY 1, 2"""
+
+
+def test_an_installation_upgraded_from_0_1_0_equals_a_fresh_one(cluster, conn):
+    """The hardening must reach databases that installed 0.1.0, whose tensile.models grants
+    INSERT and DELETE to PUBLIC: ALTER EXTENSION ... UPDATE leaves exactly what CREATE EXTENSION
+    makes."""
+    catalogs = {}
+    for db, create in (("tensile_up", "CREATE EXTENSION tensile_db VERSION '0.1.0' CASCADE"),
+                       ("tensile_fresh", "CREATE EXTENSION tensile_db CASCADE")):
+        conn.execute(f"DROP DATABASE IF EXISTS {db}")
+        conn.execute(f"CREATE DATABASE {db}")
+        with psycopg.connect(cluster.conninfo(db), autocommit=True) as c:
+            c.execute(create)
+            if db == "tensile_up":
+                assert c.execute("SELECT has_table_privilege('public', 'tensile.models', 'INSERT')").fetchone()[0]
+                c.execute("ALTER EXTENSION tensile_db UPDATE")
+            assert c.execute("SELECT extversion FROM pg_extension WHERE extname = 'tensile_db'").fetchone()[0] == "0.2.0"
+            assert not c.execute("SELECT has_table_privilege('public', 'tensile.models', 'INSERT')").fetchone()[0]
+            catalogs[db] = c.execute(CATALOG).fetchall()
+        conn.execute(f"DROP DATABASE {db}")
+    assert catalogs["tensile_up"] == catalogs["tensile_fresh"]
+    assert ("function", "tensile._write_model()") in [row[:2] for row in catalogs["tensile_fresh"]]
+
+
 # --- the registry is written only by the extension ----------------------------------------------
 
 
@@ -343,6 +381,24 @@ def test_absurd_models_are_refused_at_once_by_the_configured_limits(conn, digits
     assert "parameters, more than tensile.max_parameters (100,000,000)" in message
 
 
+def test_a_job_needing_more_than_max_job_bytes_is_refused_before_it_starts(cluster, conn, digits):
+    """Within the layer and parameter limits, wide layers at a large batch made the coordinator
+    hold gigabytes of swapped-out activations in host memory."""
+    conn.execute("SELECT tensile.stop_coordinator()")
+    cluster.configure({"tensile.max_job_bytes": "'1MB'"})
+    try:
+        message = error_of(conn, train, "t_big_job", architecture='{"layers": [{"dense": 512}]}',
+                           options='{"epochs": 1, "batch_size": 1024}')
+        assert "training model 't_big_job' at batch 1,024 needs" in message
+        assert "more than tensile.max_job_bytes (1,048,576); lower options.batch_size" in message
+        assert not any("epoch" in n for n in conn.notices)
+        train(conn, "t_small_job", options='{"epochs": 1, "batch_size": 32}')      # a small job still trains
+    finally:
+        conn.execute("SELECT tensile.stop_coordinator()")
+        cluster.configure({"tensile.max_job_bytes": "'4GB'"})
+    assert_nothing_left(conn)
+
+
 @pytest.mark.parametrize("features, message", [
     ("array_fill('NaN'::real, ARRAY[64])", r"features\[1\] \(p0\) is nan"),
     (f"array_append(({ZEROS})[1:63], 'Infinity')", r"features\[64\] \(p63\) is inf"),
@@ -403,7 +459,7 @@ def test_a_concurrent_training_of_the_same_name_is_refused_before_it_starts(conn
     assert wait_until(lambda: running(conn, "t_twice"))
     started = time.monotonic()
     message = error_of(conn, train, "t_twice", options='{"epochs": 1, "replace": true}')
-    assert 'model "t_twice" is being trained by another session right now' in message
+    assert 'model "t_twice" is being trained by another session' in message
     assert time.monotonic() - started < 2.0 and not any("epoch" in n for n in conn.notices)
     conn.execute("SELECT pg_cancel_backend(%s)", (outcome["pid"],))
     t.join(10)

@@ -162,8 +162,20 @@ def test_load_weights_never_unpickles():
     weights = init_weights(SPEC, seed=0)
     buf = io.BytesIO()
     np.savez(buf, **dict(weights, W0=np.array([{"evil": 1}] * 20, dtype=object).reshape(4, 5)))   # needs pickle
-    with pytest.raises(CorruptModel, match="'m'.*cannot be read.*pickle"):
+    with pytest.raises(CorruptModel, match=r"'m': weight W0 must be a float array of shape \(4, 5\), its header "
+                                           r"declares object"):
         load_weights(buf.getvalue(), SPEC, "m")
+
+
+def test_load_weights_reads_no_array_whose_header_claims_another_shape():
+    """A member's declared size is small, but its header claims 3e9 float64 (24 GB): refused from
+    the header, before reading the array."""
+    weights = {f"{k}.npy": _npy(v) for k, v in init_weights(SPEC, seed=0).items()}
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f8", "fortran_order": False, "shape": (3_000_000_000,)})
+    weights["W0.npy"] = header.getvalue()
+    with pytest.raises(CorruptModel, match=r"its header declares float64 \(3000000000,\)"):
+        load_weights(_zip(weights), SPEC, "m")
 
 
 def _zip(members: dict[str, bytes], compression=zipfile.ZIP_STORED) -> bytes:

@@ -29,17 +29,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="refuse models of more dense layers than this")
     parser.add_argument("--max-parameters", type=int, default=Limits.max_parameters,
                         help="refuse models of more weights and biases than this")
+    parser.add_argument("--max-job-bytes", type=int, default=Limits.max_job_nbytes,
+                        help="refuse training jobs whose unscheduled peak (device and host bytes) exceeds this")
     args = parser.parse_args(argv)
     if args.budget < UNIT_NBYTES:
         parser.error(f"--budget must be at least {UNIT_NBYTES} bytes, got {args.budget}")
-    for flag in ("max_active_jobs", "max_layers", "max_parameters"):
+    for flag in ("max_active_jobs", "max_layers", "max_parameters", "max_job_bytes"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s tensile-coordinator[%(process)d] %(levelname)s %(message)s")
     coordinator = Coordinator(args.socket_dir, args.device, args.budget, args.max_active_jobs,
                               args.postmaster_pid_file, policy=args.policy, pool=args.pool,
-                              limits=Limits(args.max_layers, args.max_parameters))
+                              limits=Limits(args.max_layers, args.max_parameters, args.max_job_bytes))
     coordinator.serve_forever()
     return 0
 

@@ -53,7 +53,8 @@ def command(socket_dir: str, spec: StartSpec) -> list[str]:
     argv = [spec.python, "-m", "tensile_db.coordinator", "--socket-dir", socket_dir, "--device", spec.device,
             "--budget", str(spec.budget_nbytes), "--max-active-jobs", str(spec.max_active_jobs),
             "--policy", spec.policy, "--pool", spec.pool, "--max-layers", str(spec.limits.max_layers),
-            "--max-parameters", str(spec.limits.max_parameters)]
+            "--max-parameters", str(spec.limits.max_parameters),
+            "--max-job-bytes", str(spec.limits.max_job_nbytes)]
     if spec.postmaster_pid_file:
         argv += ["--postmaster-pid-file", spec.postmaster_pid_file]
     return argv
@@ -77,6 +78,7 @@ class CoordinatorClient:
     def __init__(self, conn: Connection, socket_dir: str):
         self.conn = conn
         self.socket_dir = socket_dir
+        self._leave_open = False
 
     def state(self) -> str:
         """The coordinator's process state in words (see :func:`.address.coordinator_state`)."""
@@ -107,8 +109,15 @@ class CoordinatorClient:
     def poll(self, timeout_s: float) -> bool:
         return self.conn.poll(timeout_s)
 
+    def leave_open(self) -> None:
+        """Make :meth:`close` a no-op: another thread is still in a system call on the socket
+        (after :meth:`abort`), and closing its fd could hand the number to another file while it
+        runs. The connection closes when the last reference to it goes."""
+        self._leave_open = True
+
     def close(self) -> None:
-        self.conn.close()
+        if not self._leave_open:
+            self.conn.close()
 
     def __enter__(self):
         return self

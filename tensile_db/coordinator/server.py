@@ -186,6 +186,7 @@ class Coordinator:
             raise ProtocolError(f"train request without {exc}") from None
         self.limits.check(spec, info.model_name)
         job = TrainingJob(info, spec, options, x, y)
+        self.limits.check_job(job.vanilla_peak_nbytes, job.batch, info.model_name)
         self.executor.submit(job)
         try:
             protocol.send(conn, {"type": "accepted", "job_id": job.id, "vanilla_peak_nbytes": job.vanilla_peak_nbytes,

@@ -175,7 +175,7 @@ def _predict(plpy, GD, model_name, source, key, options) -> tuple[ModelRow, np.n
     """The model, the ids (N,) int64 and the outputs (N, n_outputs) float32 of the source's rows."""
     opts = parse_options(options)
     s = session.settings(plpy, GD)
-    model = read_model(plpy, GD, model_name, session.limits(s))
+    model = read_model(plpy, GD, model_name, session.limits(plpy, GD, s))
     window = opts.window if opts.window is not None else session.prefetch_window(plpy, GD)
     layers = len(model.spec.dense_shapes())
     window = layers if isinstance(window, str) else min(window, layers)

@@ -124,10 +124,8 @@ def _run_one(plpy, sql: str):
     plan = plpy.prepare(sql)
     try:
         plpy.cursor(plan).close()
-    except plpy.SPIError as exc:
-        if "multi-query" in str(exc):
-            raise _several_statements() from None
-        raise
+    except plpy.spiexceptions.InvalidCursorDefinition:       # SQLSTATE 34000: a plan of several queries
+        raise _several_statements() from None
     return plpy.execute(plan)
 
 

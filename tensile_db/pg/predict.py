@@ -1,8 +1,9 @@
 """``tensile.predict`` / ``tensile.predict_proba``: row-by-row inference in the backend, on the CPU.
 
-The model is cached for the session in GD, keyed by name, and checked on every call against the
-row's ``id`` in ``tensile.models`` (one indexed lookup through a prepared plan): replacing a model
-gives it a new id, so a cached copy is never used after the model changed. A model is loaded only
+The model is cached for the session in GD, keyed by name (the ``MAX_CACHED_MODELS`` most recently
+used), and checked on every call against the row's ``id`` in ``tensile.models`` (one indexed
+lookup through a prepared plan): replacing a model gives it a new id, so a cached copy is never
+used after the model changed. A model is loaded only
 within ``tensile.max_layers`` / ``tensile.max_parameters`` and with weights that match its
 architecture (:func:`~tensile_db.runtime.model.load_weights`). A row's features must be a
 one-dimensional array of finite numbers: NaN, infinities and 2-D arrays are refused by name.
@@ -10,6 +11,7 @@ one-dimensional array of finite numbers: NaN, infinities and 2-D arrays are refu
 
 from __future__ import annotations
 
+import collections
 import json
 from dataclasses import dataclass
 
@@ -18,6 +20,9 @@ import numpy as np
 from ..errors import InvalidArgument, ModelNotFound
 from ..runtime import model as models
 from . import session
+
+#: Models a session keeps loaded, least recently used dropped first (each up to tensile.max_parameters).
+MAX_CACHED_MODELS = 8
 
 
 @dataclass
@@ -32,7 +37,7 @@ class CachedModel:
 def load(plpy, GD, name: str) -> CachedModel:
     """The model ``name`` as the calling role sees it, cached for the session. Raises
     ModelNotFound, InvalidArgument (a model larger than the limits) or CorruptModel."""
-    cache = GD.setdefault("tensile_models", {})
+    cache = GD.setdefault("tensile_models", collections.OrderedDict())
     rows = plpy.execute(session.plan(plpy, GD, "SELECT id FROM tensile.models WHERE name OPERATOR(pg_catalog.=) $1",
                                      ["pg_catalog.text"]), [name])
     if not rows:
@@ -46,10 +51,13 @@ def load(plpy, GD, name: str) -> CachedModel:
         classes = list(row["label_classes"]) if row["label_classes"] else None
         spec = models.ModelSpec(models.parse_architecture(json.loads(row["architecture"])), len(row["feature_names"]),
                                 len(classes) if classes else 1, row["task"])
-        session.limits(session.settings(plpy, GD)).check(spec, name)
+        session.limits(plpy, GD, session.settings(plpy, GD)).check(spec, name)
         cached = CachedModel(row["id"], spec, models.load_weights(row["weights"], spec, name), classes,
                              list(row["feature_names"]))
         cache[name] = cached
+        while len(cache) > MAX_CACHED_MODELS:
+            cache.popitem(last=False)
+    cache.move_to_end(name)
     return cached
 
 

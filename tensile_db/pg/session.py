@@ -16,8 +16,10 @@ the budget every job shares, so no session may change them with ``SET``, ``ALTER
 - ``tensile.pool``: ``planned`` (default: recurring allocations at lifetime-planned offsets once
   a period has been recorded) or ``general`` (the best-fit pool only), one of
   :data:`tensile_db.settings.POOLS`.
-- ``tensile.max_layers`` / ``tensile.max_parameters``: the largest model trained or served
-  (default 1000 dense layers, 100,000,000 parameters); larger ones are refused at once.
+- ``tensile.max_layers`` / ``tensile.max_parameters`` / ``tensile.max_job_bytes``: the largest
+  model trained or served (default 1000 dense layers, 100,000,000 parameters) and the most device
+  and host bytes one training job may need (its unscheduled peak; default 4GB); larger ones are
+  refused at once (see :class:`tensile_db.runtime.model.Limits`).
 - ``tensile.python``: interpreter for the coordinator (default: the virtual environment that holds
   this package, else ``python3`` on the postmaster's PATH).
 - ``tensile.python_path``: extra ``site`` directories for PL/Python (read by ``tensile._bootstrap``).
@@ -66,7 +68,8 @@ from ..settings import POLICIES, POOLS
 #: The tensile.* settings of the configuration files, by name, with their defaults.
 SERVER_SETTINGS = {"device": "cpu", "device_budget": "1GB", "max_active_jobs": "8", "policy": "tensile",
                    "pool": "planned", "max_layers": str(Limits.max_layers),
-                   "max_parameters": str(Limits.max_parameters), "python": ""}
+                   "max_parameters": str(Limits.max_parameters), "max_job_bytes": str(Limits.max_job_nbytes),
+                   "python": ""}
 _SETTINGS_SQL = ("SELECT current_user AS role, pg_catalog.pg_backend_pid() AS pid, "
                  + ", ".join(f"tensile._server_setting('tensile.{k}') AS {k}" for k in SERVER_SETTINGS))
 
@@ -100,9 +103,16 @@ def _positive_int(s: dict, key: str) -> int:
     return int(text)
 
 
-def limits(s: dict) -> Limits:
+def size_bytes(plpy, GD, s: dict, key: str) -> int:
+    """The setting ``tensile.<key>`` of ``s`` in bytes, with units as ``pg_size_bytes`` reads them."""
+    return int(plpy.execute(plan(plpy, GD, "SELECT pg_catalog.pg_size_bytes($1) AS b", ["pg_catalog.text"]),
+                            [s[key]])[0]["b"])
+
+
+def limits(plpy, GD, s: dict) -> Limits:
     """The largest model the settings ``s`` allow. Raises InvalidArgument for a malformed value."""
-    return Limits(_positive_int(s, "max_layers"), _positive_int(s, "max_parameters"))
+    return Limits(_positive_int(s, "max_layers"), _positive_int(s, "max_parameters"),
+                  size_bytes(plpy, GD, s, "max_job_bytes"))
 
 
 def socket_dir() -> str:
@@ -125,13 +135,12 @@ def _start_spec(plpy, GD, s: dict) -> coordinator_client.StartSpec:
         if s[key] not in allowed:
             raise InvalidArgument(f"tensile.{key} is {s[key]!r}; it must be one of {', '.join(allowed)}: set it in "
                                   "the server's configuration files and reload them (SELECT pg_reload_conf())")
-    budget = plpy.execute(plan(plpy, GD, "SELECT pg_catalog.pg_size_bytes($1) AS b", ["pg_catalog.text"]),
-                          [s["device_budget"]])[0]["b"]
     return coordinator_client.StartSpec(
-        python=s["python"] or _default_python(), device=s["device"], budget_nbytes=int(budget),
+        python=s["python"] or _default_python(), device=s["device"],
+        budget_nbytes=size_bytes(plpy, GD, s, "device_budget"),
         max_active_jobs=_positive_int(s, "max_active_jobs"), policy=s["policy"], pool=s["pool"],
         postmaster_pid_file=os.path.join(os.getcwd(), "postmaster.pid"),
-        python_path=str(Path(__file__).resolve().parent.parent.parent), limits=limits(s))
+        python_path=str(Path(__file__).resolve().parent.parent.parent), limits=limits(plpy, GD, s))
 
 
 def connect(plpy, GD, start: bool = True, s: dict | None = None):
@@ -236,6 +245,8 @@ def exchange(plpy, GD, client, io, doing: str, timeout_s: float | None):
     except BaseException:
         client.abort()
         thread.join(1.0)
+        if thread.is_alive():       # still inside a system call on the socket: its fd must stay its own
+            client.leave_open()
         raise
 
 

@@ -43,9 +43,9 @@ def _hold_name(plpy, GD, name: str) -> None:
         SELECT pg_catalog.pg_try_advisory_xact_lock({NAME_LOCK_CLASS}, pg_catalog.hashtext($1)) AS held""",
         ["pg_catalog.text"]), [name])[0]["held"]
     if not held:
-        raise InvalidArgument(f'model "{name}" is being trained by another session right now; wait until it ends '
-                              "(SELECT * FROM tensile.jobs shows it), then call again, with options => "
-                              "'{\"replace\": true}' to replace it")
+        raise InvalidArgument(f'model "{name}" is being trained by another session, or was trained by one whose '
+                              "transaction has not ended yet; wait until it ends (SELECT * FROM tensile.jobs shows "
+                              "the training), then call again, with options => '{\"replace\": true}' to replace it")
 
 
 def _finite_metrics(plpy, metrics: dict) -> dict:
@@ -62,7 +62,7 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
     arch = models.parse_architecture(architecture)
     opts = models.parse_options(options)
     s = session.settings(plpy, GD)
-    limits = session.limits(s)
+    limits = session.limits(plpy, GD, s)
     limits.check(models.ModelSpec(arch, 1, 1, "regression"), model_name)      # before reading any row
     _hold_name(plpy, GD, model_name)
     existing = plpy.execute(session.plan(plpy, GD, """

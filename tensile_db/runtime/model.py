@@ -101,12 +101,26 @@ class ModelSpec:
 @dataclass(frozen=True)
 class Limits:
     """The largest model the coordinator builds, set by the administrator in the server's
-    configuration (``tensile.max_layers``, ``tensile.max_parameters``). A training program has a
-    fixed number of ops per dense layer, so ``max_layers`` bounds the ops per iteration too (and
-    with it the time to build a program and the length of the period the jobs share)."""
+    configuration (``tensile.max_layers``, ``tensile.max_parameters``, ``tensile.max_job_bytes``).
+    A training program has a fixed number of ops per dense layer, so ``max_layers`` bounds the ops
+    per iteration too (and with it the time to build a program and the length of the period the
+    jobs share). ``max_job_nbytes`` bounds what one training job may hold on the device and the
+    host together, its unscheduled peak: what the budget does not hold is swapped to host memory,
+    so without it a job within the other limits (wide layers at a large batch) could make the
+    coordinator hold tens of gigabytes."""
 
     max_layers: int = 1000              # dense layers, the output layer included
     max_parameters: int = 100_000_000   # weights and biases, elements (float32: 400 MB)
+    max_job_nbytes: int = 4 << 30       # a training job's unscheduled peak, bytes
+
+    def check_job(self, peak_nbytes: int, batch: int, name: str) -> None:
+        """Raise InvalidArgument when a training job of model ``name`` at ``batch`` rows would
+        hold more than ``max_job_nbytes`` (``peak_nbytes``: its unscheduled peak)."""
+        if peak_nbytes > self.max_job_nbytes:
+            raise InvalidArgument(f"training model {name!r} at batch {batch:,} needs {peak_nbytes:,} bytes of device "
+                                  f"and host memory, more than tensile.max_job_bytes ({self.max_job_nbytes:,}); "
+                                  "lower options.batch_size or the layer widths, or ask the administrator to raise "
+                                  "tensile.max_job_bytes")
 
     def check(self, spec: ModelSpec, name: str) -> None:
         """Raise InvalidArgument naming the model, its size and the setting it exceeds."""
@@ -295,33 +309,45 @@ def check_weights(spec: ModelSpec, weights: dict[str, np.ndarray], name: str) ->
 
 
 def load_weights(data: bytes, spec: ModelSpec, name: str) -> dict[str, np.ndarray]:
-    """Inverse of :func:`serialize_weights`, checked against ``spec`` before anything is
-    decompressed: every member of the archive must be one of the spec's arrays and no larger than
-    that array's bytes plus an ``.npy`` header, so a small row cannot expand into gigabytes. Never
-    unpickles. Raises CorruptModel naming the model (see also :func:`check_weights`)."""
+    """Inverse of :func:`serialize_weights`, checked against ``spec`` before anything is read:
+    every member of the archive must be one of the spec's arrays, hold no more bytes than that
+    array's shape allows, and declare in its ``.npy`` header exactly that shape and a floating
+    dtype of at most 8 bytes, so neither a compressed member nor a forged header can make a
+    small row allocate gigabytes. Never unpickles. Raises CorruptModel naming the model (see
+    also :func:`check_weights`)."""
+    def corrupt(what: str) -> CorruptModel:
+        return CorruptModel(f"model {name!r}: {what}; train the model again")
+
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
         members = archive.infolist()
     except (zipfile.BadZipFile, ValueError, OSError) as exc:
-        raise CorruptModel(f"model {name!r}: its weights are not a NumPy .npz archive ({exc}); "
-                           "train the model again") from None
+        raise corrupt(f"its weights are not a NumPy .npz archive ({exc})") from None
+    weights = {}
     with archive:
         arrays = {m.filename.removesuffix(".npy"): m for m in members}
         shapes = weight_shapes(spec, arrays)
         for key, member in arrays.items():
             shape = shapes.get(key)
             if shape is None or not member.filename.endswith(".npy"):
-                raise CorruptModel(f"model {name!r}: its weights hold arrays the architecture has no use for "
-                                   f"({member.filename}); train the model again")
+                raise corrupt(f"its weights hold arrays the architecture has no use for ({member.filename})")
             limit = math.prod(shape) * 8 + NPY_HEADER_NBYTES       # float64 at most
             if member.file_size > limit:
-                raise CorruptModel(f"model {name!r}: weight {key} holds {member.file_size:,} bytes, more than its "
-                                   f"shape {shape} allows ({limit:,}); train the model again")
-        try:
-            with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-                weights = {k: npz[k] for k in npz.files}
-        except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
-            raise CorruptModel(f"model {name!r}: its weights cannot be read ({exc}); train the model again") from None
+                raise corrupt(f"weight {key} holds {member.file_size:,} bytes, more than its shape {shape} "
+                              f"allows ({limit:,})")
+            try:
+                with archive.open(member) as f:
+                    version = np.lib.format.read_magic(f)
+                    header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                              else np.lib.format.read_array_header_2_0)
+                    declared, _, dtype = header(f)
+                    if tuple(declared) != shape or dtype.kind != "f" or dtype.itemsize > 8:
+                        raise corrupt(f"weight {key} must be a float array of shape {shape}, its header declares "
+                                      f"{dtype} {tuple(declared)}")
+                with archive.open(member) as f:
+                    weights[key] = np.lib.format.read_array(f, allow_pickle=False)
+            except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
+                raise corrupt(f"weight {key} cannot be read ({exc})") from None
     return check_weights(spec, weights, name)
 
 
