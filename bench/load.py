@@ -13,22 +13,29 @@ resident at once (``tensile.max_active_jobs`` = 8; more wait queued).
   ``--side-trainings`` connections train back to back. Reports pgbench's tps, latency and failed
   transactions, and the side trainings' completions and errors.
 
-In both phases a sampler polls ``tensile.memory`` every 0.2 s (running / queued jobs, bytes in
+- Phase C: the coordinator stopped with SIGSTOP; ``--cancels`` times each, a backend waiting on
+  it (a ``train_model`` and a ``SELECT * FROM tensile.jobs``) is cancelled with
+  ``pg_cancel_backend``, and another is ended by ``tensile.coordinator_timeout``. Reports how long
+  the cancel took to end the call (median and max) and the deadline's overshoot.
+
+In phases A and B a sampler polls ``tensile.memory`` every 0.2 s (running / queued jobs, bytes in
 use); each phase starts a fresh coordinator, so its high-water mark (``peak_bytes``) is the
 phase's own, and is checked against the budget. Exits non-zero when a check fails. The cluster
 is stopped and its directory removed at the end. Not part of the test suite: about a minute on
 two cores.
 
     python bench/load.py [--trainings 40] [--epochs 3] [--budget-peaks 3]
-                         [--clients 16] [--threads 2] [--duration 20] [--side-trainings 4]
+                         [--clients 16] [--threads 2] [--duration 20] [--side-trainings 4] [--cancels 10]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
+import signal
 import site
 import statistics
 import subprocess
@@ -335,6 +342,70 @@ def phase_b(cluster: EmbeddedCluster, conninfo: str, base: Path, args) -> bool:
     return within and rc == 0 and found["tps"] is not None and not failed and not aborted and not runs.errors and done > 0
 
 
+#: How long phase C lets a call wait on the stopped coordinator before cancelling it, seconds.
+CANCEL_AFTER_S = 0.5
+#: tensile.coordinator_timeout in phase C, seconds.
+PHASE_C_TIMEOUT_S = 1.0
+
+
+def _ended_after(conninfo: str, sql: str, cancel: bool) -> tuple[float, str]:
+    """Run ``sql`` on a connection of its own and, if ``cancel``, cancel it CANCEL_AFTER_S into
+    its wait (else let tensile.coordinator_timeout end it): seconds from the cancel (or from the
+    deadline) to the call's end, and the SQLSTATE it ended with."""
+    outcome = {}
+
+    def call():
+        with psycopg.connect(conninfo, autocommit=True) as c:
+            c.execute(f"SET tensile.coordinator_timeout = {PHASE_C_TIMEOUT_S}")
+            outcome["pid"] = c.info.backend_pid
+            started = time.perf_counter()
+            try:
+                c.execute(sql)
+                outcome["sqlstate"] = "none"
+            except psycopg.Error as exc:
+                outcome["sqlstate"] = exc.sqlstate or "?"
+            outcome["s"] = time.perf_counter() - started
+    t = threading.Thread(target=call, daemon=True)
+    with psycopg.connect(conninfo, autocommit=True) as canceller:
+        t.start()
+        time.sleep(CANCEL_AFTER_S)
+        if cancel:
+            stopped = time.perf_counter()
+            canceller.execute("SELECT pg_cancel_backend(%s)", (outcome["pid"],))
+            t.join(30)
+            return time.perf_counter() - stopped, outcome.get("sqlstate", "still waiting")
+    t.join(30)
+    return outcome.get("s", float("nan")) - PHASE_C_TIMEOUT_S, outcome.get("sqlstate", "still waiting")
+
+
+def phase_c(conninfo: str, cancels: int) -> bool:
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        pid = conn.execute("SELECT tensile.start_coordinator()").fetchone()[0]
+    cases = {"train_model, pg_cancel_backend": ("CALL tensile.train_model('load_c', 'digits_train', 'label')", True),
+             "tensile.jobs, pg_cancel_backend": ("SELECT * FROM tensile.jobs", True),
+             "tensile.jobs, coordinator_timeout": ("SELECT * FROM tensile.jobs", False)}
+    seconds = {k: [] for k in cases}
+    states = {k: Counter() for k in cases}
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for _ in range(cancels):
+            for name, (sql, cancel) in cases.items():
+                s, state = _ended_after(conninfo, sql, cancel)
+                seconds[name].append(s)
+                states[name][state] += 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    rows = [[name, f"{statistics.median(v) * 1000:.0f}", f"{max(v) * 1000:.0f}",
+             ", ".join(f"{k} x{n}" for k, n in states[name].items())] for name, v in seconds.items()]
+    print(f"\nPhase C: the coordinator stopped (SIGSTOP); {cancels} calls of each kind, cancelled "
+          f"{CANCEL_AFTER_S} s into their wait or ended by tensile.coordinator_timeout = {PHASE_C_TIMEOUT_S} s")
+    print(tabulate(rows, headers=["call, ended by", "median ms", "max ms", "SQLSTATE"]))
+    print("(ms from pg_cancel_backend to the call's end; for the timeout, ms past the deadline)")
+    expected = {"train_model, pg_cancel_backend": "57014", "tensile.jobs, pg_cancel_backend": "57014",
+                "tensile.jobs, coordinator_timeout": "08006"}
+    return all(set(states[k]) == {expected[k]} and max(seconds[k]) < 0.2 for k in cases)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trainings", type=int, default=40, help="concurrent trainings in phase A (default 40)")
@@ -346,6 +417,8 @@ def main() -> int:
     parser.add_argument("--duration", type=int, default=20, help="pgbench seconds (default 20)")
     parser.add_argument("--side-trainings", type=int, default=4,
                         help="connections training back to back beside pgbench (default 4)")
+    parser.add_argument("--cancels", type=int, default=10,
+                        help="phase C: waits on a stopped coordinator cancelled, per kind (default 10)")
     args = parser.parse_args()
     if shutil.which("pgbench") is None:
         print("pgbench is not installed (Debian: postgresql-contrib / postgresql-client-15)", file=sys.stderr)
@@ -376,6 +449,7 @@ def main() -> int:
         conninfo = cluster.conninfo(DATABASE)
         ok_a = phase_a(conninfo, args.trainings, args.epochs)
         ok_b = phase_b(cluster, conninfo, base, args)
+        ok_c = phase_c(conninfo, args.cancels)
     finally:
         try:
             cluster.stop()
@@ -386,7 +460,9 @@ def main() -> int:
     print(f"\n{'ok    ' if ok_a else 'FAILED'} phase A: every training completed and stored, peak within the budget")
     print(f"{'ok    ' if ok_b else 'FAILED'} phase B: pgbench without failures, side trainings without errors, "
           "peak within the budget")
-    return 0 if ok_a and ok_b else 1
+    print(f"{'ok    ' if ok_c else 'FAILED'} phase C: every wait on a stopped coordinator ended within 0.2 s of its "
+          "cancel or deadline, with 57014 / 08006")
+    return 0 if ok_a and ok_b and ok_c else 1
 
 
 if __name__ == "__main__":
