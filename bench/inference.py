@@ -36,7 +36,7 @@ from tensile_db.runtime import model as models
 from tensile_db.runtime.device import Device
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
-#: Targets of issue 5.
+#: Targets of batch inference.
 WINDOW_1_SAVING, WINDOW_1_DELAY = 0.90, 0.15
 BEST_SAVING, BEST_DELAY = 0.80, 0.02
 

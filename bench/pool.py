@@ -1,4 +1,4 @@
-"""The planned pool's benchmark (issue 4): arena bytes of lifetime-planned offsets against the
+"""The planned pool's benchmark: arena bytes of lifetime-planned offsets against the
 lower bound and the general (best-fit) pool, and the cost of one allocation.
 
 Two kinds of trace:
@@ -315,7 +315,7 @@ def main() -> None:
             results.append(result)
             drawn.append(draw(result, allocs, plan, kinds))
     print(tabulate([r.row() for r in results], headers=HEADERS, tablefmt="github", floatfmt=".3f", intfmt=","))
-    print("\nTargets (issue 4):")
+    print("\nTargets of the planned pool:")
     print("\n".join(checks(results)))
     print("\n" + "\n".join(f"Wrote {p.relative_to(Path.cwd()) if p.is_relative_to(Path.cwd()) else p}" for p in drawn))
 

@@ -1,4 +1,4 @@
-"""The scheduler benchmark of issue 3: memory saved and time lost by each policy, side by side.
+"""The scheduler benchmark: memory saved and time lost by each policy, side by side.
 
 TENSILE's workload shapes (Zhang et al., arXiv 2105.13336) on our runtime: 1, 2, 3 and 4
 identical concurrent training jobs of an MLP whose activations and gradients outweigh its weights
@@ -255,7 +255,7 @@ def print_header(args, cost: CostModel, iterations: int) -> None:
 
 
 def checks(results: dict[str, dict], fractions) -> list[str]:
-    """PASS/FAIL lines for the targets of issue 3 (and the budget invariant)."""
+    """PASS/FAIL lines for the scheduler's targets (and the budget invariant)."""
     runs = [r for res in results.values() for r in [res["vanilla"], *res["runs"].values()]]
     failed = [f"{r.workload}/{r.policy}/{100 * r.budget_nbytes / results[r.workload]['vanilla'].peak_nbytes:.0f}%: "
               f"{'; '.join(r.errors)}" for r in runs if not r.completed]
@@ -345,7 +345,7 @@ def main() -> None:
         rows += [table_row(r, res["vanilla"]) for r in res["runs"].values()]
     print(tabulate(rows, headers=HEADERS, tablefmt="github", disable_numparse=True,
                    colalign=("left", "right", "left") + ("right",) * (len(HEADERS) - 4) + ("center",)))
-    print("\nTargets (issue 3):")
+    print("\nTargets of the scheduler:")
     print("\n".join(checks(results, BUDGET_FRACTIONS)))
 
     budget = budget_for(args.plot, 0.5, results[args.plot]["vanilla"].peak_nbytes)

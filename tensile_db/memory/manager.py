@@ -21,7 +21,7 @@ If the free space is too fragmented for the op's working set even then, everythi
 and the working set is placed from offset 0, largest first. An op whose working set exceeds the
 budget raises :class:`DeviceOutOfMemory`.
 
-Blocks come from two allocators sharing the arena (issue 4): the general pool (best fit, the
+Blocks come from two allocators sharing the arena: the general pool (best fit, the
 arena's :class:`ArenaAllocator`) and, once a period of the combined timeline has been recorded,
 the planned region, where each recurring allocation has a lifetime-planned offset and costs a
 lookup (:mod:`tensile_db.memory.planned`, Note [Planned pool]). Every allocation goes through

@@ -1,4 +1,4 @@
-"""Lifetime-planned offsets: the planned pool's offline planner (issue 4, first part).
+"""Lifetime-planned offsets: the planned pool's offline planner.
 
 Training repeats the same allocations every iteration, so once one iteration has been recorded
 every recurring allocation's size and lifetime are known and its arena offset can be fixed in
