@@ -515,16 +515,19 @@ def test_a_short_job_beside_a_long_one_runs_many_iterations_per_period_on_a_peri
         ex.stop()
     # the short job did not wait for one iteration of the long one per iteration of its own
     assert long_during < short.iterations / 4
-    # the longest stretch of rounds with both jobs at one pace
-    segments: dict[tuple, list] = {}
+    # the longest unbroken stretch of rounds with both jobs at one pace
+    stretches: list[list] = []
     for record in log:
-        segments.setdefault(record[3:], []).append(record)
-    (period, repeats), steady = max(((key, rs) for key, rs in segments.items() if len(key[1]) == 2),
-                                    key=lambda item: len(item[1]))
-    repeats = dict(repeats)
+        if stretches and stretches[-1][0][3:] == record[3:]:
+            stretches[-1].append(record)
+        else:
+            stretches.append([record])
+    steady = max((rs for rs in stretches if len(rs[0][4]) == 2), key=len)
+    period, repeats = steady[0][3], dict(steady[0][4])
     assert repeats[long_job.id] == 1 and repeats[short.id] >= 4
     assert period == max(n_long, repeats[short.id] * n_short)
-    r0 = steady[0][0] + 1
+    # after one period, the short job has started whatever stagger delay admission gave it
+    r0 = steady[0][0] + period + 1
     assert steady[-1][0] >= r0 + 2 * period, "expected two whole periods at one pace"
     windows = [[(r - start, job, p) for r, job, p, *_ in steady if start <= r < start + period]
                for start in (r0, r0 + period)]
