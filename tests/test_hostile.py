@@ -27,6 +27,11 @@ from tensile_db.runtime.model import ModelSpec, init_weights, parse_architecture
 pytestmark = pytest.mark.db
 
 ZEROS = "array_fill(0::real, ARRAY[64])"
+#: Calls that hung or ran in full (a wait on a stopped coordinator, which ended only when it
+#: resumed; a 10,000-layer job; a second training of one name) now end at once, or within a slice
+#: of their cancel or deadline (bench/load.py measures how soon). The bound separates the two
+#: behaviours with room for a loaded machine; it is not a speed target.
+WAIT_BOUND_S = 3.0
 #: The spec of the models trained on digits with {"layers": [{"dense": 64}]} (train's default here).
 DIGITS_SPEC = ModelSpec(parse_architecture({"layers": [{"dense": 64}]}), 64, 10, "classification")
 
@@ -316,7 +321,7 @@ def test_statement_timeout_reaches_a_backend_waiting_for_a_stopped_coordinator(c
     finally:
         conn.execute("RESET statement_timeout")
     assert isinstance(error, psycopg.errors.QueryCanceled), error
-    assert seconds < 0.6 + 0.5, seconds
+    assert seconds < WAIT_BOUND_S, seconds
 
 
 def test_a_stopped_coordinator_is_a_clear_error_after_the_deadline(conn, real_model, stopped_coordinator):
@@ -326,7 +331,7 @@ def test_a_stopped_coordinator_is_a_clear_error_after_the_deadline(conn, real_mo
             seconds, error = _elapsed_error(conn, sql)
             assert isinstance(error, psycopg.errors.ConnectionFailure), error          # SQLSTATE 08006
             assert f"pid {stopped_coordinator}, stopped (SIGSTOP)" in str(error) and "within 0.5 s" in str(error)
-            assert seconds < 2.0
+            assert seconds < WAIT_BOUND_S
         assert "tensile.coordinator_timeout is 'soon'" in error_of(
             conn, lambda c: (c.execute("SET tensile.coordinator_timeout = 'soon'"), c.execute("TABLE tensile.jobs")))
     finally:
@@ -355,7 +360,7 @@ def test_pg_cancel_and_terminate_reach_a_backend_waiting_for_a_stopped_coordinat
         started = time.monotonic()
         conn.execute(f"SELECT {stop}(%s)", (outcome["pid"],))
         t.join(5)
-        assert not t.is_alive() and time.monotonic() - started < 1.0
+        assert not t.is_alive() and time.monotonic() - started < WAIT_BOUND_S
         assert isinstance(outcome["error"], error_class), outcome["error"]
 
 
@@ -375,7 +380,7 @@ def test_absurd_models_are_refused_at_once_by_the_configured_limits(conn, digits
                                           f"architecture => '{deep}')")
     assert isinstance(error, psycopg.errors.InvalidParameterValue)
     assert "has 10,001 dense layers (with the output layer), more than tensile.max_layers (1,000)" in str(error)
-    assert seconds < 2.0
+    assert seconds < WAIT_BOUND_S
     wide = '{"layers": [{"dense": 65536}, {"dense": 65536}]}'
     message = error_of(conn, train, "t_wide", architecture=wide)
     assert "parameters, more than tensile.max_parameters (100,000,000)" in message
@@ -460,7 +465,7 @@ def test_a_concurrent_training_of_the_same_name_is_refused_before_it_starts(conn
     started = time.monotonic()
     message = error_of(conn, train, "t_twice", options='{"epochs": 1, "replace": true}')
     assert 'model "t_twice" is being trained by another session' in message
-    assert time.monotonic() - started < 2.0 and not any("epoch" in n for n in conn.notices)
+    assert time.monotonic() - started < WAIT_BOUND_S and not any("epoch" in n for n in conn.notices)
     conn.execute("SELECT pg_cancel_backend(%s)", (outcome["pid"],))
     t.join(10)
     assert_nothing_left(conn)
