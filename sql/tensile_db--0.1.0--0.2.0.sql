@@ -37,12 +37,35 @@ COMMENT ON FUNCTION tensile._write_model() IS
 'Applies the registry write staged by train_model or drop_model in this session (internal)';
 
 -- The status views are readable by every role; the functions behind them hide other roles' jobs.
-GRANT SELECT ON tensile.jobs, tensile.memory TO PUBLIC;
+GRANT SELECT ON tensile.jobs TO PUBLIC;
 COMMENT ON FUNCTION tensile.job_status() IS
 'Live jobs of every backend, from the coordinator (role, model_name and loss only for jobs of roles the '
 'caller is a member of, or for superusers and pg_monitor): progress, device and swapped bytes, the scheduler '
 'policy, whether the job runs on a plan (schedule: cold start, planned or reactive), and its counts of '
 'planned swap-ins, passive (unplanned) swap-ins and recomputes';
+
+-- tensile.memory gains compactions, compacted_bytes, served_models and served_host_bytes: the row
+-- type of its function changes, so both are made anew.
+DROP VIEW tensile.memory;
+DROP FUNCTION tensile.memory_status();
+CREATE FUNCTION tensile.memory_status(
+    OUT device text, OUT budget_bytes bigint, OUT in_use_bytes bigint, OUT peak_bytes bigint,
+    OUT host_bytes bigint, OUT free_blocks integer, OUT largest_free_bytes bigint,
+    OUT fragmentation double precision, OUT running_jobs integer, OUT queued_jobs integer,
+    OUT policy text, OUT h2d_bytes_per_s double precision, OUT d2h_bytes_per_s double precision,
+    OUT plans_made integer, OUT predicted_peak_bytes bigint, OUT predicted_extra_s double precision,
+    OUT pool text, OUT planned_region_bytes bigint, OUT pool_plans_installed integer,
+    OUT planned_allocations bigint, OUT pool_mismatches bigint, OUT planned_arena_bytes bigint,
+    OUT max_live_bytes bigint, OUT general_pool_bytes bigint,
+    OUT inference_calls integer, OUT inference_bytes bigint, OUT weight_cache_bytes bigint,
+    OUT weight_loads bigint, OUT weight_cache_hits bigint, OUT weight_cache_evictions bigint,
+    OUT per_job jsonb, OUT started_at timestamptz,
+    OUT compactions bigint, OUT compacted_bytes bigint, OUT served_models integer, OUT served_host_bytes bigint)
+RETURNS SETOF record
+LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].memory(plpy, GD)
+$$;
 COMMENT ON FUNCTION tensile.memory_status() IS
 'The device arena: budget, bytes in use, high-water mark since the coordinator started, per-job bytes; '
 'and the scheduler: policy, host-to-device and device-to-host bandwidth measured at start (bytes per '
@@ -55,4 +78,13 @@ COMMENT ON FUNCTION tensile.memory_status() IS
 'device bytes they hold, the bytes of model layers kept in the weight cache (counted in in_use_bytes '
 'too), layer loads host to device, '
 'layer uses served from the cache, and cached layers evicted for room; per_job names models only as '
-'tensile.job_status does';
+'tensile.job_status does; and the arena compactions made and the bytes they moved, the model versions '
+'served from host memory and their bytes';
+CREATE VIEW tensile.memory AS SELECT * FROM tensile.memory_status();
+GRANT SELECT ON tensile.memory TO PUBLIC;
+COMMENT ON VIEW tensile.memory IS
+'The device: budget, in use, peak, host bytes, fragmentation, per job; the scheduler: policy, '
+'bandwidths, plans made, predicted peak and extra time; the planned pool: state, region, lookups, '
+'mismatches, planned arena against its lower bound and the general pool; batch inference: running '
+'calls, their bytes, the weight cache''s bytes, loads, hits and evictions; compactions and the models '
+'served from host memory';

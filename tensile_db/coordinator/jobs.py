@@ -28,6 +28,7 @@ from ..errors import InvalidArgument, TensileError
 from ..memory.manager import JobMemory, MemoryManager, Residency, Tensor
 from ..runtime import model as models
 from ..runtime.program import Program, StepContext, build_training_program
+from .reports import JobRow
 
 _job_ids = itertools.count(1)
 
@@ -199,25 +200,24 @@ class TrainingJob:
                 mm.unpin(live)
         mm.note_recompute(target)
 
-    def describe(self, mm: MemoryManager | None) -> dict:
-        """A JSON-able row for ``tensile.jobs``."""
+    def describe(self, mm: MemoryManager | None) -> JobRow:
+        """The job's row of ``tensile.jobs``."""
         mem = mm.jobs.get(self.id) if mm else None
-        return {
-            "job_id": self.id, "backend_pid": self.info.backend_pid, "role": self.info.role,
-            "model_name": self.info.model_name, "state": self.state.value, "epoch": self.epoch,
-            "epochs": self.options.epochs, "loss": None if math.isnan(self.loss) else self.loss,
-            "device_nbytes": mem.device_nbytes if mem else 0,
-            "peak_nbytes": mem.peak_nbytes if mem else 0,
-            "swapped_out_nbytes": mem.swapped_out_nbytes if mem else 0,
-            "swapped_in_nbytes": mem.swapped_in_nbytes if mem else 0,
-            "host_nbytes": mem.host_nbytes if mem else 0,
-            "policy": self.policy, "schedule": self.schedule,
-            "planned_swap_ins": mem.planned_swap_ins if mem else 0,
-            "passive_swap_ins": mem.passive_swap_ins if mem else 0,
-            "recomputes": mem.recomputes if mem else 0,
-            "vanilla_peak_nbytes": self.vanilla_peak_nbytes,
-            "created_at": self.created_at, "started_at": self.started_at,
-        }
+        return JobRow(
+            job_id=self.id, backend_pid=self.info.backend_pid, role=self.info.role,
+            model_name=self.info.model_name, state=self.state.value, epoch=self.epoch,
+            epochs=self.options.epochs, loss=None if math.isnan(self.loss) else self.loss,
+            device_nbytes=mem.device_nbytes if mem else 0,
+            peak_nbytes=mem.peak_nbytes if mem else 0,
+            vanilla_peak_nbytes=self.vanilla_peak_nbytes,
+            swapped_out_nbytes=mem.swapped_out_nbytes if mem else 0,
+            swapped_in_nbytes=mem.swapped_in_nbytes if mem else 0,
+            host_nbytes=mem.host_nbytes if mem else 0,
+            policy=self.policy, schedule=self.schedule,
+            planned_swap_ins=mem.planned_swap_ins if mem else 0,
+            passive_swap_ins=mem.passive_swap_ins if mem else 0,
+            recomputes=mem.recomputes if mem else 0,
+            created_at=self.created_at, started_at=self.started_at)
 
 
 def _standardize(spec, options, x, y):

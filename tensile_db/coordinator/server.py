@@ -36,7 +36,7 @@ from ..inference.service import InferenceService
 from ..memory.manager import MemoryManager
 from ..runtime import model as models
 from ..runtime.device import Device
-from . import protocol
+from . import protocol, reports
 from .address import LOCK_NAME, SOCKET_NAME, secure_dir, socket_address
 from .executor import Executor
 from .jobs import JobInfo, TrainingJob
@@ -145,9 +145,10 @@ class Coordinator:
                         protocol.send(conn, {"type": "pong", "pid": os.getpid(), "device": self.device_name,
                                              "budget_nbytes": self.manager.budget_nbytes})
                     elif kind == "jobs":
-                        protocol.send(conn, {"type": "jobs", "jobs": [j.describe(self.manager) for j in self.executor.jobs()]})
+                        protocol.send(conn, {"type": "jobs", "jobs": [reports.as_dict(j.describe(self.manager))
+                                                                      for j in self.executor.jobs()]})
                     elif kind == "memory":
-                        protocol.send(conn, self.memory_report())
+                        protocol.send(conn, dict(reports.as_dict(self.memory_report()), type="memory"))
                     elif kind == "shutdown":
                         protocol.send(conn, {"type": "ok"})
                         self._exit("asked to shut down")
@@ -162,16 +163,18 @@ class Coordinator:
         finally:
             conn.close()
 
-    def memory_report(self) -> dict:
-        """The reply to ``memory``: the manager's counters, per job too, and the executor's
-        scheduler figures (policy, bandwidths, plans)."""
+    def memory_report(self) -> reports.MemoryRow:
+        """The row of ``tensile.memory``: the manager's counters (per job too), the scheduler's
+        figures (policy, bandwidths, plans) and the inference service's. Raises TypeError when a
+        producer's figures no longer match the record's fields."""
         snap = self.manager.snapshot()
         jobs = {j.id: j for j in self.executor.jobs()}
         per_job = {str(jid): dict(c, model_name=jobs[jid].info.model_name, role=jobs[jid].info.role)
                    for jid, c in snap.pop("jobs").items() if jid in jobs}
-        return dict(snap, **self.executor.describe(), **self.inference.describe(), type="memory", per_job=per_job,
-                    started_at=self.started_at, running_jobs=sum(j.state.value == "running" for j in jobs.values()),
-                    queued_jobs=sum(j.state.value == "queued" for j in jobs.values()))
+        return reports.MemoryRow(
+            **snap, **self.executor.describe(), **self.inference.describe(), per_job=per_job,
+            started_at=self.started_at, running_jobs=sum(j.state.value == "running" for j in jobs.values()),
+            queued_jobs=sum(j.state.value == "queued" for j in jobs.values()))
 
     def _train(self, conn, header: dict, arrays: dict) -> None:
         try:

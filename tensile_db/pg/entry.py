@@ -15,6 +15,7 @@ import json
 
 from ..errors import (CoordinatorNotRunning, CoordinatorUnavailable, CorruptModel, DeviceOutOfMemory,
                       InvalidArgument, JobCancelled, ModelNotFound, ProtocolError, TensileError)
+from ..coordinator import reports
 from . import batch as _batch
 from . import predict as _predict
 from . import registry, session
@@ -65,13 +66,6 @@ write_model = _sql_errors(registry.write_model)
 drop_model = _sql_errors(registry.drop)
 
 
-def _sql_row(row: dict) -> dict:
-    """Rename ``*_nbytes`` keys to the SQL surface's ``*_bytes``; ``peak_nbytes`` of a job is
-    ``peak_device_bytes``."""
-    return {("peak_device_bytes" if k == "peak_nbytes" and "job_id" in row else k.replace("_nbytes", "_bytes")): v
-            for k, v in row.items()}
-
-
 def _timestamp(seconds):
     return None if seconds is None else datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat()
 
@@ -112,7 +106,7 @@ def jobs(plpy, GD) -> list[dict]:
     _hide_others(plpy, GD, rows)
     for r in rows:
         r["created_at"], r["started_at"] = _timestamp(r["created_at"]), _timestamp(r["started_at"])
-    return [_sql_row(r) for r in rows]
+    return [reports.sql_row(reports.JobRow, r) for r in rows]
 
 
 @_sql_errors
@@ -121,9 +115,11 @@ def memory(plpy, GD) -> list[dict]:
     if reply is None:
         return []
     _hide_others(plpy, GD, list(reply["per_job"].values()))
-    reply["per_job"] = json.dumps({job_id: _sql_row(c) for job_id, c in reply["per_job"].items()})
+    reply.pop("type")
+    reply["per_job"] = json.dumps({job_id: reports.sql_row(reports.MemoryRow, c)
+                                   for job_id, c in reply["per_job"].items()})
     reply["started_at"] = _timestamp(reply["started_at"])
-    return [_sql_row(reply)]
+    return [reports.sql_row(reports.MemoryRow, reply)]
 
 
 @_sql_errors
