@@ -41,7 +41,7 @@ FEATURES = [f"p{i}" for i in range(64)]
 
 def unscheduled_peak(architecture: dict, n_rows: int) -> tuple[int, int]:
     """(vanilla peak, smallest working set) of one model, bytes, as the coordinator computes them."""
-    spec = models.ModelSpec(models.parse_architecture(architecture), len(FEATURES), 10, "classification")
+    spec = models.ModelSpec.parse(architecture, len(FEATURES), 10, "classification")
     opts = models.parse_options(OPTIONS)
     program = build_training_program(spec, opts, min(opts.batch_size, n_rows))
     return program.vanilla_peak_nbytes(), program.min_working_set_nbytes

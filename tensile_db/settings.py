@@ -1,13 +1,24 @@
-"""The values the server-level settings may take, shared by the backends (which check the
-configuration before starting a coordinator) and the coordinator (which runs them). A leaf
-module: a PostgreSQL backend imports it without the scheduler or the memory manager.
+"""The values the server-level settings may take and their defaults, shared by the backends
+(which check the configuration before starting a coordinator) and the coordinator (which runs
+them): the one place each is written. A leaf module: a PostgreSQL backend imports it without the
+scheduler or the memory manager.
 
 - ``POLICIES``: ``tensile.policy``, the scheduler: ``tensile`` (TENSILE, arXiv 2105.13336),
   ``reactive`` (no plan: evict the farthest next use), ``vdnn`` (vDNN_all) and ``swap_score``
   (the swap selection of arXiv 1903.06631).
+- ``DEVICES``: ``tensile.device``: ``cpu`` (NumPy) or ``cuda`` (CuPy).
 - ``POOLS``: ``tensile.pool``: ``planned`` (recurring allocations at lifetime-planned offsets) or
   ``general`` (the best-fit pool only).
 """
 
 POLICIES = ("tensile", "reactive", "vdnn", "swap_score")
+DEVICES = ("cpu", "cuda")
 POOLS = ("planned", "general")
+
+DEFAULT_DEVICE = "cpu"                 # tensile.device
+DEFAULT_BUDGET_NBYTES = 1 << 30        # tensile.device_budget, bytes
+DEFAULT_MAX_ACTIVE_JOBS = 8            # tensile.max_active_jobs
+DEFAULT_POLICY = POLICIES[0]           # tensile.policy: tensile
+DEFAULT_POOL = POOLS[0]                # tensile.pool: planned
+#: Rows per batch a predict_batch call streams through the layers, at most.
+MAX_PREDICT_BATCH_ROWS = 1 << 16

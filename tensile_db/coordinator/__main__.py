@@ -11,18 +11,20 @@ import sys
 
 from ..memory.arena import UNIT_NBYTES
 from ..runtime.model import Limits
-from ..settings import POLICIES, POOLS
+from .. import settings
 from .server import Coordinator
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tensile_db.coordinator", description=__doc__)
     parser.add_argument("--socket-dir", required=True, help="0700 directory for the socket and lock")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--budget", type=int, default=1 << 30, help="device arena size, bytes")
-    parser.add_argument("--max-active-jobs", type=int, default=8, help="jobs run at once; more wait queued")
-    parser.add_argument("--policy", choices=POLICIES, default="tensile", help="the scheduler policy")
-    parser.add_argument("--pool", choices=POOLS, default="planned",
+    parser.add_argument("--device", choices=settings.DEVICES, default=settings.DEFAULT_DEVICE)
+    parser.add_argument("--budget", type=int, default=settings.DEFAULT_BUDGET_NBYTES, help="device arena size, bytes")
+    parser.add_argument("--max-active-jobs", type=int, default=settings.DEFAULT_MAX_ACTIVE_JOBS,
+                        help="jobs run at once; more wait queued")
+    parser.add_argument("--policy", choices=settings.POLICIES, default=settings.DEFAULT_POLICY,
+                        help="the scheduler policy")
+    parser.add_argument("--pool", choices=settings.POOLS, default=settings.DEFAULT_POOL,
                         help="planned: recurring allocations at lifetime-planned offsets; general: best fit only")
     parser.add_argument("--postmaster-pid-file", help="exit when the pid in this file's first line is gone")
     parser.add_argument("--max-layers", type=int, default=Limits.max_layers,

@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from ..errors import CoordinatorNotRunning, CoordinatorUnavailable
+from .. import settings
 from ..runtime.model import Limits
 from . import protocol
 from .address import LOG_NAME, SOCKET_NAME, coordinator_state, secure_dir, socket_address
@@ -38,11 +39,11 @@ class StartSpec:
     the largest model it builds (layers, parameters)."""
 
     python: str = sys.executable
-    device: str = "cpu"
-    budget_nbytes: int = 1 << 30
-    max_active_jobs: int = 8
-    policy: str = "tensile"
-    pool: str = "planned"
+    device: str = settings.DEFAULT_DEVICE
+    budget_nbytes: int = settings.DEFAULT_BUDGET_NBYTES
+    max_active_jobs: int = settings.DEFAULT_MAX_ACTIVE_JOBS
+    policy: str = settings.DEFAULT_POLICY
+    pool: str = settings.DEFAULT_POOL
     postmaster_pid_file: str | None = None
     python_path: str | None = None      # prepended to PYTHONPATH, so the interpreter finds this package
     limits: Limits = Limits()

@@ -31,6 +31,7 @@ from multiprocessing.connection import Listener
 
 import numpy as np
 
+from .. import settings
 from ..errors import JobCancelled, ProtocolError, TensileError
 from ..inference.service import InferenceService
 from ..memory.manager import MemoryManager
@@ -57,9 +58,11 @@ class Coordinator:
     ``tensile_db.settings.POOLS``.
     """
 
-    def __init__(self, socket_dir: str, device: str = "cpu", budget_nbytes: int = 1 << 30,
-                 max_active_jobs: int = 8, postmaster_pid_file: str | None = None, policy: str = "tensile",
-                 pool: str = "planned", limits: models.Limits = models.Limits()):
+    def __init__(self, socket_dir: str, device: str = settings.DEFAULT_DEVICE,
+                 budget_nbytes: int = settings.DEFAULT_BUDGET_NBYTES,
+                 max_active_jobs: int = settings.DEFAULT_MAX_ACTIVE_JOBS, postmaster_pid_file: str | None = None,
+                 policy: str = settings.DEFAULT_POLICY, pool: str = settings.DEFAULT_POOL,
+                 limits: models.Limits = models.Limits()):
         self.socket_dir = secure_dir(socket_dir)
         self.limits = limits
         self.device_name = device
@@ -179,9 +182,9 @@ class Coordinator:
     def _train(self, conn, header: dict, arrays: dict) -> None:
         try:
             x, y = arrays["x"], arrays["y"]
-            task = header["task"]
-            spec = models.ModelSpec(models.parse_architecture(header["architecture"]), int(x.shape[1]),
-                                    int(header["n_outputs"]), task)
+            if x.ndim != 2:
+                raise ProtocolError(f"train request with features of shape {x.shape}")
+            spec = models.ModelSpec.parse(header["architecture"], x.shape[1], header["n_outputs"], header["task"])
             options = models.parse_options(header.get("options"))
             info = JobInfo(int(header.get("backend_pid", 0)), str(header.get("role", "")),
                            str(header.get("model_name", "")))
@@ -207,11 +210,9 @@ class Coordinator:
         """One ``predict`` call, run on this connection's thread (see the module docstring)."""
         try:
             x = arrays["x"]
-            task = header["task"]
-            if task not in models.TASKS or x.ndim != 2 or x.dtype != np.float32:
-                raise ProtocolError(f"predict request with task {task!r} and features {x.dtype} {x.shape}")
-            spec = models.ModelSpec(models.parse_architecture(header["architecture"]), int(x.shape[1]),
-                                    int(header["n_outputs"]), task)
+            if x.ndim != 2 or x.dtype != np.float32:
+                raise ProtocolError(f"predict request with features {x.dtype} {x.shape}")
+            spec = models.ModelSpec.parse(header["architecture"], x.shape[1], header["n_outputs"], header["task"])
             model_id, version, name = int(header["model_id"]), str(header["model_version"]), str(header["model_name"])
             window, batch_size, cache = header["window"], header["batch_size"], bool(header.get("cache", True))
         except KeyError as exc:

@@ -37,13 +37,14 @@ import numpy as np
 
 from ..errors import InvalidArgument, ModelNotFound, ProtocolError
 from ..runtime import model as models
+from ..settings import MAX_PREDICT_BATCH_ROWS
 from . import session
 from .data import is_table_name, read_features
 from .train import check_model_name
 
 #: Rows per batch streamed through the layers, by default and at most.
 DEFAULT_BATCH_SIZE = 256
-MAX_BATCH_SIZE = 1 << 16
+MAX_BATCH_SIZE = MAX_PREDICT_BATCH_ROWS
 #: Rows per INSERT statement of predict_into.
 INSERT_CHUNK_ROWS = 10_000
 #: The columns predict_into writes, with their types as ``format_type`` spells them.
@@ -120,8 +121,7 @@ def read_model(plpy, GD, name, limits: models.Limits) -> ModelRow:
     row = rows[0]
     architecture = json.loads(row["architecture"])
     classes = list(row["label_classes"]) if row["label_classes"] else None
-    spec = models.ModelSpec(models.parse_architecture(architecture), len(row["feature_names"]),
-                            len(classes) if classes else 1, row["task"])
+    spec = models.ModelSpec.parse(architecture, len(row["feature_names"]), len(classes) if classes else 1, row["task"])
     limits.check(spec, name)
     return ModelRow(row["id"], row["database"], row["version"], name, spec, architecture, list(row["feature_names"]),
                     classes)

@@ -12,7 +12,6 @@ one-dimensional array of finite numbers: NaN, infinities and 2-D arrays are refu
 from __future__ import annotations
 
 import collections
-import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,8 +48,8 @@ def load(plpy, GD, name: str) -> CachedModel:
             SELECT id, task, architecture::pg_catalog.text AS architecture, feature_names, label_classes, weights
             FROM tensile.models WHERE id OPERATOR(pg_catalog.=) $1""", ["pg_catalog.int8"]), [rows[0]["id"]])[0]
         classes = list(row["label_classes"]) if row["label_classes"] else None
-        spec = models.ModelSpec(models.parse_architecture(json.loads(row["architecture"])), len(row["feature_names"]),
-                                len(classes) if classes else 1, row["task"])
+        spec = models.ModelSpec.parse(row["architecture"], len(row["feature_names"]), len(classes) if classes else 1,
+                                      row["task"])
         session.limits(plpy, GD, session.settings(plpy, GD)).check(spec, name)
         cached = CachedModel(row["id"], spec, models.load_weights(row["weights"], spec, name), classes,
                              list(row["feature_names"]))

@@ -63,11 +63,14 @@ from ..coordinator import address
 from ..coordinator import client as coordinator_client
 from ..errors import CoordinatorUnavailable, InvalidArgument
 from ..runtime.model import Limits
-from ..settings import POLICIES, POOLS
+from .. import settings as server_settings
 
 #: The tensile.* settings of the configuration files, by name, with their defaults.
-SERVER_SETTINGS = {"device": "cpu", "device_budget": "1GB", "max_active_jobs": "8", "policy": "tensile",
-                   "pool": "planned", "max_layers": str(Limits.max_layers),
+SERVER_SETTINGS = {"device": server_settings.DEFAULT_DEVICE,
+                   "device_budget": str(server_settings.DEFAULT_BUDGET_NBYTES),
+                   "max_active_jobs": str(server_settings.DEFAULT_MAX_ACTIVE_JOBS),
+                   "policy": server_settings.DEFAULT_POLICY, "pool": server_settings.DEFAULT_POOL,
+                   "max_layers": str(Limits.max_layers),
                    "max_parameters": str(Limits.max_parameters), "max_job_bytes": str(Limits.max_job_nbytes),
                    "python": ""}
 _SETTINGS_SQL = ("SELECT current_user AS role, pg_catalog.pg_backend_pid() AS pid, "
@@ -131,7 +134,8 @@ def _default_python() -> str:
 def _start_spec(plpy, GD, s: dict) -> coordinator_client.StartSpec:
     """How to start a coordinator with the settings ``s``. Raises InvalidArgument for a value
     not allowed."""
-    for key, allowed in (("policy", POLICIES), ("pool", POOLS), ("device", ("cpu", "cuda"))):
+    for key, allowed in (("policy", server_settings.POLICIES), ("pool", server_settings.POOLS),
+                         ("device", server_settings.DEVICES)):
         if s[key] not in allowed:
             raise InvalidArgument(f"tensile.{key} is {s[key]!r}; it must be one of {', '.join(allowed)}: set it in "
                                   "the server's configuration files and reload them (SELECT pg_reload_conf())")

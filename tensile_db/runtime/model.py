@@ -97,6 +97,18 @@ class ModelSpec:
     def n_parameters(self) -> int:
         return sum(i * o + o for i, o in self.dense_shapes())
 
+    @classmethod
+    def parse(cls, architecture, n_features: int, n_outputs: int, task: str) -> "ModelSpec":
+        """The spec of a model stored or sent as JSON: ``architecture`` as text or a dict (see
+        :func:`parse_architecture`), the input and output widths, the task (one of TASKS). The one
+        place a spec is built from a registry row or a request. Raises InvalidArgument."""
+        if task not in TASKS:
+            raise InvalidArgument(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        n_features, n_outputs = int(n_features), int(n_outputs)
+        if n_features < 1 or n_outputs < 1:
+            raise InvalidArgument(f"a model needs at least one feature and one output, got {n_features} and {n_outputs}")
+        return cls(parse_architecture(architecture), n_features, n_outputs, task)
+
 
 @dataclass(frozen=True)
 class Limits:
