@@ -41,7 +41,7 @@ from ..errors import InvalidArgument
 from ..memory.arena import UNIT_NBYTES
 from ..settings import POLICIES
 from .cost import CostModel, measure_bandwidth
-from .planners import Plan, plan_swap_score, plan_tensile, plan_vdnn
+from .planners import ACTIONS, Plan, plan_swap_score, plan_tensile, plan_vdnn
 from .reactive import FarthestNextUse
 from .timeline import JobTrace, Timeline, iterations_per_period, round_of
 from .trace import SETTLE_ITERATIONS, AccessSequence
@@ -51,6 +51,11 @@ log = logging.getLogger(__name__)
 #: most delays :meth:`Scheduler.stagger` compares (a period may be tens of thousands of rounds)
 STAGGER_CANDIDATES = 256
 _PLANNERS = {"tensile": plan_tensile, "swap_score": plan_swap_score, "vdnn": plan_vdnn}
+#: What each plan action does to its tensor: the memory manager's operation of that name.
+_ACTIONS = {"swap_out": lambda mm, t: mm.swap_out(t), "release": lambda mm, t: mm.release(t),
+            "swap_in": lambda mm, t: mm.swap_in(t), "drop": lambda mm, t: mm.drop(t)}
+if set(_ACTIONS) != set(ACTIONS):       # checked when the module loads, not when a plan first runs
+    raise ImportError(f"the scheduler carries out {sorted(_ACTIONS)} but the planners emit {sorted(ACTIONS)}")
 
 
 class Scheduler:
@@ -187,7 +192,7 @@ class Scheduler:
             job = self.jobs.get(job_id)
             tensor = job.tensors.get(slot) if job is not None else None
             if tensor is not None:
-                getattr(self.mm, kind)(tensor)
+                _ACTIONS[kind](self.mm, tensor)
 
     # -- planning ------------------------------------------------------------------------------
 

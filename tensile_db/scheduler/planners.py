@@ -43,9 +43,13 @@ MAX_DECISIONS = 4096
 MAX_PLAN_SECONDS = 2.0
 
 
+#: The actions a plan takes, by name: the memory manager's asynchronous operations.
+ACTIONS = ("swap_out", "release", "swap_in", "drop")
+
+
 @dataclass
 class Plan:
-    """A schedule of swap-outs, releases, swap-ins and drops over one period.
+    """A schedule of swap-outs, releases, swap-ins and drops over one period (:data:`ACTIONS`).
 
     Attributes:
         policy: the planner's name.
