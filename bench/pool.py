@@ -3,7 +3,7 @@ lower bound and the general (best-fit) pool, and the cost of one allocation.
 
 Two kinds of trace:
 
-- *single job*: one training iteration of one MLP (:func:`tensile_db.memory.pool.allocations_of`)
+- *single job*: one training iteration of one MLP (:func:`tensile_db.scheduler.allocations.allocations_of`)
   at two batch sizes, with and without a swap schedule (the tensile planner at 50% of the job's
   unscheduled peak). The models are the scheduler benchmark's uniform MLPs (every hidden layer
   the same width) and two with mixed widths (an hourglass 2048-64-1024-32-512-128 with dropout
@@ -16,7 +16,7 @@ Per trace:
 
 - max live bytes: the lower bound on any arena;
 - planned arena: best fit, largest first alone (the paper's order), and what the runtime installs
-  (:func:`~tensile_db.memory.pool.plan_smallest` with the planned pool's search time), best fit
+  (:func:`~tensile_db.memory.lifetimes.plan_smallest` with the planned pool's search time), best fit
   and first fit;
 - the general pool's arena: the highest address the best-fit allocator touches serving the trace
   (its high-water mark of *allocated* bytes is max live, whatever the offsets; the address is
@@ -26,7 +26,7 @@ Per trace:
   recorded sequence, plus :meth:`PlannedPool.freed`) against the general pool's allocate + free,
   over the same sequence of events.
 
-After the table, PASS/FAIL for the issue's targets: planned <= 1.05 x max live on every trace;
+After the table, PASS/FAIL for the planned pool's targets: planned <= 1.05 x max live on every trace;
 >= 10% below the general pool on the mixed-size traces; planned allocation >= 5x cheaper.
 
 It draws the packing (:func:`draw_arena`: offset against event, one rectangle per lifetime
@@ -54,11 +54,12 @@ from tensile_db.memory import planned
 from tensile_db.memory.arena import ArenaAllocator
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.memory.planned import PlannedPool
-from tensile_db.memory.pool import (Allocation, PoolPlan, allocations_of, max_live_nbytes, plan_offsets,
-                                    plan_smallest, replay_general_pool)
+from tensile_db.memory.lifetimes import (Allocation, PoolPlan, max_live_nbytes, plan_offsets, plan_smallest,
+                                         replay_general_pool)
 from tensile_db.runtime.device import Device
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
 from tensile_db.runtime.program import build_training_program
+from tensile_db.scheduler.allocations import allocations_of
 from tensile_db.scheduler.cost import CostModel
 from tensile_db.scheduler.planners import plan_tensile
 from tensile_db.scheduler.timeline import JobTrace, Timeline
@@ -145,7 +146,7 @@ def ns_per_call(allocs: list[Allocation], repeats: int = 20) -> tuple[float, flo
     for kind, key, nbytes in events:                 # record one period
         pool.allocated(key, nbytes) if kind == "a" else pool.freed(key, nbytes)
     pool.boundary(lambda: (live, 0))
-    pool._planning.result()
+    pool.wait_for_plan()
     pool.boundary(lambda: (live, 0))                           # serving from here
     start = time.perf_counter_ns()
     for _ in range(repeats):

@@ -16,7 +16,7 @@ per run the peak device bytes, MSR = 1 - peak/vanilla peak, EOR = time/vanilla t
 from the first submit to the last job done), CBR = MSR/EOR, planned and passive swap-ins,
 recomputes, bytes swapped out, the plans made and the time spent making them (on the executor's
 thread, so it counts in EOR) and whether every job completed, then one PASS/FAIL line per target
-of the issue. Written: a PNG of the device memory over time (per job, stacked) of one workload at
+of the scheduler. Written: a PNG of the device memory over time (per job, stacked) of one workload at
 50% under every policy, from separate runs sampled every millisecond (the table's runs are not
 sampled, so the sampler does not perturb their times).
 

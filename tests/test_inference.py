@@ -59,7 +59,7 @@ def predict(svc, model_id, spec, w, x, window, batch_size=64, cache=True, versio
 
 
 def call_blocks(mm) -> list:
-    return [t for t in mm._tensors.values() if t.job_id == INFERENCE_JOB and t.offset is not None]
+    return [t for _, _, t in mm.blocks() if t.job_id == INFERENCE_JOB]
 
 
 @pytest.mark.parametrize("task", ["classification", "regression"])
@@ -121,7 +121,7 @@ def test_the_weight_cache_serves_a_second_call_and_gives_way_first():
     assert mm.jobs[INFERENCE_JOB].cache_evictions > 0
     assert mm.cache_nbytes() < cached
     assert mm.jobs[7].swap_outs == 0 and kept.residency is Residency.DEVICE
-    assert all(t.host is not None for m in svc.store._models.values() for t in m.layers)
+    assert all(t.host is not None for t in mm.tensors(INFERENCE_JOB))        # every layer kept its host copy
     mm.unpin([big])
     mm.release_job(7)
     third, _ = predict(svc, 1, spec, w, x, window=1)         # reloaded from the kept host copies
@@ -137,9 +137,10 @@ def test_cancelling_a_call_releases_everything_it_held():
     with pytest.raises(JobCancelled):
         predict(svc, 1, spec, w, x, window=3, batch_size=32, cancelled=lambda: polls.append(1) or len(polls) > 10)
     mm = svc.manager
-    assert all(not t.pins and not t.wanted for t in mm._tensors.values())
+    assert all(not t.pins and not t.wanted for t in mm.tensors())
     assert mm.jobs[INFERENCE_JOB].device_nbytes == mm.cache_nbytes()
-    assert not svc.describe()["inference_calls"] and svc.store._models[(1, "v1")].users == 0
+    assert not svc.describe()["inference_calls"] and svc.store.get(1, "v1").users == 0
+    mm.check()
     mm.close()
 
 
@@ -158,7 +159,7 @@ def test_bad_calls_are_refused_with_the_value_named():
     broken = dict(w, W2=w["W2"][:, :3])
     with pytest.raises(CorruptModel, match=r"W2 must be a float array of shape \(64, 128\)"):
         svc.store.add(2, "v1", "broken", spec, broken)
-    assert svc.store._models[(1, "v1")].users == 0
+    assert svc.store.get(1, "v1").users == 0
     assert svc.manager.jobs[INFERENCE_JOB].device_nbytes == svc.manager.cache_nbytes()
     svc.manager.close()
 
@@ -181,13 +182,14 @@ def test_a_call_on_a_replaced_model_finishes_on_the_old_version_which_is_then_fo
 
     out, _ = svc.predict(old_model, x, 2, 64, cancelled=replace_midway)
     assert np.array_equal(out, predict(service(), 10, spec, old_w, x, window=2)[0])
-    assert (10, "v1") not in svc.store._models and (11, "v1") in svc.store._models
-    assert all(t.id not in svc.manager._tensors for t in old_model.layers)
+    assert svc.store.get(10, "v1") is None and svc.store.get(11, "v1") is not None
+    registered = svc.manager.tensors()
+    assert all(t not in registered and t.residency is Residency.FREED for t in old_model.layers)
     # A backend with an older snapshot may still bring the old version: it is served, then retired.
     stale = svc.store.add(10, "v1", "m", spec, old_w)
     assert stale.retired
     svc.store.checkin(stale)
-    assert (10, "v1") not in svc.store._models
+    assert svc.store.get(10, "v1") is None
     svc.manager.close()
 
 
@@ -207,10 +209,8 @@ def test_concurrent_calls_and_a_training_job_share_a_small_budget_without_overla
 
     def checked_acquire(*args, **kwargs):
         created = original(*args, **kwargs)
-        with mm._lock:
-            blocks = sorted((t.offset, t.offset + t.arena_nbytes) for t in mm._tensors.values() if t.offset is not None)
-            assert all(e1 <= s2 for (_, e1), (s2, _) in zip(blocks, blocks[1:])), "two blocks share bytes"
-            checks["acquires"] += 1
+        mm.check()                            # no two blocks share bytes, the counters add up
+        checks["acquires"] += 1
         return created
 
     mm.acquire = checked_acquire
@@ -283,14 +283,14 @@ def test_calls_whose_models_do_not_fit_together_start_one_after_the_other():
     assert paused.wait(10)
     b = threading.Thread(target=lambda: results.update(b=svc.predict(second, x, 1, 64)[0]))
     b.start()
-    assert wait_until(lambda: svc._waiting)                 # b waits for memory while a runs
-    assert len(svc._footprints) == 1 and svc.describe()["inference_calls"] == 2
+    assert wait_until(lambda: svc.admission()[1])          # b waits for memory while a runs
+    assert svc.admission() == (1, 1) and svc.describe()["inference_calls"] == 2
     resume.set()
     a.join(10)
     b.join(10)
     assert np.array_equal(results["b"], predict(service(), 2, spec, w1, x, window=1, batch_size=64)[0])
     assert np.array_equal(results["a"], predict(service(), 1, spec, w0, x, window=1, batch_size=64)[0])
-    assert not svc._waiting and not svc._footprints
+    assert svc.admission() == (0, 0)
     svc.manager.close()
 
 
@@ -340,8 +340,9 @@ def test_a_failing_layer_leaves_nothing_behind(monkeypatch):
     with pytest.raises(FloatingPointError):
         predict(svc, 1, spec, w, x, window=2)
     mm = svc.manager
-    assert all(t.readonly for t in mm._tensors.values())                     # no activation left
-    assert all(not t.pins and not t.wanted for t in mm._tensors.values())
+    assert all(t.readonly for t in mm.tensors())                             # no activation left
+    assert all(not t.pins and not t.wanted for t in mm.tensors())
+    mm.check()
     assert mm.jobs[INFERENCE_JOB].device_nbytes == mm.cache_nbytes()
     mm.close()
 
@@ -353,19 +354,19 @@ def test_eviction_takes_layers_no_window_holds_first_and_a_prefetch_never_takes_
     model = svc.store.add(1, "v", "m", spec, weights_of(spec))
     held, loose, other = model.layers[0], model.layers[1], model.layers[2]
     for t in (held, loose):
-        mm.prefetch(t)
-    mm.unwant(loose)                                      # cached, in no window
+        mm.cache.prefetch(t)
+    mm.cache.unwant(loose)                                      # cached, in no window
     for t in (held, loose):
         mm.to_host(t)                                     # let the loads land
-    assert mm._eviction_rank(loose) > mm._eviction_rank(held)
+    assert mm.eviction.rank(loose) > mm.eviction.rank(held)
     mm.limit_nbytes = mm.in_use_nbytes                    # no room left for the third layer
-    assert mm.prefetch(other)                             # loaded by evicting the loose layer only
+    assert mm.cache.prefetch(other)                             # loaded by evicting the loose layer only
     assert loose.offset is None and held.offset is not None
-    mm.unwant(held, keep=False)
+    mm.cache.unwant(held, keep=False)
     assert held.offset is not None or not held.wanted     # freed unless another window held it
-    mm.prefetch(held)
-    mm.unwant(held, keep=False)
-    mm.unwant(other, keep=False)
+    mm.cache.prefetch(held)
+    mm.cache.unwant(held, keep=False)
+    mm.cache.unwant(other, keep=False)
     assert held.offset is None and other.offset is None
     svc.store.checkin(model)
     mm.close()

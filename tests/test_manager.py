@@ -229,6 +229,7 @@ def test_per_job_counters_and_release_job():
     assert counters.swapped_out_nbytes == 400 and counters.swap_ins == 1   # cumulative kept
     assert t1.residency is Residency.FREED
     assert mm.in_use_nbytes == 0
+    mm.check()
     c2 = mm.release_job(2)
     assert c2.host_nbytes == 0 and c2.device_nbytes == 0 and c2.peak_nbytes == 4 * U
     assert mm.snapshot()["host_nbytes"] == 0 and mm.allocator.free_blocks == 1
@@ -297,6 +298,7 @@ def test_randomized_values_and_budget():
         assert mm.in_use_nbytes == sum(t.arena_nbytes for t in resident)
         assert sum(j.device_nbytes for j in mm.jobs.values()) == mm.in_use_nbytes
         assert sum(j.host_nbytes for j in mm.jobs.values()) == sum(t.nbytes for t in on_host)
+        mm.check()
         if step % 20 == 0:
             for t, v in shadow.values():
                 assert same_bits(mm.to_host(t), v)
@@ -365,6 +367,46 @@ def test_fragmented_arena_is_compacted_instead_of_evicting():
     assert mm.compactions == 1 and mm.jobs[1].swap_outs == 0
     for t, v in ((ts[1], values[1]), (ts[3], values[3])):
         assert t.residency is Residency.DEVICE and same_bits(mm.array(t), v)
+    mm.check()
+
+
+def test_fixed_blocks_are_never_moved_by_compaction():
+    mm = make(10, next_use=lambda t: math.inf if t.slot == "t2" else 0.0)
+    t0, t1 = new(mm, 1, "t0", 2), new(mm, 1, "t1", 2)
+    (raw,) = mm.acquire(1, [], [Slot("raw", ACT, (2 * F32_PER_UNIT,), "float32")], fixed=True)
+    mm.unpin([raw])                                      # unpinned, yet its address is held elsewhere
+    t2 = new(mm, 1, "t2", 2)
+    mm.free(t0)                                          # holes [0, 2) and [8, 10) units
+    (big,) = mm.acquire(1, [], [Slot("big", ACT, (3 * F32_PER_UNIT,), "float32")])
+    mm.unpin([big])
+    assert raw.fixed and raw.offset == 4 * U and raw.residency is Residency.DEVICE   # did not move
+    assert t1.offset == 0 and mm.compactions == 1        # the movable block below it did
+    assert t2.residency is Residency.HOST                # so room was made by eviction
+    mm.check()
+
+
+def test_check_raises_on_each_broken_invariant():
+    mm = make(8)
+    a, b = new(mm, 1, "a", 2), new(mm, 1, "b", 2)
+    h = mm.adopt(1, "h", Kind.WEIGHT, pattern(F32_PER_UNIT, 1))
+    mm.check()
+    assert [(offset, size) for offset, size, _ in mm.blocks()] == [(0, 2 * U), (2 * U, 2 * U)]
+    assert mm.tensors() == [a, b, h] and mm.tensors(2) == []
+    breakages = [
+        (lambda: setattr(b, "offset", U), lambda: setattr(b, "offset", 2 * U), "overlaps"),
+        (lambda: setattr(b, "offset", 7 * U), lambda: setattr(b, "offset", 2 * U), "outside the arena"),
+        (lambda: setattr(mm.jobs[1], "device_nbytes", 5 * U), lambda: setattr(mm.jobs[1], "device_nbytes", 4 * U),
+         "job 1 counts"),
+        (lambda: setattr(mm.jobs[1], "host_nbytes", 0), lambda: setattr(mm.jobs[1], "host_nbytes", h.nbytes),
+         "job 1 counts"),
+        (lambda: setattr(h, "pins", 1), lambda: setattr(h, "pins", 0), "pinned but host"),
+    ]
+    for breaks, mends, message in breakages:
+        breaks()
+        with pytest.raises(AssertionError, match=message):
+            mm.check()
+        mends()
+        mm.check()
 
 
 def test_limit_evicts_early_but_a_lone_working_set_may_use_the_whole_budget():

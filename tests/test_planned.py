@@ -1,7 +1,8 @@
-"""The planned pool at run time (issue 4): recording, planning, serving by lookup, falling back.
+"""The planned pool at run time: recording, planning, serving by lookup, falling back.
 
-Invariants checked on real executor runs on ``cpu``: at every op no two live tensors share a
-byte and every block lies inside the arena (planned ones inside the planned region); training
+Invariants checked on real executor runs on ``cpu`` (:meth:`MemoryManager.check`): at every op
+no two live tensors share a byte and every block lies inside the arena (planned ones inside the
+planned region); training
 gives the same losses and weights bit for bit with either pool; a request that does not match
 the plan goes to the general pool and the jobs go on.
 """
@@ -92,7 +93,7 @@ def serving_pool(arena):
     assert pool.state is State.RECORDING
     play(pool, PERIOD)
     pool.boundary(lambda: (LIVE, 0))                     # hands the period to the planning thread
-    pool._planning.result()
+    pool.wait_for_plan()
     pool.boundary(lambda: (LIVE, 0))                     # installs
     assert pool.state is State.SERVING
     return pool
@@ -149,7 +150,7 @@ def test_an_unsteady_period_or_a_region_that_does_not_fit_is_not_installed():
     pool.boundary(lambda: (LIVE, 0))
     play(pool, PERIOD)
     pool.boundary(lambda: (LIVE, 0))
-    pool._planning.result()
+    pool.wait_for_plan()
     pool.boundary(lambda: (LIVE, 0))
     assert len(no_room.installed) == 1 and pool.state is State.RECORDING and pool.region_nbytes == 0
     pool.close()
@@ -180,19 +181,12 @@ def test_relayout_rebuilds_free_blocks_and_keeps_the_peak():
 
 def _check_blocks(job, mm: MemoryManager) -> None:
     """Wrap every op of the job so it asserts, while the op runs, that no two tensors with arena
-    blocks share a byte, every block lies inside the arena and planned blocks inside the region."""
+    blocks share a byte, every block lies inside the arena and planned blocks inside the region
+    (:meth:`MemoryManager.check`)."""
 
     def wrap(op: Op) -> Op:
         def run(arrays, ctx):
-            blocks = sorted((t.offset, t.offset + t.arena_nbytes, t) for t in mm._tensors.values()
-                            if t.offset is not None)
-            for (s1, e1, t1), (s2, _, t2) in zip(blocks, blocks[1:]):
-                assert e1 <= s2, f"{t1.slot} of job {t1.job_id} and {t2.slot} of job {t2.job_id} share bytes"
-            assert not blocks or blocks[-1][1] <= mm.budget_nbytes
-            region = mm.pool.region_nbytes
-            for s, e, t in blocks:
-                if t.planned:
-                    assert mm.pool.base <= s and e <= mm.pool.base + region, f"{t.slot} outside the region"
+            mm.check()
             op.run(arrays, ctx)
         return Op(op.name, op.reads, op.writes, run)
 
@@ -244,10 +238,9 @@ def test_a_request_off_the_plan_falls_back_to_the_general_pool_and_the_pool_repl
         def run(arrays, ctx):
             op.run(arrays, ctx)
             if not done and mm.pool.state is State.SERVING and mm.pool.periods_served >= 1:
-                victim = next(t for t in mm._tensors.values() if t.planned and not t.pins
+                victim = next(t for _, _, t in mm.blocks() if t.planned and not t.pins
                               and t.residency is Residency.DEVICE)
-                with mm._lock:
-                    mm._swap_out(victim)
+                mm.evict(victim)
                 done.append(victim.slot)
         return Op(op.name, op.reads, op.writes, run)
 

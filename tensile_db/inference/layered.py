@@ -4,11 +4,12 @@ stream through the arena (Ji et al., arXiv 2210.04024, section 4, made to share 
 The call's *access sequence* is, for batch ``b`` and layer ``i``, the use ``k = b * L + i`` of layer
 ``i``, with ``L`` the number of dense layers. With a *prefetch window* of ``W`` layers, while use
 ``k`` computes, the layers of uses ``k + 1 .. k + W`` are loading or loaded: each one is
-prefetched (:meth:`MemoryManager.prefetch`, a copy on the swap engine — the copy thread on
-``cpu``, the copy stream on ``cuda`` — that overlaps the computation) as soon as it enters the
-window, and let go (:meth:`MemoryManager.unwant`) as soon as no use in the window needs it. So a
-call holds at most ``min(W + 1, L)`` layers and one batch's input and output activations:
-``W = 1`` is the least memory, ``W >= L - 1`` keeps every layer for the whole call (preloading).
+prefetched (:meth:`~tensile_db.memory.cache.WeightCache.prefetch`, a copy on the swap engine —
+the copy thread on ``cpu``, the copy stream on ``cuda`` — that overlaps the computation) as soon
+as it enters the window, and let go (:meth:`~tensile_db.memory.cache.WeightCache.unwant`) as soon
+as no use in the window needs it. So a call holds at most ``min(W + 1, L)`` layers and one
+batch's input and output activations: ``W = 1`` is the least memory, ``W >= L - 1`` keeps every
+layer for the whole call (preloading).
 A layer let go stays in the device weight cache, unless the call asked for no caching, until
 something needs its bytes.
 
@@ -27,10 +28,10 @@ from typing import Callable
 import numpy as np
 
 from ..errors import DeviceOutOfMemory, InvalidArgument, JobCancelled
-from ..memory.arena import round_up
 from ..memory.manager import MemoryManager
 from ..runtime import model as models
 from ..runtime.program import Kind, Slot
+from ..runtime.units import round_up
 from . import INFERENCE_JOB
 from .store import ServedModel
 
@@ -167,18 +168,18 @@ def run(mm: MemoryManager, model: ServedModel, x: np.ndarray, window: int, batch
                 h = None
             for j in sorted(held - set(window_of(k + 1))):
                 held.discard(j)
-                mm.unwant(model.layers[j], keep=cache)
+                mm.cache.unwant(model.layers[j], keep=cache)
     finally:
         if h is not None:
             mm.free(h)
         for j in held:
-            mm.unwant(model.layers[j], keep=cache)
+            mm.cache.unwant(model.layers[j], keep=cache)
     stats.time_s = time.perf_counter() - started
     return models.finish(model.spec, model.scaling, logits), stats
 
 
 def _count_prefetch(mm: MemoryManager, layer, stats: CallStats) -> None:
-    if mm.prefetch(layer):
+    if mm.cache.prefetch(layer):
         stats.weight_loads += 1
         stats.weight_loaded_nbytes += layer.nbytes
     elif layer.offset is not None:

@@ -35,13 +35,13 @@ class InferenceService:
         self.manager = manager
         manager.register_job(INFERENCE_JOB)
         self.store = ModelStore(manager, host_limit_nbytes)
-        self.cache_hits = 0            # layer uses served by a resident copy, cumulative
-        self._calls: set[int] = set()             # calls running or waiting to start
-        self._ids = itertools.count(1)
+        self.cache_hits = 0            # layer uses served by a resident copy, cumulative; guarded by _lock
+        self._calls: set[int] = set()             # calls running or waiting to start; guarded by _lock
+        self._ids = itertools.count(1)            # guarded by _lock
         self._lock = threading.Lock()
         self._admission = threading.Condition(self._lock)
-        self._waiting: list[int] = []              # calls waiting to start, in arrival order
-        self._footprints: dict[int, int] = {}      # running call id -> its footprint, bytes
+        self._waiting: list[int] = []              # calls waiting to start, in arrival order; guarded by _lock
+        self._footprints: dict[int, int] = {}      # running call id -> its footprint, bytes; guarded by _lock
 
     def predict(self, model: ServedModel, x: np.ndarray, window: int, batch_size: int, cache: bool = True,
                 cancelled=None, on_accept=None) -> tuple[np.ndarray, layered.CallStats]:
@@ -101,6 +101,11 @@ class InferenceService:
             with self._admission:
                 self._waiting.remove(call_id)
                 self._admission.notify_all()
+
+    def admission(self) -> tuple[int, int]:
+        """(calls admitted and running, calls waiting to be admitted), counts."""
+        with self._lock:
+            return len(self._footprints), len(self._waiting)
 
     def describe(self) -> dict:
         """Figures for ``tensile.memory``: calls running or waiting to start, the device bytes

@@ -9,7 +9,8 @@ Dense layer ``i``'s weight ``W{i}`` (I, O) and bias ``b{i}`` (O,) are packed int
 buffer of ``I * O + O`` elements (page-locked on ``cuda``), registered with the memory manager as
 one read-only tensor under :data:`~tensile_db.inference.INFERENCE_JOB`. Its device copy is the
 *weight cache*: loaded by the calls that need it, kept while the budget allows, and evicted before
-anything else when room is needed (Note [Eviction order] in :mod:`tensile_db.memory.manager`).
+anything else when room is needed (:mod:`tensile_db.memory.cache`, Note [Eviction order] in
+:mod:`tensile_db.memory.eviction`).
 
 The store keeps the models no call is using up to :data:`HOST_LIMIT_NBYTES` of host memory, least
 recently used going first. A model whose name has been seen with a newer id is *retired*: it is
@@ -72,6 +73,7 @@ class ModelStore:
     def __init__(self, manager: MemoryManager, host_limit_nbytes: int = HOST_LIMIT_NBYTES):
         self.manager = manager
         self.host_limit_nbytes = host_limit_nbytes
+        # (id, version) -> model, least recently used first; guarded by _lock, and so is every model's users
         self._models: collections.OrderedDict[tuple[int, str], ServedModel] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -80,6 +82,11 @@ class ModelStore:
         caller then sends its weights to :meth:`add`)."""
         with self._lock:
             return self._hold((model_id, version))
+
+    def get(self, model_id: int, version: str) -> ServedModel | None:
+        """The served model if held here, without checking it out (to inspect ``users``)."""
+        with self._lock:
+            return self._models.get((model_id, version))
 
     def _hold(self, key: tuple[int, str]) -> ServedModel | None:
         m = self._models.get(key)

@@ -1,3 +1,19 @@
-"""Device memory: the arena and its allocator (``arena.py``) and the tensor registry that keeps
-every job inside the budget by swapping tensors between the arena and host memory
-(``manager.py``). Device byte counters change in exactly one place: ``MemoryManager._account``."""
+"""Device memory: one arena of ``budget`` bytes, every tensor in it, and the moves between the
+arena and host memory. The mechanism (the core) and its policies are apart:
+
+- ``arena.py``: the arena's best-fit allocator over 512-byte units (the general pool).
+- ``tensors.py``: the records: a registered tensor, its residency, a job's counters.
+- ``manager.py``: :class:`MemoryManager`, the core: registration, acquire / pin / drain, the
+  counters, ``snapshot()``, and the public ``tensors()``, ``blocks()`` and ``check()`` (the
+  invariants: no overlap, inside the arena, counters equal to the blocks, pinned is resident).
+- ``residency.py``: every residency transition, the one place / free chokepoint
+  (``_place`` / ``_free_block``) and the one place every per-job counter changes (``_account``).
+- ``eviction.py``: the eviction policy: which tensor leaves when an allocation does not fit
+  (Note [Eviction order]), and when to compact.
+- ``cache.py``: the weight cache's rules for read-only tensors (served model layers).
+- ``planned.py``: the planned pool: records a period, installs a lifetime-planned region, serves
+  recurring allocations by lookup (Note [Planned pool]).
+- ``lifetimes.py``: the offline lifetime planner (interval colouring, arXiv 1903.06631 section III).
+- ``transfer.py``: the swap engine: copies host <-> device on a copy thread or CUDA stream.
+- ``cuda.py``: CuPy's allocator routed to the arena (workspace blocks are fixed: never moved).
+"""

@@ -2,7 +2,7 @@
 
 Best fit over free blocks; a chosen block is split and the remainder stays free; a freed block
 is merged with its address-ordered free neighbours. Every size is rounded up to
-:data:`UNIT_NBYTES`, which is also the alignment of every offset. The allocator only does
+:data:`~tensile_db.runtime.units.UNIT_NBYTES` (defined in the runtime layer), which is also the alignment of every offset. The allocator only does
 bookkeeping — it never touches memory — so it is tested without a device, and the memory manager
 uses the same class over the real arena buffer.
 
@@ -15,13 +15,9 @@ from __future__ import annotations
 
 import bisect
 
-#: Allocation granularity and alignment, bytes (CuPy's pool uses the same unit).
-UNIT_NBYTES = 512
+from ..runtime.units import UNIT_NBYTES, round_up
 
-
-def round_up(nbytes: int) -> int:
-    """``nbytes`` rounded up to a whole number of units (at least one unit), bytes."""
-    return max(UNIT_NBYTES, -(-nbytes // UNIT_NBYTES) * UNIT_NBYTES)
+__all__ = ["UNIT_NBYTES", "ArenaAllocator", "round_up"]
 
 
 class ArenaAllocator:

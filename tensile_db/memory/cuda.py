@@ -4,7 +4,8 @@ After :func:`route_cupy_allocator`, every allocation CuPy makes — kernel tempo
 buffers, cuBLAS outputs not written with ``out=`` — is a workspace tensor in the manager's arena,
 so the budget counts them and eviction can make room for them. The arena buffer itself is
 allocated before the routing, from CuPy's default pool. A workspace block returns to the arena
-when CuPy drops its last reference to the memory.
+when CuPy drops its last reference to the memory. CuPy holds each block's address as a raw
+pointer, so the blocks are acquired ``fixed``: compaction and the planned pool never move them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def route_cupy_allocator(manager) -> None:  # pragma: no cover - needs a GPU
 
     def malloc(nbytes: int) -> "cupy.cuda.MemoryPointer":
         (t,) = manager.acquire(WORKSPACE_JOB, [], [Slot("cupy_workspace", Kind.WORKSPACE, (max(nbytes, 1),), "uint8")],
-                               what=f"a CuPy temporary of {nbytes:,} bytes")
+                               what=f"a CuPy temporary of {nbytes:,} bytes", fixed=True)
         owner = _Owner()
         mem = cupy.cuda.UnownedMemory(base + t.offset, nbytes, owner)
         weakref.finalize(owner, _release, manager, t)

@@ -12,10 +12,10 @@ arXiv 1903.06631, section III, made to run across several jobs):
    blocks live at the first boundary;
 2. at the second boundary, if the period was *steady* (the same keys live at its end as at its
    start; no eviction, passive swap-in or early swap-out, whose timing depends on the allocator's
-   state rather than on the schedule), turns it into :class:`~tensile_db.memory.pool.Allocation`\\ s
+   state rather than on the schedule), turns it into :class:`~tensile_db.memory.lifetimes.Allocation`\\ s
    — a block live across the boundary is one allocation of two segments — and plans their offsets
-   on a planning thread (:func:`~tensile_db.memory.pool.plan_smallest`, best fit, with a search of
-   :data:`SEARCH_S` seconds), checked by :func:`~tensile_db.memory.pool.check_plan`;
+   on a planning thread (:func:`~tensile_db.memory.lifetimes.plan_smallest`, best fit, with a search of
+   :data:`SEARCH_S` seconds), checked by :func:`~tensile_db.memory.lifetimes.check_plan`;
 3. at the first boundary after the plan is ready (or, at the latest, :data:`PLAN_WAIT_PERIODS`
    boundaries on, waiting for it), if the same keys are live as at the recorded period's start,
    asks the manager to *install* it: one block of the arena becomes the planned
@@ -42,9 +42,11 @@ import collections
 import concurrent.futures
 import enum
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
-from .pool import Allocation, PoolPlan, check_plan, max_live_nbytes, plan_smallest, replay_general_pool
+from .arena import ArenaAllocator
+from .lifetimes import Allocation, PoolPlan, check_plan, max_live_nbytes, plan_smallest, replay_general_pool
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,8 @@ class PlannedPool:
         install: ``install(plan, live_keys, reserve_nbytes) -> base offset or None`` — the
             manager reserves ``plan.arena_nbytes`` bytes at a base offset, moves the live blocks
             (whose keys are ``live_keys``) to ``base + plan.offsets[key]``, and keeps at least
-            ``reserve_nbytes`` free for unkeyed blocks; None if it cannot.
+            ``reserve_nbytes`` free for unkeyed blocks; None if it cannot. The layout and the
+            moves are :func:`region_layout`'s; the manager performs them.
         dissolve: ``dissolve()`` — the manager turns the region back into general-pool blocks.
         enabled: False for the general pool only (``tensile.pool = 'general'``).
     """
@@ -167,6 +170,12 @@ class PlannedPool:
             log.info("planned pool dissolved: %s", reason)
         self.state, self.plan, self._failures, self._wait = State.IDLE, None, 0, 0
         self._planning = None
+
+    def wait_for_plan(self) -> None:
+        """Block until the plan asked for at the last boundary is made (a no-op unless planning),
+        so that the next boundary installs it. Raises whatever the planner raised."""
+        if self._planning is not None:
+            self._planning.result()
 
     def close(self) -> None:
         """Stop the planning thread."""
@@ -280,6 +289,58 @@ class PlannedPool:
         """Bytes of the last plan for one job's allocations alone: its planned arena, lower bound
         (max live bytes) and the general pool's high-water mark on the same trace."""
         return self.figures.get("per_job", {}).get(job_id, {})
+
+
+@dataclass
+class RegionLayout:
+    """Where the planned region goes and how the live blocks move to install a plan. Offsets and
+    sizes in bytes; tensors are the manager's."""
+
+    base: int                    # arena offset of the region
+    moves: list                  # (tensor, new offset) of every block that moves, in copy order
+    placed: dict                 # tensor -> offset of every unpinned block that stays on the device
+    evicted: list                # cached read-only tensors that no longer fit: the manager evicts them
+    used: dict                   # offset -> size of every allocator block after the install
+
+
+def region_layout(plan: PoolPlan, blocks: list, live_keys: set, reserve_nbytes: int,
+                  budget_nbytes: int) -> RegionLayout | None:
+    """The layout that installs ``plan``: the region of ``plan.arena_nbytes`` bytes at the lowest
+    offset clear of pinned blocks; every block of ``blocks`` (tensors with ``offset``,
+    ``arena_nbytes``, ``pins``, ``key``, ``readonly``) whose key is in ``live_keys`` at its planned
+    offset; the other unpinned blocks packed around it, larger first, cached read-only ones last
+    and left out (evicted) if they do not fit; ``reserve_nbytes`` kept free for unkeyed blocks
+    within the budget (not the manager's limit: that headroom is for the general pool's
+    fragmentation, and the region's packing is exact). None if the plan cannot be installed
+    now: a live keyed block is pinned, or the region, the blocks and the reserve do not fit."""
+    pinned = {t.offset: t.arena_nbytes for t in blocks if t.pins}
+    if any(t.pins and t.key in live_keys for t in blocks):
+        return None
+    base, cursor = None, 0
+    for offset, size in sorted(pinned.items()) + [(budget_nbytes, 0)]:
+        if offset - cursor >= plan.arena_nbytes:
+            base = cursor
+            break
+        cursor = max(cursor, offset + size)
+    if base is None:
+        return None
+    layout = ArenaAllocator(budget_nbytes)
+    layout.relayout({**pinned, base: plan.arena_nbytes})
+    placed = {t: base + plan.offsets[t.key] for t in blocks if t.key in live_keys}
+    evicted = []
+    for t in sorted((t for t in blocks if not t.pins and t not in placed),
+                    key=lambda t: (t.readonly, -t.arena_nbytes)):
+        offset = layout.allocate(t.arena_nbytes)
+        if offset is None and not t.readonly:
+            return None
+        if offset is None:
+            evicted.append(t)
+        else:
+            placed[t] = offset
+    if layout.in_use_nbytes + reserve_nbytes > budget_nbytes:
+        return None
+    moves = [(t, new) for t, new in placed.items() if new != t.offset]
+    return RegionLayout(base, moves, placed, evicted, dict(layout.blocks()))
 
 
 def _name(key: Key) -> str:

@@ -20,9 +20,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..memory.arena import round_up
 from . import kernels
 from .model import ModelSpec, TrainOptions
+from .units import round_up
 
 
 class Kind(str, enum.Enum):

@@ -24,6 +24,7 @@ class FarthestNextUse:
     """
 
     def __init__(self):
+        # Entries added and removed under _lock; an entry is replaced whole (see advance) without it.
         self._jobs: dict[int, tuple[Program, int, float]] = {}
         self._lock = threading.Lock()
 
@@ -34,11 +35,16 @@ class FarthestNextUse:
 
     def pace(self, job_id: int, rounds_per_op: float) -> None:
         """One op of the job now takes ``rounds_per_op`` rounds of the executor."""
+        # No lock, as in advance.
         program, position, _ = self._jobs[job_id]
         self._jobs[job_id] = (program, position, rounds_per_op)
 
     def advance(self, job_id: int, position: int) -> None:
         """The job has just run op ``position`` of its program."""
+        # No lock: only the executor thread writes a job's entry after track (here and in pace),
+        # and it stores a new tuple whole, one atomic dict store in CPython; a reader on another
+        # thread (the manager's eviction, under the manager's lock) sees the old tuple or the new
+        # one, each a valid distance. Taking _lock here would not order it against those reads.
         program, _, rounds_per_op = self._jobs[job_id]
         self._jobs[job_id] = (program, position, rounds_per_op)
 

@@ -1,4 +1,4 @@
-"""Lifetime-planned offsets: the planned pool's offline planner.
+"""Lifetime-planned offsets: the offline planner behind the planned pool.
 
 Training repeats the same allocations every iteration, so once one iteration has been recorded
 every recurring allocation's size and lifetime are known and its arena offset can be fixed in
@@ -12,10 +12,11 @@ An allocation may have several lifetime *segments* that must share one offset: a
 lives across the end of the iteration (a weight swapped out after the optimizer step and back in
 before the forward pass) is one block over two segments of the linear trace.
 
-:func:`allocations_of` derives the trace of one job from its program and a plan's decisions (a
-swapped-out tensor is a new allocation after each swap-in, a recomputed one after each
-recompute), on the events of one iteration. :func:`replay_general_pool` runs the same trace
-through the best-fit :class:`~tensile_db.memory.arena.ArenaAllocator` for comparison.
+:func:`replay_general_pool` runs a trace through the best-fit
+:class:`~tensile_db.memory.arena.ArenaAllocator` for comparison. The traces come from the planned
+pool's recording (:mod:`tensile_db.memory.planned`) or, offline, from a program and a swap
+schedule (:func:`tensile_db.scheduler.allocations.allocations_of`). This module only computes:
+it holds no state and allocates no device memory.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .arena import ArenaAllocator, round_up
+from .arena import ArenaAllocator
 
 
 @dataclass(frozen=True)
@@ -174,55 +175,6 @@ def check_plan(allocs: list[Allocation], plan: PoolPlan) -> None:
                 break
             if a.overlaps(b):
                 raise AssertionError(f"{a.key} and {b.key} overlap in time and share bytes [{s2}, {min(e1, e2)})")
-
-
-def allocations_of(program, decisions=()) -> list[Allocation]:
-    """The recurring allocations of one iteration of ``program`` on its own (events = op
-    positions), under ``decisions`` (a single-job plan's :class:`Decision` list, made on a
-    timeline of this program alone). Persistent tensors without absences are one allocation over
-    the whole iteration."""
-    from ..scheduler.timeline import JobTrace, Timeline
-    from ..scheduler.trace import AccessSequence
-
-    tl = Timeline([JobTrace(0, AccessSequence(program))])
-    n = tl.n
-    absent: dict[str, list[tuple[int, int]]] = {}
-    for d in decisions:
-        absent.setdefault(d.slot, []).append(d.window(n))
-    allocs = []
-    for t in tl.tensors:
-        start, length = tl.lifetime(t)
-        held = np.zeros(n, dtype=bool)
-        held[[(start + i) % n for i in range(length)]] = True
-        for s, ln in absent.get(t.slot, ()):
-            held[[(s + i) % n for i in range(ln)]] = False
-        for k, segments in enumerate(_runs(held)):
-            allocs.append(Allocation((t.slot, k), round_up(t.nbytes), segments))
-    return allocs
-
-
-def _runs(held: np.ndarray) -> list[tuple[tuple[int, int], ...]]:
-    """Maximal cyclic runs of True in ``held``, each as linear segments (a run that wraps the end
-    of the iteration is two segments)."""
-    n = len(held)
-    if held.all():
-        return [((0, n - 1),)]
-    first_false = int(np.argmin(held))
-    runs: list[list[int]] = []
-    current: list[int] = []
-    for i in range(1, n + 1):                       # one lap, starting just after a False
-        k = (first_false + i) % n
-        if held[k]:
-            current.append(k)
-        elif current:
-            runs.append(current)
-            current = []
-    out = []
-    for run in runs:
-        split = next((j for j in range(1, len(run)) if run[j] != run[j - 1] + 1), len(run))
-        parts = [run[:split], run[split:]] if split < len(run) else [run]
-        out.append(tuple(sorted((p[0], p[-1]) for p in parts)))
-    return out
 
 
 def replay_general_pool(allocs: list[Allocation]) -> tuple[int, int]:

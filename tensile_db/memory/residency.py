@@ -1,0 +1,276 @@
+"""The residency state machine: every way a registered tensor moves between host and arena.
+
+The transitions of :class:`~tensile_db.memory.tensors.Residency`, each written once::
+
+    HOST --start_load--> SWAPPING_IN --settle--> DEVICE          (a planned swap-in, a weight load)
+    HOST / DROPPED --make_resident--> DEVICE                      (an op's access: passive, recompute)
+    DEVICE --swap_out--> SWAPPING_OUT --release--> HOST           (a planned swap-out)
+    SWAPPING_OUT --settle--> DEVICE                               (an access calls the swap-out off)
+    DEVICE --evict--> HOST                                        (reactive; a free for read-only)
+    DEVICE --drop--> DROPPED;  any --free--> FREED
+
+:class:`Residencies` is the base class of :class:`~tensile_db.memory.manager.MemoryManager` and
+works on the manager's fields (the registry, the allocator, the planned pool, the swap engine),
+every one guarded by the manager's lock. It holds the two chokepoints: every block is allocated
+in :meth:`Residencies._place` and given back in :meth:`Residencies._free_block`, and every per-job
+counter changes in :meth:`Residencies._account`. It also performs the planned pool's install
+and dissolve (:meth:`Residencies._install_region`: the pool computes the layout and the moves).
+Which tensor to evict and when to compact are
+the eviction policy's (:mod:`tensile_db.memory.eviction`); the methods under "the policies'
+interface" are what the policies call, with the lock held.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .eviction import Fragmented
+from .planned import region_layout
+from .tensors import Residency, Tensor
+
+
+class Residencies:
+    """The transitions of the manager's tensors (see the module docstring); not used alone."""
+
+    def array(self, t: Tensor, state: Residency = Residency.DEVICE):
+        """The device array of a resident tensor (a view into the arena). Raises AssertionError
+        if ``t`` is not resident."""
+        # No lock: callers hold it, or pass a tensor they have pinned (an op between acquire and
+        # unpin), whose residency and offset do not change until it is unpinned.
+        assert t.residency in (state, Residency.SWAPPING_OUT), \
+            f"tensor {t.slot} of job {t.job_id} is {t.residency.value}, not resident"
+        return self.device.view(self.buffer, t.offset, t.shape, t.dtype)
+
+    def to_host(self, t: Tensor) -> np.ndarray:
+        """A host copy of the tensor's current values, wherever it lives."""
+        with self._lock:
+            self._settle(t)
+            if t.residency is Residency.DEVICE:
+                return self.device.to_host(self.array(t))
+            return t.host.copy()
+
+    # -- planned moves ------------------------------------------------------------------------
+
+    def swap_out(self, t: Tensor) -> None:
+        """Start copying a resident, unpinned tensor to the host; its block stays taken until
+        :meth:`release`. A no-op for a tensor in any other state."""
+        with self._lock:
+            if t.residency is Residency.DEVICE and not t.pins:
+                t.transfer = self.engine.to_host(self.array(t))
+                t.residency = Residency.SWAPPING_OUT
+
+    def release(self, t: Tensor) -> None:
+        """Finish a swap-out started by :meth:`swap_out` (waiting for the copy if it is late)
+        and free the tensor's arena block. A no-op unless the tensor is swapping out."""
+        with self._lock:
+            if t.residency is Residency.SWAPPING_OUT:
+                self._left(t, t.transfer.wait().host)
+
+    def swap_in(self, t: Tensor) -> None:
+        """Take an arena block for a tensor on the host and start copying it in (a planned
+        swap-in); an op that accesses it waits for the copy. Makes room by eviction if the block
+        does not fit. A no-op unless the tensor is on the host."""
+        with self._lock:
+            if self.start_load(t) and t.swapped_out:   # else the op that needs it swaps it in
+                self._account(t, planned_swap_ins=1)
+
+    def drop(self, t: Tensor) -> None:
+        """Discard a resident, unpinned tensor's values and free its block; the owning job
+        recomputes it before its next access. A no-op for a tensor in any other state."""
+        with self._lock:
+            if t.residency is Residency.DEVICE and not t.pins:
+                self._free_block(t)
+                t.residency = Residency.DROPPED
+
+    def evict(self, t: Tensor) -> None:
+        """Evict a resident, unpinned tensor now: a synchronous copy to the host (the reactive
+        path); for a read-only tensor, whose host copy is kept, a free. A no-op otherwise."""
+        with self._lock:
+            if t.residency is Residency.DEVICE and not t.pins:
+                if t.readonly:
+                    self._free_block(t)
+                    t.residency = Residency.HOST
+                    self._account(t, cache_evictions=1)
+                    return
+                self.pool.disturb(f"eviction of {t.slot} of job {t.job_id}")
+                self._left(t, self.device.to_host(self.array(t)))
+
+    def drop_device_copy(self, t: Tensor) -> None:
+        """Free a read-only tensor's block once any load in flight has landed; its host copy
+        stays, so nothing is copied. Raises AssertionError if ``t`` is not read-only."""
+        with self._lock:
+            assert t.readonly, f"{t.slot} of job {t.job_id} is not read-only"
+            self._settle(t)
+            self._free_block(t)
+            t.residency = Residency.HOST
+            self._unpinned.notify_all()
+
+    # -- the policies' interface (the caller holds the lock) ----------------------------------
+
+    def make_resident(self, t: Tensor) -> None:
+        """Give ``t`` a block and its values now (waiting for a copy in flight); raises
+        Fragmented if no block can be made room for."""
+        self._settle(t)
+        if t.residency is Residency.DEVICE:
+            return
+        t.offset = self._place(t)
+        self._account(t, device=t.arena_nbytes)
+        dropped = t.residency is Residency.DROPPED      # the job recomputes the values
+        t.residency = Residency.DEVICE
+        if not dropped and t.host is not None:          # bring values back (swap-in or first load)
+            self.device.to_device(t.host, self.array(t))
+            if self._landed(t):
+                self._account(t, passive_swap_ins=1)
+                self.pool.disturb(f"passive swap-in of {t.slot} of job {t.job_id}")
+
+    def start_load(self, t: Tensor, clean_only: bool = False) -> bool:
+        """If ``t`` is on the host and a block can be placed for it (see
+        :meth:`Eviction.make_room`), start copying it in on the swap engine; returns whether it did."""
+        if t.residency is not Residency.HOST:
+            return False
+        try:
+            t.offset = self._place(t, clean_only)
+        except Fragmented:
+            return False
+        t.residency = Residency.SWAPPING_IN
+        self._account(t, device=t.arena_nbytes)
+        t.transfer = self.engine.to_device(t.host, self.array(t, Residency.SWAPPING_IN), pinned=t.readonly)
+        return True
+
+    def land_copies(self, call_off: bool = False) -> bool:
+        """The one place copies in flight are let land: a swap-in becomes resident; a swap-out
+        completes and, with ``call_off``, is called off (the tensor stays resident), else stays
+        swapping out until released as planned. Returns whether any copy was in flight."""
+        in_flight = [t for t in self._tensors.values() if t.transfer is not None]
+        for t in in_flight:
+            if call_off or t.residency is Residency.SWAPPING_IN:
+                self._settle(t)
+            else:
+                t.transfer.wait()
+        return bool(in_flight)
+
+    def compact(self, movable: list[Tensor]) -> bool:
+        """Slide the blocks of ``movable`` toward offset 0 past every other block
+        (:meth:`ArenaAllocator.compact`, device-to-device copies), so the free bytes coalesce.
+        Bytes in use do not change. Returns whether anything moved."""
+        by_offset = {t.offset: t for t in movable}
+        moves = self.allocator.compact(by_offset)
+        for old, new, size in moves:
+            self.device.move_down(self.buffer, old, new, size)
+            by_offset[old].offset = new
+        self.compactions += bool(moves)
+        self.compacted_nbytes += sum(size for _, _, size in moves)
+        return bool(moves)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _account(self, t: Tensor, device: int = 0, host: int = 0, **counts: int) -> None:
+        """The one place per-job counters change: device and host bytes held now (deltas,
+        bytes) and the cumulative ``counts`` (deltas of :class:`JobMemory` fields)."""
+        j = self.jobs[t.job_id]
+        j.device_nbytes += device
+        j.host_nbytes += host
+        assert j.device_nbytes >= 0 and j.host_nbytes >= 0
+        j.peak_nbytes = max(j.peak_nbytes, j.device_nbytes)
+        for name, delta in counts.items():
+            setattr(j, name, getattr(j, name) + delta)
+
+    def _settle(self, t: Tensor) -> None:
+        """Complete a copy in flight: a swap-in becomes resident; a swap-out is called off (the
+        device copy is still valid and is kept)."""
+        if t.residency in (Residency.SWAPPING_IN, Residency.SWAPPING_OUT):
+            t.transfer.wait()
+            loaded = t.residency is Residency.SWAPPING_IN
+            t.transfer, t.residency = None, Residency.DEVICE
+            if loaded:
+                self._landed(t)
+
+    def _landed(self, t: Tensor) -> bool:
+        """A copy host -> device has completed: drop the host copy and count a swap-in if the
+        tensor had been swapped out (a first load of adopted values is not one); returns whether
+        it was a swap-in. A read-only tensor keeps its host copy and counts a weight load."""
+        if t.readonly:
+            self._account(t, weight_loads=1, weight_loaded_nbytes=t.nbytes)
+            return False
+        t.host = None
+        if t.swapped_out:
+            self._account(t, host=-t.nbytes, swapped_in_nbytes=t.nbytes, swap_ins=1)
+        else:
+            self._account(t, host=-t.nbytes)
+        return t.swapped_out
+
+    def _left(self, t: Tensor, host: np.ndarray) -> None:
+        """A copy device -> host has completed into ``host``: free the block, count a swap-out."""
+        t.transfer, t.host = None, host
+        self._free_block(t)
+        self._account(t, host=t.nbytes, swapped_out_nbytes=t.nbytes, swap_outs=1)
+        t.residency, t.swapped_out = Residency.HOST, True
+
+    def _place(self, t: Tensor, clean_only: bool = False) -> int:
+        """The one place a block is allocated: ``t``'s planned offset when the planned pool
+        expects this allocation, else from the general pool (:meth:`Eviction.make_room`).
+        Read-only tensors are a cache outside the jobs' timeline: the planned pool does not see
+        them."""
+        if t.readonly:
+            return self.eviction.make_room(t.arena_nbytes, clean_only)
+        position = self._position.get(t.job_id)
+        t.key = None if position is None else (t.job_id, t.slot, position)
+        offset = self.pool.lookup(t.key)
+        if offset is not None:
+            t.planned = True
+            return offset
+        offset = self.eviction.make_room(t.arena_nbytes)
+        self.pool.allocated(t.key, t.arena_nbytes)
+        return offset
+
+    def _free_block(self, t: Tensor) -> None:
+        """The one place a tensor's block is given back: to the planned region (which stays
+        reserved) or to the general pool."""
+        if not t.planned:
+            self.allocator.free(t.offset)
+        self._account(t, device=-t.arena_nbytes)
+        t.offset, t.planned = None, False
+        if not t.readonly:
+            self.pool.freed(t.key, t.arena_nbytes)
+
+    def _install_region(self, plan, live_keys: set, reserve_nbytes: int) -> int | None:
+        """The planned pool's install: let the copies in flight land, take the layout the pool
+        computes (:func:`~tensile_db.memory.planned.region_layout`), evict the cached blocks it
+        leaves out and perform its moves. Returns the region's offset, or None (nothing changed).
+
+        The bytes move through host memory (each moving block is copied out, then all are copied
+        in), which is simple whatever the overlaps; it happens once per installed plan."""
+        self.land_copies()
+        layout = region_layout(plan, [t for t in self._tensors.values() if t.offset is not None],
+                               live_keys, reserve_nbytes, self.budget_nbytes)
+        if layout is None:
+            return None
+        for t in layout.evicted:
+            self.evict(t)
+        view = lambda t, offset: self.device.view(self.buffer, offset, (t.nbytes,), np.uint8)  # noqa: E731
+        staged = [self.device.to_host(view(t, t.offset)) for t, _ in layout.moves]
+        for (t, new), host in zip(layout.moves, staged):
+            self.device.to_device(host, view(t, new))
+            t.offset = new
+        for t in layout.placed:
+            t.planned = t.key in live_keys
+        self.allocator.relayout(layout.used)
+        return layout.base
+
+    def _dissolve_region(self) -> None:
+        """Turn the planned region back into general-pool blocks: each live planned block stays
+        where it is as an ordinary block; the rest of the region becomes free."""
+        used = {t.offset: t.arena_nbytes for t in self._tensors.values() if t.offset is not None}
+        for t in self._tensors.values():
+            t.planned = False
+        self.allocator.relayout(used)
+
+    def _drop(self, t: Tensor) -> None:
+        if t.transfer is not None:                  # never free a block a copy still uses
+            t.transfer.wait()
+        if t.residency in (Residency.DEVICE, Residency.SWAPPING_OUT, Residency.SWAPPING_IN):
+            self._free_block(t)
+        if t.residency in (Residency.HOST, Residency.SWAPPING_IN) and t.host is not None and not t.readonly:
+            self._account(t, host=-t.nbytes)
+        t.residency, t.offset, t.host, t.transfer = Residency.FREED, None, None, None
+        self._tensors.pop(t.id, None)
