@@ -32,6 +32,7 @@ from ..memory.manager import MemoryManager
 from ..scheduler.cost import CostModel
 from ..scheduler.engine import Scheduler
 from ..scheduler.timeline import period_of, round_of
+from ..settings import DEFAULT_MAX_ACTIVE_JOBS, DEFAULT_POLICY
 from .jobs import JobState, TrainingJob
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,8 @@ class Executor:
     model (measured when None). Raises InvalidArgument for an unknown policy.
     """
 
-    def __init__(self, manager: MemoryManager, max_active_jobs: int = 8, policy: str = "tensile",
-                 cost: CostModel | None = None):
+    def __init__(self, manager: MemoryManager, max_active_jobs: int = DEFAULT_MAX_ACTIVE_JOBS,
+                 policy: str = DEFAULT_POLICY, cost: CostModel | None = None):
         self.manager = manager
         self.scheduler = Scheduler(manager, policy, cost)
         self.max_active_jobs = max_active_jobs

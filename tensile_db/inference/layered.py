@@ -32,11 +32,12 @@ from ..memory.manager import MemoryManager
 from ..runtime import model as models
 from ..runtime.program import Kind, Slot
 from ..runtime.units import round_up
+from ..settings import MAX_PREDICT_BATCH_ROWS
 from . import INFERENCE_JOB
 from .store import ServedModel
 
 #: Largest batch a call may ask for, rows.
-MAX_BATCH_ROWS = 1 << 16
+MAX_BATCH_ROWS = MAX_PREDICT_BATCH_ROWS
 
 
 @dataclass

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..errors import DeviceOutOfMemory, InvalidArgument
 from ..runtime.program import Kind, Slot
-from ..settings import POOLS
+from ..settings import DEFAULT_POOL, POOLS
 from .arena import ArenaAllocator
 from .cache import WeightCache
 from .eviction import Eviction, Fragmented
@@ -79,7 +79,7 @@ class MemoryManager(Residencies):
     once, each on the tensors it has pinned.
     """
 
-    def __init__(self, device, budget_nbytes: int, next_use: NextUse | None = None, pool: str = "planned"):
+    def __init__(self, device, budget_nbytes: int, next_use: NextUse | None = None, pool: str = DEFAULT_POOL):
         if pool not in POOLS:
             raise InvalidArgument(f"unknown pool {pool!r}; use one of {', '.join(POOLS)}")
         self.device = device
@@ -100,7 +100,8 @@ class MemoryManager(Residencies):
         self._position: dict[int, int] = {}      # job id -> position of the op it runs; see at()
         self._lock = threading.RLock()           # CuPy temporaries re-enter on cuda
         self._unpinned = threading.Condition(self._lock)   # notified when pins or blocks go
-        self.pool = PlannedPool(self._install_region, self._dissolve_region, enabled=pool == "planned")  # guarded by _lock
+        # guarded by _lock
+        self.pool = PlannedPool(self._install_region, self._dissolve_region, enabled=pool == "planned")
         self.eviction = Eviction(self)
         self.cache = WeightCache(self)
 

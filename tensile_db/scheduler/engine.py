@@ -39,7 +39,7 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from ..memory.arena import UNIT_NBYTES
-from ..settings import POLICIES
+from ..settings import DEFAULT_POLICY, POLICIES
 from .cost import CostModel, measure_bandwidth
 from .planners import ACTIONS, Plan, plan_swap_score, plan_tensile, plan_vdnn
 from .reactive import FarthestNextUse
@@ -74,7 +74,7 @@ class Scheduler:
         InvalidArgument: an unknown policy.
     """
 
-    def __init__(self, manager, policy: str = "tensile", cost: CostModel | None = None,
+    def __init__(self, manager, policy: str = DEFAULT_POLICY, cost: CostModel | None = None,
                  drift: float = 0.5, drift_every: int = 16, headroom: float = 0.03):
         if policy not in POLICIES:
             raise InvalidArgument(f"unknown scheduler policy {policy!r}; use one of {', '.join(POLICIES)}")
