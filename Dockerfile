@@ -1,7 +1,9 @@
 # syntax=docker/dockerfile:1
-# PostgreSQL 15 with the tensile_db extension, training on the GPU through CuPy.
+# PostgreSQL 15 with the tensile_db extension, training on the CPU or on the GPU through CuPy
+# (tensile.device, set from TENSILE_DEVICE by docker/initdb/10-tensile.sh).
 #
-#   docker compose up -d --build        # see docker-compose.yml (GPU reservation, volume, port)
+#   docker compose -p tensile_db up -d --build      # see docker-compose.yml (volume, port) and
+#                                                    # docker-compose.gpu.yml (the GPU reservation)
 #
 # Two stages: "build" has the compilers PGXS pulls in (postgresql-server-dev-15 depends on clang and
 # llvm) and builds the virtual environment; the final image keeps only the venv, the extension's

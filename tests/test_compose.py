@@ -1,15 +1,20 @@
-"""Check the container setup (``docker-compose.yml``, ``Dockerfile``, the init script) by its structure.
+"""Check the container setup (``docker-compose.yml``, its GPU override ``docker-compose.gpu.yml``,
+``Dockerfile``, the init script) by its structure.
 
-No Docker engine runs here, so nothing is built: the compose file is parsed with PyYAML and the
-Dockerfile and init script are read as text, and the tests assert what a GPU deployment relies on
-(the GPU reservation, loopback-only port, persistent volume, PL/Python, the venv on Python 3.11,
-the PGXS install, and the init script's settings and CREATE EXTENSION).
+No Docker engine runs here, so nothing is built: the compose tool validates the compose files
+(``docker-compose config``, Debian's package), PyYAML parses them, the Dockerfile and init script
+are read as text, and the tests assert what a deployment relies on (CPU by default, the GPU
+reservation in the override, loopback-only port, persistent volume, PL/Python, the venv on Python
+3.11, the PGXS install, and the init script's settings and CREATE EXTENSION).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,11 +22,23 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
+GPU_OVERRIDE = ROOT / "docker-compose.gpu.yml"
 
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def gpu_db() -> dict:
+    """The GPU override's settings of the service db."""
+    return yaml.safe_load(GPU_OVERRIDE.read_text())["services"]["db"]
+
+
+def _environment(service: dict) -> dict:
+    env = service.get("environment", {})
+    return dict(item.partition("=")[::2] for item in env) if isinstance(env, list) else env
 
 
 @pytest.fixture(scope="module")
@@ -86,20 +103,34 @@ def test_db_builds_from_the_repository_dockerfile(db):
     assert path.is_file()
 
 
-def test_db_reserves_an_nvidia_gpu(db):
-    devices = db["deploy"]["resources"]["reservations"]["devices"]
+@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, GPU_OVERRIDE]], ids=["cpu", "gpu"])
+def test_the_compose_tool_accepts_the_files(files):
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose is not installed (Debian: apt-get install docker-compose)")
+    args = [a for f in files for a in ("-f", str(f))]
+    result = subprocess.run(["docker-compose", *args, "config", "-q"], cwd=ROOT, capture_output=True, text=True,
+                            env=dict(os.environ, POSTGRES_PASSWORD="x"), timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_db_runs_on_the_cpu_by_default(db):
+    assert "deploy" not in db, "the base file must not reserve a GPU: a machine without one could not start it"
+    assert _environment(db)["TENSILE_DEVICE"] == "${TENSILE_DEVICE:-cpu}"
+
+
+def test_the_gpu_override_reserves_an_nvidia_gpu_and_sets_the_device(gpu_db):
+    devices = gpu_db["deploy"]["resources"]["reservations"]["devices"]
     gpus = [d for d in devices if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
     assert gpus, f"no nvidia device reservation with capability gpu: {devices}"
     assert gpus[0].get("count") == 1 or gpus[0].get("device_ids")
+    env = _environment(gpu_db)
+    assert env["TENSILE_DEVICE"] == "cuda" and "NVIDIA_VISIBLE_DEVICES" in env
 
 
 def test_db_environment(db):
-    env = db["environment"]
-    if isinstance(env, list):
-        env = dict(item.partition("=")[::2] for item in env)
+    env = _environment(db)
     assert "POSTGRES_PASSWORD" in env
     assert "TENSILE_DEVICE_BUDGET" in env
-    assert "NVIDIA_VISIBLE_DEVICES" in env
 
 
 def test_db_healthcheck_uses_pg_isready(db):
@@ -177,7 +208,8 @@ def test_dockerfile_copies_the_init_script(dockerfile):
 def test_init_script_sets_the_device_and_creates_the_extension(dockerfile):
     text = "\n".join(script.read_text() for script in _init_scripts(dockerfile))
     assert "postgresql.conf" in text
-    assert re.search(r"^tensile\.device = 'cuda'$", text, re.M), text
+    assert re.search(r"^tensile\.device = '\$\{device\}'$", text, re.M), text
+    assert '"${TENSILE_DEVICE:-cpu}"' in text and "cpu | cuda)" in text
     assert re.search(r"^tensile\.device_budget = '\$\{\w+(:-[^}]*)?\}'$", text, re.M), text
     assert re.search(r"^tensile\.python = '/opt/tensile/venv/bin/python'$", text, re.M), text
     assert "${TENSILE_DEVICE_BUDGET:-8GB}" in text
