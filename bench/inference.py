@@ -34,6 +34,7 @@ from tensile_db.inference.service import InferenceService
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import model as models
 from tensile_db.runtime.device import Device
+from tensile_db.runtime.weights import serialize_weights
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 #: Targets of batch inference.
@@ -163,7 +164,7 @@ def concurrency_table(args) -> None:
                     "label_classes, metrics, weights) VALUES (%s, 'classification', %s, '{}', %s, 'label', %s, '{}', %s)",
                     (f"bench_{k}", psycopg.types.json.Jsonb(spec.architecture.to_json()),
                      [f"f{i}" for i in range(args.features)], [float(c) for c in range(10)],
-                     models.serialize_weights(weights)))
+                     serialize_weights(weights)))
 
         def call(conn, k):
             n = conn.execute("SELECT count(*) FROM tensile.predict_batch(%s, 'bench_rows', 'id', %s)",

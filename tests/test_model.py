@@ -16,9 +16,10 @@ import pytest
 
 from tensile_db.errors import CorruptModel, InvalidArgument
 from tensile_db.runtime.model import (
-    MAX_WIDTH, Architecture, Layer, Limits, ModelSpec, TrainOptions, forward, init_weights, load_weights,
-    parse_architecture, parse_options, serialize_weights,
+    MAX_WIDTH, Architecture, Layer, Limits, ModelSpec, TrainOptions, forward, init_weights, parse_architecture,
+    parse_options,
 )
+from tensile_db.runtime.weights import load_weights, serialize_weights
 
 ARCH = {"layers": [{"dense": 16, "activation": "tanh", "dropout": 0.25}, {"dense": 8}]}
 

@@ -18,6 +18,7 @@ import pytest
 from conftest import TEST_BUDGET
 from test_sql import FEATURES, running, train, train_in_background, wait_until
 from tensile_db.runtime import model as models
+from tensile_db.runtime.weights import serialize_weights
 
 pytestmark = pytest.mark.db
 
@@ -60,7 +61,7 @@ def store_model(conn, name, architecture, features, classes, seed=0):
     conn.execute("DELETE FROM tensile.models WHERE name = %s", (name,))
     conn.execute("INSERT INTO tensile.models (name, task, architecture, options, feature_names, label_name, "
                  "label_classes, metrics, weights) VALUES (%s, 'classification', %s, '{}', %s, 'label', %s, '{}', %s)",
-                 (name, architecture, features, classes, models.serialize_weights(models.init_weights(spec, seed))))
+                 (name, architecture, features, classes, serialize_weights(models.init_weights(spec, seed))))
 
 
 @pytest.fixture(scope="module")

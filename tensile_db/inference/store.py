@@ -29,6 +29,7 @@ import numpy as np
 from ..memory.manager import MemoryManager, Tensor
 from ..runtime import model as models
 from ..runtime.program import Kind
+from ..runtime.weights import check_weights
 from . import INFERENCE_JOB
 
 #: Host bytes of served models kept while no call uses them.
@@ -100,8 +101,8 @@ class ModelStore:
         """Serve a model from its weight arrays (``runtime.model`` names) and hold it for a call.
         ``version`` must name the row's contents across the cluster (the backend puts the
         database, the owner and ``created_at`` in it). Raises CorruptModel if an array is missing,
-        extra, misshapen or not finite (:func:`~tensile_db.runtime.model.check_weights`)."""
-        arrays = models.check_weights(spec, weights, name)
+        extra, misshapen or not finite (:func:`~tensile_db.runtime.weights.check_weights`)."""
+        arrays = check_weights(spec, weights, name)
         device = self.manager.device
         m = ServedModel(model_id, version, name, spec, {k: v for k, v in arrays.items() if k[0] in "xy"},
                         database=database)

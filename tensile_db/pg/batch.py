@@ -37,6 +37,7 @@ import numpy as np
 
 from ..errors import InvalidArgument, ModelNotFound, ProtocolError
 from ..runtime import model as models
+from ..runtime.weights import load_weights
 from ..settings import MAX_PREDICT_BATCH_ROWS
 from . import session
 from .data import is_table_name, read_features
@@ -133,7 +134,7 @@ def _weights(plpy, GD, model: ModelRow) -> dict[str, np.ndarray]:
                                      ["pg_catalog.int8"]), [model.id])
     if not rows:
         raise ModelNotFound(f'model "{model.name}" was replaced or dropped while this call read it; call again')
-    return models.load_weights(rows[0]["weights"], model.spec, model.name)
+    return load_weights(rows[0]["weights"], model.spec, model.name)
 
 
 def _infer(plpy, GD, s: dict, model: ModelRow, x: np.ndarray, window: int, opts: BatchOptions) -> np.ndarray:

@@ -5,7 +5,7 @@ used), and checked on every call against the row's ``id`` in ``tensile.models`` 
 lookup through a prepared plan): replacing a model gives it a new id, so a cached copy is never
 used after the model changed. A model is loaded only
 within ``tensile.max_layers`` / ``tensile.max_parameters`` and with weights that match its
-architecture (:func:`~tensile_db.runtime.model.load_weights`). A row's features must be a
+architecture (:func:`~tensile_db.runtime.weights.load_weights`). A row's features must be a
 one-dimensional array of finite numbers: NaN, infinities and 2-D arrays are refused by name.
 """
 
@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import InvalidArgument, ModelNotFound
 from ..runtime import model as models
+from ..runtime.weights import load_weights
 from . import session
 
 #: Models a session keeps loaded, least recently used dropped first (each up to tensile.max_parameters).
@@ -51,7 +52,7 @@ def load(plpy, GD, name: str) -> CachedModel:
         spec = models.ModelSpec.parse(row["architecture"], len(row["feature_names"]), len(classes) if classes else 1,
                                       row["task"])
         session.limits(plpy, GD, session.settings(plpy, GD)).check(spec, name)
-        cached = CachedModel(row["id"], spec, models.load_weights(row["weights"], spec, name), classes,
+        cached = CachedModel(row["id"], spec, load_weights(row["weights"], spec, name), classes,
                              list(row["feature_names"]))
         cache[name] = cached
         while len(cache) > MAX_CACHED_MODELS:

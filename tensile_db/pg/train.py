@@ -20,6 +20,7 @@ import time
 
 from ..errors import InvalidArgument
 from ..runtime import model as models
+from ..runtime.weights import check_weights, serialize_weights
 from . import registry, session
 from .data import encode_labels, read_training_data
 
@@ -98,9 +99,9 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
         result, weights = session.await_result(plpy, GD, client, "training", functools.partial(_relay_progress, plpy))
     metrics = _finite_metrics(plpy, dict(result["metrics"], read_s=read_s, transfer_s=transfer_s))
     spec = models.ModelSpec(arch, len(data.feature_names), n_outputs, task)
-    weights = models.check_weights(spec, weights, model_name)
+    weights = check_weights(spec, weights, model_name)
     row = (task, registry.jsonb(arch.to_json()), registry.jsonb(opts.to_json()), data.feature_names, label, classes,
-           registry.jsonb(metrics), models.serialize_weights(weights))
+           registry.jsonb(metrics), serialize_weights(weights))
     registry.apply(plpy, GD, registry.Write(model_name, s["role"], any_owner, delete=opts.replace, row=row))
     return {"model_name": model_name, "task": task, "metrics": json.dumps(metrics)}
 
