@@ -1,3 +1,12 @@
-"""The array runtime: kernels with forward and backward, the model description (layers, losses,
-optimizers), and the training program — the ordered operators of one iteration, which is also
-the job's access sequence. Runs on NumPy (``cpu``) or CuPy (``cuda``) through :mod:`.device`."""
+"""The array runtime, the lowest layer:
+
+- ``device.py``: arrays on ``cpu`` (NumPy) or ``cuda`` (CuPy), page-locked host buffers, the
+  compute lock.
+- ``kernels.py``: operators with forward and backward, on either array module.
+- ``model.py``: the model description users write as JSON (layers, options), validated; the size
+  limits; host inference.
+- ``weights.py``: a model's stored weights (``.npz``), checked against its architecture.
+- ``program.py``: the training program, the ordered operators of one iteration over named slots,
+  which is also the job's access sequence, with lifetimes and recompute recipes.
+- ``units.py``: the arena's allocation unit and rounding.
+"""

@@ -7,6 +7,8 @@
 - ``planners.py``: TENSILE's planner, the swap selection of arXiv 1903.06631, and vDNN.
 - ``reactive.py``: farthest next use, the fallback that keeps every job inside the budget.
 - ``engine.py``: the :class:`Scheduler` the executor runs around every op.
+- ``allocations.py``: a job's recurring allocations under a swap schedule, for the offline lifetime
+  planner (:mod:`tensile_db.memory.lifetimes`) and the pool benchmark.
 """
 
 from .engine import POLICIES, Scheduler
