@@ -3,6 +3,9 @@
 - ``device.py``: arrays on ``cpu`` (NumPy) or ``cuda`` (CuPy), page-locked host buffers, the
   compute lock.
 - ``kernels.py``: operators with forward and backward, on either array module.
+- ``conv_kernels.py``: the kernels of convolutional networks (convolution lowered to matrix
+  products with its workspaces, pooling, batch normalisation, residual add, concatenation,
+  flatten); not yet part of the training program.
 - ``model.py``: the model description users write as JSON (layers, options), validated; the size
   limits; host inference.
 - ``weights.py``: a model's stored weights (``.npz``), checked against its architecture.

@@ -1,0 +1,232 @@
+"""Check every kernel in ``tensile_db.runtime.conv_kernels`` against PyTorch on the CPU in float64:
+forward values, and backward gradients against ``torch.autograd``. Kernels write into
+caller-provided outputs and workspaces, which the tests allocate with ``np.empty`` (filled with
+NaN, so a kernel that leaves part of an output unwritten fails)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tensile_db.runtime import conv_kernels as K
+from tensile_db.runtime.conv_kernels import ConvGeometry
+
+RTOL, ATOL = 1e-10, 1e-12
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+def empty(shape, dtype=np.float64):
+    a = np.empty(shape, dtype)
+    if dtype == np.float64:
+        a.fill(np.nan)
+    return a
+
+
+def tt(a, grad=False):
+    return torch.tensor(np.array(a), requires_grad=grad)
+
+
+def close(actual, expected):
+    np.testing.assert_allclose(actual, expected.detach().numpy() if isinstance(expected, torch.Tensor) else expected,
+                               rtol=RTOL, atol=ATOL)
+
+
+def workspaces(g: ConvGeometry):
+    return empty(g.padded_shape), empty(g.cols_shape), empty(g.product_shape)
+
+
+@pytest.mark.parametrize("b, c, h, w, o, k, stride, padding, dilation, groups, bias", [
+    (2, 3, 7, 6, 4, 3, 1, 1, 1, 1, True),
+    (3, 4, 9, 9, 6, 3, 2, 0, 1, 2, True),
+    (2, 2, 8, 7, 4, (3, 2), (2, 1), (1, 0), (2, 1), 1, False),
+    (1, 6, 5, 5, 6, 3, 1, 1, 1, 6, True),          # depthwise
+    (2, 3, 4, 4, 5, 1, 1, 0, 1, 1, True),          # 1x1
+])
+def test_conv2d_matches_torch(rng, b, c, h, w, o, k, stride, padding, dilation, groups, bias):
+    g = ConvGeometry.of((b, c, h, w), o, k, stride, padding, dilation, groups)
+    x, wt = rng.normal(size=(b, c, h, w)), rng.normal(size=g.weight_shape)
+    bv = rng.normal(size=o) if bias else None
+    out = empty(g.out_shape)
+    padded, cols, product = workspaces(g)
+    K.conv2d_forward(x, wt, bv, out, g, padded, cols, product)
+    tx, tw, tb = tt(x, True), tt(wt, True), (tt(bv, True) if bias else None)
+    ref = F.conv2d(tx, tw, tb, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    close(out, ref)
+
+    dy = rng.normal(size=g.out_shape)
+    ref.backward(tt(dy))
+    dx, dw = empty(x.shape), empty(wt.shape)
+    db = empty(o) if bias else None
+    K.conv2d_backward(wt, dy, dx, dw, db, g, padded, cols, product)
+    close(dx, tx.grad)
+    close(dw, tw.grad)
+    if bias:
+        close(db, tb.grad)
+
+
+def test_conv_geometry_names_what_does_not_fit():
+    with pytest.raises(ValueError, match="groups 2 must divide the input channels 3"):
+        ConvGeometry.of((1, 3, 8, 8), 4, 3, groups=2)
+    with pytest.raises(ValueError, match=r"a \(5, 5\) kernel .* does not fit an input of 4x4"):
+        ConvGeometry.of((1, 3, 4, 4), 4, 5)
+    g = ConvGeometry.of((2, 3, 8, 8), 4, 3, padding=1)
+    assert g.workspace_nbytes(4) == 4 * (2 * 3 * 10 * 10 + 2 * 8 * 8 * 27 + 2 * 8 * 8 * 4)
+
+
+@pytest.mark.parametrize("k, stride, padding", [(2, 2, 0), (3, 2, 1), (3, 1, 1), ((2, 3), (2, 1), (1, 1))])
+def test_max_and_average_pooling_match_torch(rng, k, stride, padding):
+    x = rng.normal(size=(2, 3, 7, 8))
+    g = ConvGeometry.of(x.shape, 3, k, stride, padding)
+    dy = rng.normal(size=g.out_shape)
+
+    out, argmax, padded = empty(g.out_shape), np.empty(g.out_shape, np.int64), empty(g.padded_shape)
+    K.max_pool_forward(x, out, argmax, g, padded)
+    tx = tt(x, True)
+    ref = F.max_pool2d(tx, k, stride, padding)
+    close(out, ref)
+    ref.backward(tt(dy))
+    dx = empty(x.shape)
+    K.max_pool_backward(dy, argmax, dx, g, padded)
+    close(dx, tx.grad)
+
+    out = empty(g.out_shape)
+    K.avg_pool_forward(x, out, g, padded)
+    tx = tt(x, True)
+    ref = F.avg_pool2d(tx, k, stride, padding, count_include_pad=True)
+    close(out, ref)
+    ref.backward(tt(dy))
+    dx = empty(x.shape)
+    K.avg_pool_backward(dy, dx, g, padded)
+    close(dx, tx.grad)
+
+
+def test_global_average_pooling_matches_torch(rng):
+    x = rng.normal(size=(3, 4, 5, 6))
+    out = empty((3, 4))
+    K.global_avg_pool_forward(x, out)
+    tx = tt(x, True)
+    ref = tx.mean(dim=(2, 3))
+    close(out, ref)
+    dy = rng.normal(size=(3, 4))
+    ref.backward(tt(dy))
+    dx = empty(x.shape)
+    K.global_avg_pool_backward(dy, dx)
+    close(dx, tx.grad)
+
+
+@pytest.mark.parametrize("shape", [(6, 4), (3, 4, 5, 5)])
+def test_batch_norm_matches_torch_in_training_and_its_saved_statistics_reproduce_it(rng, shape):
+    c = shape[1]
+    x, gamma, beta = rng.normal(2.0, 3.0, size=shape), rng.normal(size=c), rng.normal(size=c)
+    running_mean, running_var = rng.normal(size=c), rng.uniform(0.5, 2.0, size=c)
+    t_mean, t_var = tt(running_mean), tt(running_var)
+    out, mean, invstd = empty(shape), empty(c), empty(c)
+    K.batch_norm_forward(x, gamma, beta, out, mean, invstd, running_mean, running_var, momentum=0.2, eps=1e-4)
+    tx, tg, tb = tt(x, True), tt(gamma, True), tt(beta, True)
+    ref = F.batch_norm(tx, t_mean, t_var, tg, tb, training=True, momentum=0.2, eps=1e-4)
+    close(out, ref)
+    close(running_mean, t_mean)
+    close(running_var, t_var)
+
+    again = empty(shape)            # a recompute from the saved statistics gives the same bits
+    K.batch_norm_apply(x, gamma, beta, mean, invstd, again)
+    assert np.array_equal(again, out)
+
+    dy = rng.normal(size=shape)
+    ref.backward(tt(dy))
+    dx, dgamma, dbeta = empty(shape), empty(c), empty(c)
+    K.batch_norm_backward(x, gamma, mean, invstd, dy, dx, dgamma, dbeta)
+    close(dx, tx.grad)
+    close(dgamma, tg.grad)
+    close(dbeta, tb.grad)
+    K.batch_norm_backward(x, gamma, mean, invstd, dy, None, dgamma, dbeta)     # no input gradient
+    close(dgamma, tg.grad)
+
+
+def test_batch_norm_at_inference_uses_the_running_statistics(rng):
+    x, gamma, beta = rng.normal(size=(3, 2, 4, 4)), rng.normal(size=2), rng.normal(size=2)
+    running_mean, running_var = rng.normal(size=2), rng.uniform(0.5, 2.0, size=2)
+    out = empty(x.shape)
+    K.batch_norm_apply(x, gamma, beta, running_mean, 1 / np.sqrt(running_var + 1e-5), out)
+    close(out, F.batch_norm(tt(x), tt(running_mean), tt(running_var), tt(gamma), tt(beta), training=False))
+
+
+def test_residual_concat_and_flatten_match_torch(rng):
+    a, b = rng.normal(size=(2, 3, 4, 4)), rng.normal(size=(2, 5, 4, 4))
+    out = empty((2, 8, 4, 4))
+    K.concat_forward([a, b], out)
+    close(out, torch.cat([tt(a), tt(b)], dim=1))
+    dy = rng.normal(size=out.shape)
+    da, dbb = empty(a.shape), empty(b.shape)
+    K.concat_backward(dy, [da, dbb])
+    close(da, dy[:, :3])
+    close(dbb, dy[:, 3:])
+
+    flat = empty((2, 8 * 16))
+    K.flatten_forward(out, flat)
+    close(flat, torch.flatten(tt(out), 1))
+    back = empty(out.shape)
+    K.flatten_backward(flat, back)
+    close(back, out)
+
+    total = empty(a.shape)
+    K.add_forward(a, a[:, ::-1], total)
+    close(total, tt(a) + tt(a[:, ::-1].copy()))
+
+
+def test_a_small_network_of_these_kernels_matches_torch_end_to_end(rng):
+    """conv → batch norm → relu → max pool → conv (residual add) → global average pool: the
+    kernels chained by hand, gradients of every parameter against autograd."""
+    x = rng.normal(size=(4, 2, 8, 8))
+    g1 = ConvGeometry.of(x.shape, 3, 3, padding=1)
+    w1, b1 = rng.normal(size=g1.weight_shape) * 0.5, rng.normal(size=3)
+    gamma, beta = rng.uniform(0.5, 1.5, size=3), rng.normal(size=3)
+    gp = ConvGeometry.of(g1.out_shape, 3, 2, 2)
+    g2 = ConvGeometry.of(gp.out_shape, 3, 3, padding=1)
+    w2 = rng.normal(size=g2.weight_shape) * 0.5
+
+    ws1, wsp, ws2 = workspaces(g1), empty(gp.padded_shape), workspaces(g2)
+    c1 = empty(g1.out_shape)
+    K.conv2d_forward(x, w1, b1, c1, g1, *ws1)
+    bn, mean, invstd = empty(c1.shape), empty(3), empty(3)
+    K.batch_norm_forward(c1, gamma, beta, bn, mean, invstd)
+    r = np.maximum(bn, 0)
+    p, argmax = empty(gp.out_shape), np.empty(gp.out_shape, np.int64)
+    K.max_pool_forward(r, p, argmax, gp, wsp)
+    c2 = empty(g2.out_shape)
+    K.conv2d_forward(p, w2, None, c2, g2, *ws2)
+    s = empty(p.shape)
+    K.add_forward(c2, p, s)
+    y = empty((4, 3))
+    K.global_avg_pool_forward(s, y)
+
+    t = {k: tt(v, True) for k, v in dict(x=x, w1=w1, b1=b1, gamma=gamma, beta=beta, w2=w2).items()}
+    tc1 = F.conv2d(t["x"], t["w1"], t["b1"], padding=1)
+    tbn = F.batch_norm(tc1, None, None, t["gamma"], t["beta"], training=True)
+    tp = F.max_pool2d(F.relu(tbn), 2, 2)
+    ty = (F.conv2d(tp, t["w2"], padding=1) + tp).mean(dim=(2, 3))
+    close(y, ty)
+    dy = rng.normal(size=y.shape)
+    ty.backward(tt(dy))
+
+    ds = empty(s.shape)
+    K.global_avg_pool_backward(dy, ds)
+    dp, dw2 = empty(p.shape), empty(w2.shape)
+    K.conv2d_backward(w2, ds, dp, dw2, None, g2, *ws2)
+    dp += ds                                                   # the residual branch
+    dr = empty(r.shape)
+    K.max_pool_backward(dp, argmax, dr, gp, wsp)
+    dbn = dr * (bn > 0)
+    dc1, dgamma, dbeta = empty(c1.shape), empty(3), empty(3)
+    K.batch_norm_backward(c1, gamma, mean, invstd, dbn, dc1, dgamma, dbeta)
+    dx, dw1, db1 = empty(x.shape), empty(w1.shape), empty(3)
+    K.conv2d_forward(x, w1, b1, c1, g1, *ws1)                  # the workspace holds the padded input again
+    K.conv2d_backward(w1, dc1, dx, dw1, db1, g1, *ws1)
+    for name, grad in dict(x=dx, w1=dw1, b1=db1, gamma=dgamma, beta=dbeta, w2=dw2).items():
+        close(grad, t[name].grad)
