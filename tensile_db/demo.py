@@ -17,7 +17,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 from sqlalchemy import create_engine, text
 from tabulate import tabulate
 

@@ -32,7 +32,7 @@ def tt(a, grad=False):
     return torch.tensor(np.array(a), requires_grad=grad)
 
 
-def close(actual, expected):
+def assert_close(actual, expected):
     np.testing.assert_allclose(actual, expected.detach().numpy() if isinstance(expected, torch.Tensor) else expected,
                                rtol=RTOL, atol=ATOL)
 
@@ -57,17 +57,17 @@ def test_conv2d_matches_torch(rng, b, c, h, w, o, k, stride, padding, dilation, 
     K.conv2d_forward(x, wt, bv, out, g, padded, cols, product)
     tx, tw, tb = tt(x, True), tt(wt, True), (tt(bv, True) if bias else None)
     ref = F.conv2d(tx, tw, tb, stride=stride, padding=padding, dilation=dilation, groups=groups)
-    close(out, ref)
+    assert_close(out, ref)
 
     dy = rng.normal(size=g.out_shape)
     ref.backward(tt(dy))
     dx, dw = empty(x.shape), empty(wt.shape)
     db = empty(o) if bias else None
     K.conv2d_backward(wt, dy, dx, dw, db, g, padded, cols, product)
-    close(dx, tx.grad)
-    close(dw, tw.grad)
+    assert_close(dx, tx.grad)
+    assert_close(dw, tw.grad)
     if bias:
-        close(db, tb.grad)
+        assert_close(db, tb.grad)
 
 
 def test_conv_geometry_names_what_does_not_fit():
@@ -89,21 +89,21 @@ def test_max_and_average_pooling_match_torch(rng, k, stride, padding):
     K.max_pool_forward(x, out, argmax, g, padded)
     tx = tt(x, True)
     ref = F.max_pool2d(tx, k, stride, padding)
-    close(out, ref)
+    assert_close(out, ref)
     ref.backward(tt(dy))
     dx = empty(x.shape)
     K.max_pool_backward(dy, argmax, dx, g, padded)
-    close(dx, tx.grad)
+    assert_close(dx, tx.grad)
 
     out = empty(g.out_shape)
     K.avg_pool_forward(x, out, g, padded)
     tx = tt(x, True)
     ref = F.avg_pool2d(tx, k, stride, padding, count_include_pad=True)
-    close(out, ref)
+    assert_close(out, ref)
     ref.backward(tt(dy))
     dx = empty(x.shape)
     K.avg_pool_backward(dy, dx, g, padded)
-    close(dx, tx.grad)
+    assert_close(dx, tx.grad)
 
 
 def test_global_average_pooling_matches_torch(rng):
@@ -112,12 +112,12 @@ def test_global_average_pooling_matches_torch(rng):
     K.global_avg_pool_forward(x, out)
     tx = tt(x, True)
     ref = tx.mean(dim=(2, 3))
-    close(out, ref)
+    assert_close(out, ref)
     dy = rng.normal(size=(3, 4))
     ref.backward(tt(dy))
     dx = empty(x.shape)
     K.global_avg_pool_backward(dy, dx)
-    close(dx, tx.grad)
+    assert_close(dx, tx.grad)
 
 
 @pytest.mark.parametrize("shape", [(6, 4), (3, 4, 5, 5)])
@@ -130,9 +130,9 @@ def test_batch_norm_matches_torch_in_training_and_its_saved_statistics_reproduce
     K.batch_norm_forward(x, gamma, beta, out, mean, invstd, running_mean, running_var, momentum=0.2, eps=1e-4)
     tx, tg, tb = tt(x, True), tt(gamma, True), tt(beta, True)
     ref = F.batch_norm(tx, t_mean, t_var, tg, tb, training=True, momentum=0.2, eps=1e-4)
-    close(out, ref)
-    close(running_mean, t_mean)
-    close(running_var, t_var)
+    assert_close(out, ref)
+    assert_close(running_mean, t_mean)
+    assert_close(running_var, t_var)
 
     again = empty(shape)            # a recompute from the saved statistics gives the same bits
     K.batch_norm_apply(x, gamma, beta, mean, invstd, again)
@@ -142,11 +142,11 @@ def test_batch_norm_matches_torch_in_training_and_its_saved_statistics_reproduce
     ref.backward(tt(dy))
     dx, dgamma, dbeta = empty(shape), empty(c), empty(c)
     K.batch_norm_backward(x, gamma, mean, invstd, dy, dx, dgamma, dbeta)
-    close(dx, tx.grad)
-    close(dgamma, tg.grad)
-    close(dbeta, tb.grad)
+    assert_close(dx, tx.grad)
+    assert_close(dgamma, tg.grad)
+    assert_close(dbeta, tb.grad)
     K.batch_norm_backward(x, gamma, mean, invstd, dy, None, dgamma, dbeta)     # no input gradient
-    close(dgamma, tg.grad)
+    assert_close(dgamma, tg.grad)
 
 
 def test_batch_norm_at_inference_uses_the_running_statistics(rng):
@@ -154,30 +154,30 @@ def test_batch_norm_at_inference_uses_the_running_statistics(rng):
     running_mean, running_var = rng.normal(size=2), rng.uniform(0.5, 2.0, size=2)
     out = empty(x.shape)
     K.batch_norm_apply(x, gamma, beta, running_mean, 1 / np.sqrt(running_var + 1e-5), out)
-    close(out, F.batch_norm(tt(x), tt(running_mean), tt(running_var), tt(gamma), tt(beta), training=False))
+    assert_close(out, F.batch_norm(tt(x), tt(running_mean), tt(running_var), tt(gamma), tt(beta), training=False))
 
 
 def test_residual_concat_and_flatten_match_torch(rng):
     a, b = rng.normal(size=(2, 3, 4, 4)), rng.normal(size=(2, 5, 4, 4))
     out = empty((2, 8, 4, 4))
     K.concat_forward([a, b], out)
-    close(out, torch.cat([tt(a), tt(b)], dim=1))
+    assert_close(out, torch.cat([tt(a), tt(b)], dim=1))
     dy = rng.normal(size=out.shape)
     da, dbb = empty(a.shape), empty(b.shape)
     K.concat_backward(dy, [da, dbb])
-    close(da, dy[:, :3])
-    close(dbb, dy[:, 3:])
+    assert_close(da, dy[:, :3])
+    assert_close(dbb, dy[:, 3:])
 
     flat = empty((2, 8 * 16))
     K.flatten_forward(out, flat)
-    close(flat, torch.flatten(tt(out), 1))
+    assert_close(flat, torch.flatten(tt(out), 1))
     back = empty(out.shape)
     K.flatten_backward(flat, back)
-    close(back, out)
+    assert_close(back, out)
 
     total = empty(a.shape)
     K.add_forward(a, a[:, ::-1], total)
-    close(total, tt(a) + tt(a[:, ::-1].copy()))
+    assert_close(total, tt(a) + tt(a[:, ::-1].copy()))
 
 
 def test_a_small_network_of_these_kernels_matches_torch_end_to_end(rng):
@@ -211,7 +211,7 @@ def test_a_small_network_of_these_kernels_matches_torch_end_to_end(rng):
     tbn = F.batch_norm(tc1, None, None, t["gamma"], t["beta"], training=True)
     tp = F.max_pool2d(F.relu(tbn), 2, 2)
     ty = (F.conv2d(tp, t["w2"], padding=1) + tp).mean(dim=(2, 3))
-    close(y, ty)
+    assert_close(y, ty)
     dy = rng.normal(size=y.shape)
     ty.backward(tt(dy))
 
@@ -229,4 +229,4 @@ def test_a_small_network_of_these_kernels_matches_torch_end_to_end(rng):
     K.conv2d_forward(x, w1, b1, c1, g1, *ws1)                  # the workspace holds the padded input again
     K.conv2d_backward(w1, dc1, dx, dw1, db1, g1, *ws1)
     for name, grad in dict(x=dx, w1=dw1, b1=db1, gamma=dgamma, beta=dbeta, w2=dw2).items():
-        close(grad, t[name].grad)
+        assert_close(grad, t[name].grad)

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from conftest import wait_until
-from test_sql import FEATURES, assert_nothing_left, error_of, running, train, train_in_background
+from test_sql import assert_nothing_left, error_of, running, train, train_in_background
 from tensile_db.coordinator import client as coordinator_client
 from tensile_db.coordinator.address import MAX_SOCKET_PATH, SOCKET_NAME, coordinator_state, socket_dir_for
 from tensile_db.runtime.model import ModelSpec, init_weights, parse_architecture

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tensile_db.coordinator.executor import Executor
-from tensile_db.errors import CorruptModel, DeviceOutOfMemory, InvalidArgument, JobCancelled, ProtocolError
+from tensile_db.errors import CorruptModel, DeviceOutOfMemory, InvalidArgument, JobCancelled
 from tensile_db.inference import INFERENCE_JOB, layered
 from tensile_db.inference.service import InferenceService
 from tensile_db.memory.arena import round_up

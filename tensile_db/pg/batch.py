@@ -151,8 +151,8 @@ def _infer(plpy, GD, s: dict, model: ModelRow, x: np.ndarray, window: int, opts:
         """Answer the coordinator until it accepts the call (within the timeout at each step)."""
         if reply["type"] == "need_weights":
             weights = _weights(plpy, GD, model)
-            reply, _ = session.exchange(plpy, GD, client, lambda: client.request({"type": "weights"}, weights),
-                                        "the start of a prediction", timeout_s)
+            reply, _ = session.request(plpy, GD, client, {"type": "weights"}, weights,
+                                       doing="the start of a prediction", timeout_s=timeout_s)
         if reply["type"] != "accepted":
             raise ProtocolError(f"unexpected {reply['type']!r} message from the coordinator during prediction")
 
@@ -160,7 +160,8 @@ def _infer(plpy, GD, s: dict, model: ModelRow, x: np.ndarray, window: int, opts:
         raise ProtocolError(f"unexpected {reply['type']!r} message from the coordinator during prediction")
 
     with client:
-        reply, _ = session.request(plpy, GD, client, header, {"x": x}, doing="the start of a prediction")
+        reply, _ = session.request(plpy, GD, client, header, {"x": x}, doing="the start of a prediction",
+                                   timeout_s=timeout_s)
         until_accepted(reply)
         result, arrays = session.await_result(plpy, GD, client, "prediction", on_message)
     outputs = arrays.get("outputs")

@@ -254,10 +254,12 @@ def exchange(plpy, GD, client, io, doing: str, timeout_s: float | None):
         raise
 
 
-def request(plpy, GD, client, header: dict, arrays: dict | None = None, doing: str = "a request"):
-    """Send one request and return the reply ``(header, arrays)``, within
-    ``tensile.coordinator_timeout`` (see :func:`exchange`)."""
-    return exchange(plpy, GD, client, lambda: client.request(header, arrays), doing, coordinator_timeout(plpy, GD))
+def request(plpy, GD, client, header: dict, arrays: dict | None = None, doing: str = "a request",
+            timeout_s: float | None = None):
+    """Send one request and return the reply ``(header, arrays)``, within ``timeout_s`` seconds
+    (default: ``tensile.coordinator_timeout``; see :func:`exchange`)."""
+    timeout_s = coordinator_timeout(plpy, GD) if timeout_s is None else timeout_s
+    return exchange(plpy, GD, client, lambda: client.request(header, arrays), doing, timeout_s)
 
 
 def prefetch_window(plpy, GD) -> int | str:

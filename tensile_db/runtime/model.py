@@ -15,10 +15,9 @@ from 0 (the output layer is the last), plus the feature standardisation ``x_mean
 
 from __future__ import annotations
 
-import io
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
