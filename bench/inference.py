@@ -7,14 +7,17 @@ way: every layer resident before the call (a call whose layers are all in the we
 batch costs its arithmetic only. Each window ``W`` runs with the cache off, so every batch streams
 every layer through the arena, ``W`` layers ahead of the one computing. Device bytes are the
 arena's high-water mark of a fresh manager; time per batch is the median over ``--repeats`` calls
-of the call's time over its batches. Writes ``bench/out/inference_memory_delay.png``.
+of the call's time over its batches. Writes ``bench/out/inference_memory_delay.png``. A second
+table runs the same on a convolutional network (``--cnn``, ResNet-50 at a quarter of its width on
+3 x 32 x 32 images by default), whose activations and convolution workspaces, not its weights,
+are most of a call's device bytes.
 
 Part 2 (through SQL, a real cluster with ``--calls`` connections): ``--calls`` models of
 ``--model-layers`` x ``--width`` layers and a budget that holds about a third of them;
 ``tensile.predict_batch`` on each model, first one call after another on one connection, then all
 at once from one connection each. Rows per second of all calls together.
 
-    python bench/inference.py [--device cpu|cuda] [--skip-sql]
+    python bench/inference.py [--device cpu|cuda] [--skip-cnn] [--skip-sql]
 """
 
 from __future__ import annotations
@@ -48,6 +51,13 @@ def make_model(layers: int, width: int, n_features: int, n_outputs: int, seed: i
     return spec, models.init_weights(spec, seed)
 
 
+def make_cnn(name: str, width: float, side: int, seed: int = 0):
+    """A named convolutional network (:mod:`tensile_db.runtime.zoo`) on 3 x side x side images, 10 classes."""
+    arch = models.parse_architecture({"model": name, "width": width, "input": {"shape": [3, side, side]}})
+    spec = models.ModelSpec(arch, 3 * side * side, 10, "classification")
+    return spec, models.init_weights(spec, seed)
+
+
 def timed_call(device: str, spec, weights, x, window: int, batch: int, preloaded: bool) -> tuple[float, int, object]:
     """(seconds per batch, arena high-water mark in bytes, the call's stats) of one call on a fresh
     manager. ``preloaded``: a first call fills the weight cache and the timed one finds every layer
@@ -65,17 +75,17 @@ def timed_call(device: str, spec, weights, x, window: int, batch: int, preloaded
         svc.manager.close()
 
 
-def windows_table(args) -> list[dict]:
-    spec, weights = make_model(args.layers, args.width, args.width, 10)
-    x = np.random.default_rng(1).normal(size=(args.batch * args.batches, spec.n_features)).astype(np.float32)
-    n_layers = len(spec.dense_shapes())
-    windows = [w for w in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if w < n_layers - 1]
-    runs = [("preloaded", n_layers, True)] + [(str(w), w, False) for w in windows]
-    timed_call(args.device, spec, weights, x[:args.batch * 2], 1, args.batch, False)      # warm-up
+def window_rows(args, spec, weights, batch: int, windows) -> list[dict]:
+    """One row per run: preloaded, then each window below ``L - 1`` (``L``: layers with weights);
+    medians over ``args.repeats`` calls of ``args.batches`` batches of ``batch`` rows."""
+    x = np.random.default_rng(1).normal(size=(batch * args.batches, spec.n_features)).astype(np.float32)
+    n_layers = len(spec.network.layered)
+    runs = [("preloaded", n_layers, True)] + [(str(w), w, False) for w in windows if w < n_layers - 1]
+    timed_call(args.device, spec, weights, x[:batch * 2], 1, batch, False)      # warm-up
     samples: dict[str, list] = {label: [] for label, _, _ in runs}
     for _ in range(args.repeats):              # interleaved, so drift on a shared machine hits all alike
         for label, window, preloaded in runs:
-            samples[label].append(timed_call(args.device, spec, weights, x, window, args.batch, preloaded))
+            samples[label].append(timed_call(args.device, spec, weights, x, window, batch, preloaded))
     rows = []
     base_s = statistics.median(s[0] for s in samples["preloaded"])
     base_nbytes = samples["preloaded"][0][1]
@@ -87,14 +97,25 @@ def windows_table(args) -> list[dict]:
                      "ms_per_batch": per_batch * 1e3, "delay": per_batch / base_s - 1,
                      "loads_per_batch": stats.weight_loads / stats.batches,
                      "wait_ms_per_batch": stats.load_wait_s / stats.batches * 1e3})
-    print(f"\n{n_layers} dense layers {spec.n_features}-{args.width}x{n_layers - 1}-10, "
-          f"{spec.n_parameters():,} parameters ({sum(w.nbytes for w in weights.values()):,} bytes of weights), "
-          f"batch {args.batch}, {args.batches} batches per call, median of {args.repeats}, device {args.device}")
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
     print(tabulate([[r["window"], f"{r['device_nbytes']:,}", f"{r['saving']:.1%}", f"{r['ms_per_batch']:.2f}",
                      f"{r['delay']:+.1%}", f"{r['loads_per_batch']:.0f}", f"{r['wait_ms_per_batch']:.2f}"] for r in rows],
                    headers=["window (layers ahead)", "device bytes", "less memory", "ms / batch", "delay",
                             "layer loads / batch", "ms / batch waiting"],
                    colalign=("left", "right", "right", "right", "right", "right", "right")))
+
+
+def windows_table(args) -> list[dict]:
+    spec, weights = make_model(args.layers, args.width, args.width, 10)
+    n_layers = len(spec.network.layered)
+    rows = window_rows(args, spec, weights, args.batch, (1, 2, 3, 4, 6, 8, 12, 16, 24, 32))
+    print(f"\n{n_layers} dense layers {spec.n_features}-{args.width}x{n_layers - 1}-10, "
+          f"{spec.n_parameters():,} parameters ({sum(w.nbytes for w in weights.values()):,} bytes of weights), "
+          f"batch {args.batch}, {args.batches} batches per call, median of {args.repeats}, device {args.device}")
+    print_rows(rows)
     streamed = rows[1:]
     w1 = streamed[0]
     meets = [r for r in streamed if r["saving"] >= BEST_SAVING and r["delay"] <= BEST_DELAY]
@@ -105,6 +126,20 @@ def windows_table(args) -> list[dict]:
     print(f"best window {best['window']}: {best['saving']:.1%} less memory (target >= {BEST_SAVING:.0%}), delay "
           f"{best['delay']:+.1%} (target <= {BEST_DELAY:.0%}): {'PASS' if meets else 'FAIL'}")
     plot(rows, args)
+    return rows
+
+
+def cnn_table(args) -> list[dict]:
+    """The same runs on a convolutional network: its activations and convolution workspaces, not
+    its weights, are most of a call's device bytes, so streaming the layers saves less."""
+    spec, weights = make_cnn(args.cnn, args.cnn_width, args.cnn_side)
+    n_layers = len(spec.network.layered)
+    rows = window_rows(args, spec, weights, args.cnn_batch, (1, 2, 4, 8, 16))
+    print(f"\n{args.cnn} (width {args.cnn_width}) on 3x{args.cnn_side}x{args.cnn_side} images, "
+          f"{len(spec.network.nodes)} nodes of which {n_layers} hold weights, {spec.n_parameters():,} parameters "
+          f"({sum(w.nbytes for w in weights.values()):,} bytes of weights), batch {args.cnn_batch}, {args.batches} "
+          f"batches per call, median of {args.repeats}, device {args.device}")
+    print_rows(rows)
     return rows
 
 
@@ -143,8 +178,8 @@ def concurrency_table(args) -> None:
 
     from tensile_db.cluster import EmbeddedCluster
 
-    spec, _ = make_model(args.model_layers, args.width, args.features, 10)
-    model_nbytes = sum(i * o * 4 + o * 4 for i, o in spec.dense_shapes())
+    spec, first = make_model(args.model_layers, args.width, args.features, 10)
+    model_nbytes = sum(w.nbytes for w in first.values())
     budget = model_nbytes * args.calls // 3
     base = tempfile.mkdtemp(prefix="tensile-bench-")
     cluster = EmbeddedCluster(base, python_paths=[site.getsitepackages()[0]],
@@ -221,6 +256,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--batches", type=int, default=8, help="batches per timed call")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cnn", default="resnet50", help="the named convolutional network of part 1's second table")
+    parser.add_argument("--cnn-width", type=float, default=0.25, help="its channel multiplier")
+    parser.add_argument("--cnn-side", type=int, default=32, help="its input images' side")
+    parser.add_argument("--cnn-batch", type=int, default=32)
+    parser.add_argument("--skip-cnn", action="store_true", help="no convolutional network table")
     parser.add_argument("--skip-sql", action="store_true", help="part 1 only (no PostgreSQL, e.g. on a GPU machine)")
     parser.add_argument("--calls", type=int, default=8)
     parser.add_argument("--model-layers", type=int, default=12)
@@ -229,6 +269,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=2)
     args = parser.parse_args()
     windows_table(args)
+    if not args.skip_cnn:
+        cnn_table(args)
     if not args.skip_sql:
         args.repeats = max(1, args.repeats // 2)
         concurrency_table(args)

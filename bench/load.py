@@ -53,7 +53,7 @@ from tabulate import tabulate
 from tensile_db.cluster import EmbeddedCluster
 from tensile_db.demo import FEATURES, load_digits_tables
 from tensile_db.runtime import model as models
-from tensile_db.runtime.program import build_training_program
+from tensile_db.runtime.builder import build_training_program
 
 DATABASE = "tensile_load"
 ARCHITECTURE = {"layers": [{"dense": 64, "activation": "relu"}]}

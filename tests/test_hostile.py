@@ -380,7 +380,7 @@ def test_absurd_models_are_refused_at_once_by_the_configured_limits(conn, digits
     seconds, error = _elapsed_error(conn, f"CALL tensile.train_model('t_deep', 'digits_train', 'label', "
                                           f"architecture => '{deep}')")
     assert isinstance(error, psycopg.errors.InvalidParameterValue)
-    assert "has 10,001 dense layers (with the output layer), more than tensile.max_layers (1,000)" in str(error)
+    assert "has 10,001 layers (with the output layer), more than tensile.max_layers (1,000)" in str(error)
     assert seconds < WAIT_BOUND_S
     wide = '{"layers": [{"dense": 65536}, {"dense": 65536}]}'
     message = error_of(conn, train, "t_wide", architecture=wide)

@@ -1,7 +1,9 @@
 """Demand-layered inference on the coordinator, without PostgreSQL: outputs against the host
-forward pass and across prefetch windows, the window's memory bound, the weight cache and its
-eviction order, cancellation, model replacement, admission by footprint, and several calls at once with a training job
-under one budget (no two blocks share a byte, nothing exceeds the budget)."""
+forward pass and across prefetch windows, for MLPs and for convolutional networks with a residual
+block and a concatenation; the window's memory bound and the exact size of a step; the weight
+cache and its eviction order, cancellation, a failing node, model replacement, admission by
+footprint, and several calls at once with a training job under one budget (no two blocks share a
+byte, nothing exceeds the budget)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from tensile_db.memory.arena import round_up
 from tensile_db.memory.manager import MemoryManager, Residency
 from tensile_db.runtime import model as models
 from tensile_db.runtime.device import Device
+from tensile_db.runtime.model import ModelSpec, parse_architecture
 from tensile_db.runtime.program import Kind, Slot
 
 from conftest import wait_until
@@ -28,16 +31,34 @@ HIDDEN = [{"dense": 96}, {"dense": 64, "activation": "tanh"}, {"dense": 128}, {"
           {"dense": 80}, {"dense": 64, "activation": "none"}]
 
 
+#: A convolutional network on 1x8x8 images: convolution, batch normalisation, a residual block,
+#: max pooling, a concatenation of the identity and a 1x1 convolution, global average pooling.
+CNN = {"input": {"shape": [1, 8, 8]},
+       "layers": [{"conv": 8, "padding": 1, "bias": False, "activation": "none"},
+                  {"batch_norm": {}, "activation": "relu"},
+                  {"residual": [{"conv": 8, "padding": 1}], "activation": "relu"}, {"max_pool": 2},
+                  {"concat": [[], [{"conv": 4, "kernel": 1}]]}, {"global_avg_pool": {}}]}
+
+
 def spec_of(task="classification", hidden=HIDDEN, n_features=20, n_outputs=7) -> models.ModelSpec:
     return models.ModelSpec(models.parse_architecture({"layers": hidden}), n_features,
                             n_outputs if task == "classification" else 1, task)
 
 
+def cnn_spec(task="classification", architecture=CNN) -> ModelSpec:
+    return ModelSpec(parse_architecture(architecture), 64, 10 if task == "classification" else 1, task)
+
+
 def weights_of(spec, seed=0) -> dict[str, np.ndarray]:
+    """Initial weights with random biases and batch norm parameters and running statistics, so
+    that each of them matters, and a feature scaling."""
     rng = np.random.default_rng(seed)
-    w = models.init_weights(spec, seed)
-    for name in [k for k in w if k.startswith("b")]:
-        w[name] = rng.normal(scale=0.1, size=w[name].shape).astype(np.float32)
+    w = spec.network.init_weights(seed)
+    for name in w:
+        if name[0] in "bm" or name.startswith("gamma"):          # b, beta, mean; gamma
+            w[name] = (w[name] + rng.normal(scale=0.1, size=w[name].shape)).astype(np.float32)
+        elif name.startswith("var"):
+            w[name] = rng.uniform(0.5, 2, size=w[name].shape).astype(np.float32)
     w["x_mean"] = rng.normal(size=spec.n_features).astype(np.float32)
     w["x_std"] = rng.uniform(0.5, 2, spec.n_features).astype(np.float32)
     if spec.task == "regression":
@@ -62,12 +83,13 @@ def call_blocks(mm) -> list:
     return [t for _, _, t in mm.blocks() if t.job_id == INFERENCE_JOB]
 
 
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
 @pytest.mark.parametrize("task", ["classification", "regression"])
-def test_every_window_gives_the_preloaded_outputs_bit_for_bit_and_agrees_with_the_host_forward(task):
-    spec = spec_of(task)
+def test_every_window_gives_the_preloaded_outputs_bit_for_bit_and_agrees_with_the_host_forward(task, kind):
+    spec = spec_of(task) if kind == "mlp" else cnn_spec(task)
     w, x = weights_of(spec), features(spec)
     svc = service()
-    n_layers = len(spec.dense_shapes())
+    n_layers = len(spec.network.layered)
     preloaded, stats = predict(svc, 1, spec, w, x, window=n_layers, cache=False)
     assert stats.window == n_layers and stats.weight_loads == n_layers     # loaded once, kept for the call
     np.testing.assert_allclose(preloaded, models.forward(spec, w, x), rtol=1e-5, atol=1e-6)
@@ -91,12 +113,129 @@ def test_a_window_holds_at_most_w_plus_one_layers_and_one_batch_of_activations()
         svc = service(budget=1 << 24)
         _, stats = predict(svc, 1, spec, w, x, window=window, batch_size=50, cache=False)
         peaks[window] = svc.manager.peak_nbytes
-        assert stats.device_peak_nbytes <= peaks[window]
+        assert stats.device_peak_nbytes == peaks[window]                    # the call alone on the device
         assert peaks[window] <= min(window + 1, 9) * layer_nbytes + activations_nbytes, window
         assert stats.weight_loads == (9 if window == 9 else 9 * stats.batches)
         svc.manager.close()
     assert peaks[1] < peaks[2] < peaks[4] < peaks[9]
     assert peaks[9] >= 9 * layer_nbytes
+
+
+def watched(mm, check):
+    """``mm`` with ``check()`` and the manager's invariants run after every acquire; returns the
+    list of acquires' ``what``."""
+    original, seen = mm.acquire, []
+
+    def acquire(*args, **kwargs):
+        created = original(*args, **kwargs)
+        mm.check()
+        check()
+        seen.append(kwargs.get("what", ""))
+        return created
+
+    mm.acquire = acquire
+    return seen
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 5])
+def test_a_cnn_window_holds_at_most_w_plus_one_layers_and_its_largest_step_of_activations(window):
+    spec = cnn_spec()
+    w, x = weights_of(spec), features(spec, n=200)
+    svc = service(budget=1 << 24)
+    mm = svc.manager
+    model = svc.store.add(1, "v", "m", spec, w)
+    n_layers = len(model.layers)
+
+    def at_most_w_plus_one():
+        assert sum(1 for t in model.layers if t.wanted) <= min(window + 1, n_layers)
+        assert mm.in_use_nbytes <= mm.budget_nbytes
+
+    seen = watched(mm, at_most_w_plus_one)
+    _, stats = svc.predict(model, x, window, 50, cache=False)
+    assert stats.device_peak_nbytes == mm.peak_nbytes                       # the call alone on the device
+    layers = sorted((t.arena_nbytes for t in model.layers), reverse=True)
+    assert mm.peak_nbytes <= sum(layers[:window + 1]) + max(layered.activations_nbytes(model, 50))
+    assert len(seen) == len(spec.network.nodes) * stats.batches              # one acquire per node and batch
+    assert "layer 3 (architecture.layers[2]) of model 'm' (batch of 50 rows)" in seen
+    assert stats.weight_loads == (n_layers if window >= n_layers - 1 else n_layers * stats.batches)
+    assert all(not t.pins and not t.wanted for t in mm.tensors()) and mm.in_use_nbytes == 0
+    mm.close()
+
+
+def test_the_steps_are_the_live_activations_of_the_graph():
+    svc = service()
+    model = svc.store.add(1, "v", "m", cnn_spec(), weights_of(cnn_spec()))
+    steps = layered.plan(model)
+    # 0 conv, 1 batch norm, 2 conv, 3 add(2, 1), 4 max pool, 5 conv, 6 concat(4, 5), 7 pool, 8 dense
+    assert [s.live for s in steps] == [(-1,), (0,), (1,), (1, 2), (3,), (4,), (4, 5), (6,), (7,)]
+    assert [s.frees for s in steps] == [(-1,), (0,), (), (1, 2), (3,), (), (4, 5), (6,), (7, 8)]
+    assert [s.layer for s in steps] == [0, 1, 2, None, None, 3, None, None, 4]
+    network, rows = model.spec.network, 10
+    act = [round_up(rows * int(np.prod(n.shape)) * 4) for n in network.nodes]
+    conv2 = network.nodes[2]
+    assert layered.activations_nbytes(model, rows)[2] == (act[1] + act[2]
+                                                          + round_up(conv2.workspace_nelems(rows) * 4))
+    assert layered.step_nbytes(model, rows)[2] == model.layers[2].arena_nbytes + layered.activations_nbytes(model,
+                                                                                                         rows)[2]
+    assert layered.step_nbytes(model, rows)[3] == act[1] + act[2] + act[3]
+    svc.store.checkin(model)
+    svc.manager.close()
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_a_budget_of_the_largest_step_is_enough_and_one_unit_less_is_refused_naming_the_node(kind):
+    spec = spec_of() if kind == "mlp" else cnn_spec()
+    w, x = weights_of(spec), features(spec, n=200)
+    expected = predict(service(), 1, spec, w, x, window=1, batch_size=50)[0]
+    sizing = service()
+    need = max(layered.step_nbytes(sizing.store.add(1, "v", "m", spec, w), 50))
+    sizing.manager.close()
+    for window in (1, 3):
+        svc = service(budget=need)
+        mm = svc.manager
+        watched(mm, lambda: None)
+        out, stats = predict(svc, 1, spec, w, x, window=window, batch_size=50)
+        assert np.array_equal(out, expected) and mm.peak_nbytes <= need == mm.budget_nbytes
+        assert stats.device_peak_nbytes <= need
+        mm.close()
+    svc = service(budget=need - round_up(1))
+    with pytest.raises(DeviceOutOfMemory, match=r"layer \d+ \((architecture\.layers\[\d+\]\S*|the output layer)\) "
+                                                r"of model 'm' with a batch of 50 rows \(lower options.batch_size\)"):
+        predict(svc, 1, spec, w, x, window=1, batch_size=50)
+    assert svc.manager.in_use_nbytes == 0
+    svc.manager.close()
+    svc = service(budget=round_up(1) * 2)
+    with pytest.raises(DeviceOutOfMemory,
+                       match=r"of model 'm' even with a batch of 1 row \(raise tensile.device_budget\)"):
+        predict(svc, 1, spec, w, x, window=1, batch_size=50)
+    svc.manager.close()
+
+
+def test_a_cnn_call_shares_a_tight_budget_with_a_training_job_without_overlap():
+    spec = cnn_spec()
+    w, x = weights_of(spec), features(spec, n=300)
+    expected = predict(service(), 1, spec, w, x, window=2, batch_size=64)[0]
+    job = make_job(seed=4)
+    sizing = service()
+    need = max(layered.step_nbytes(sizing.store.add(1, "v", "m", spec, w), 64))
+    sizing.manager.close()
+    mm = MemoryManager(Device("cpu"), round_up(job.min_working_set_nbytes + need))
+    watched(mm, lambda: None)
+    ex = Executor(mm, cost=FAST)
+    svc = InferenceService(mm)
+    ex.start()
+    try:
+        ex.submit(job)
+        outs = [predict(svc, 1, spec, w, x, window=window, batch_size=64)[0] for window in (1, 2, 5)]
+        while (event := job.events.get(timeout=120))[0] == "progress":
+            pass
+        assert event[0] == "done", event
+    finally:
+        ex.stop()
+    assert all(np.array_equal(out, expected) for out in outs)
+    assert mm.peak_nbytes <= mm.budget_nbytes
+    assert mm.jobs[INFERENCE_JOB].device_nbytes == mm.cache_nbytes()
+    mm.close()
 
 
 def test_the_weight_cache_serves_a_second_call_and_gives_way_first():
@@ -105,7 +244,7 @@ def test_the_weight_cache_serves_a_second_call_and_gives_way_first():
     svc = service(budget=1 << 20)
     mm = svc.manager
     first, stats = predict(svc, 1, spec, w, x, window=1)
-    assert stats.weight_loads >= len(spec.dense_shapes())
+    assert stats.weight_loads >= len(spec.network.layered)
     second, stats = predict(svc, 1, spec, w, x, window=1)
     assert stats.weight_loads == 0 and stats.cache_hits > 0 and np.array_equal(first, second)
     cached = mm.cache_nbytes()
@@ -267,7 +406,7 @@ def test_an_acquire_waits_for_another_threads_pins_instead_of_failing():
 def test_calls_whose_models_do_not_fit_together_start_one_after_the_other():
     spec = spec_of(hidden=[{"dense": 128}] * 4)
     w0, w1, x = weights_of(spec, 0), weights_of(spec, 1), features(spec, n=256)
-    model_nbytes = sum(round_up((i * o + o) * 4) for i, o in spec.dense_shapes())
+    model_nbytes = sum(round_up(sum(np.prod(s) for s in node.weights.values()) * 4) for node in spec.network.layered)
     svc = service(budget=round_up(model_nbytes * 3 // 2))
     first, second = svc.store.add(1, "v", "a", spec, w0), svc.store.add(2, "v", "b", spec, w1)
     paused, resume, results = threading.Event(), threading.Event(), {}
@@ -323,24 +462,27 @@ def test_a_waiting_acquire_drains_other_threads_pins_that_keep_coming_back(monke
     mm.close()
 
 
-def test_a_failing_layer_leaves_nothing_behind(monkeypatch):
-    spec = spec_of()
+# fails at the third dense layer; at the residual's add of the second batch (two branches alive)
+@pytest.mark.parametrize("kind, fail_at", [("mlp", 3), ("cnn", 9 + 4)])
+def test_a_failing_node_leaves_nothing_behind(monkeypatch, kind, fail_at):
+    spec = spec_of() if kind == "mlp" else cnn_spec()
     w, x = weights_of(spec), features(spec)
     svc = service()
     calls = []
-    real = layered.models.dense_layer
+    real = layered.evaluate
 
-    def failing(*args):
-        calls.append(1)
-        if len(calls) == 3:
+    def failing(node, *args):
+        calls.append(node)
+        if len(calls) == fail_at:
             raise FloatingPointError("a kernel failed")
-        real(*args)
+        real(node, *args)
 
-    monkeypatch.setattr(layered.models, "dense_layer", failing)
+    monkeypatch.setattr(layered, "evaluate", failing)
     with pytest.raises(FloatingPointError):
         predict(svc, 1, spec, w, x, window=2)
+    assert calls[-1].op == ("dense" if kind == "mlp" else "add")
     mm = svc.manager
-    assert all(t.readonly for t in mm.tensors())                             # no activation left
+    assert all(t.readonly for t in mm.tensors())                             # no activation or workspace left
     assert all(not t.pins and not t.wanted for t in mm.tensors())
     mm.check()
     assert mm.jobs[INFERENCE_JOB].device_nbytes == mm.cache_nbytes()

@@ -51,7 +51,7 @@ def test_parse_architecture_defaults_and_limits():
     ({"layers": [{"dense": 0}]}, '"dense"'),
     ({"layers": [{"dense": -3}]}, '"dense"'),
     ({"layers": [{"dense": MAX_WIDTH + 1}]}, '"dense"'),
-    ({"layers": [{}]}, '"dense"'),
+    ({"layers": [{}]}, "layers[0] must have one of the keys dense, conv"),
     ({"layers": [{"dense": 4, "activation": "gelu"}]}, '"activation"'),
     ({"layers": [{"dense": 4, "activation": None}]}, '"activation"'),
     ({"layers": [{"dense": 4, "dropout": 1.0}]}, '"dropout"'),
@@ -226,7 +226,7 @@ def test_load_weights_refuses_what_is_not_an_archive():
 def test_limits_refuse_models_larger_than_the_settings():
     limits = Limits(max_layers=3, max_parameters=1000)
     limits.check(ModelSpec(Architecture((Layer(8), Layer(8))), 4, 2, "classification"), "ok")
-    with pytest.raises(InvalidArgument, match=r"'deep' has 4 dense layers .* tensile.max_layers \(3\)"):
+    with pytest.raises(InvalidArgument, match=r"'deep' has 4 layers .* tensile.max_layers \(3\)"):
         limits.check(ModelSpec(Architecture((Layer(8),) * 3), 4, 2, "classification"), "deep")
     with pytest.raises(InvalidArgument, match=r"'wide' has 1,201 parameters, more than tensile.max_parameters"):
         limits.check(ModelSpec(Architecture((Layer(200),)), 4, 1, "regression"), "wide")

@@ -23,7 +23,8 @@ from tensile_db.memory.arena import UNIT_NBYTES, round_up
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime.device import Device
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
-from tensile_db.runtime.program import Kind, Op, Program, Slot, build_training_program
+from tensile_db.runtime.builder import build_training_program
+from tensile_db.runtime.program import Kind, Op, Program, Slot
 
 SPECS = {
     "clf-relu-dropout-tanh-adam": (

@@ -23,7 +23,8 @@ from tensile_db.memory.arena import UNIT_NBYTES
 from tensile_db.memory.manager import MemoryManager, Residency
 from tensile_db.runtime.device import Device
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
-from tensile_db.runtime.program import Op, build_training_program
+from tensile_db.runtime.builder import build_training_program
+from tensile_db.runtime.program import Op
 from tensile_db.scheduler import POLICIES
 from tensile_db.scheduler.cost import CostModel
 from tensile_db.scheduler.planners import plan_swap_score, plan_tensile, plan_vdnn

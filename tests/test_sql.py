@@ -156,7 +156,7 @@ def messy(dsn):
     (dict(source="messy", features=["a", "b"]), 'column "a" has 10 NULLs (of 200 rows)'),
     (dict(source="empty_t"), "the source returned no rows"),
     (dict(source="  "), "source is empty"),
-    (dict(architecture='{"layers": [{"dens": 10}]}'), "architecture.layers[0]: unknown key 'dens'; allowed keys: dense, activation, dropout"),
+    (dict(architecture='{"layers": [{"dens": 10}]}'), 'architecture.layers[0] must have one of the keys dense, conv, batch_norm, max_pool, avg_pool, global_avg_pool, flatten, residual, concat, activation, dropout, got {"dens": 10}'),
     (dict(architecture='{"layers": [{"dense": 0}]}'), 'architecture.layers[0]."dense" must be an integer from 1 to 65536, got 0'),
     (dict(architecture='{"layers": [{"dense": 8, "activation": "gelu"}]}'), '"activation" must be one of relu, tanh, sigmoid, none'),
     (dict(options='{"epoch": 3}'), "options: unknown key 'epoch'"),

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="planned: recurring allocations at lifetime-planned offsets; general: best fit only")
     parser.add_argument("--postmaster-pid-file", help="exit when the pid in this file's first line is gone")
     parser.add_argument("--max-layers", type=int, default=Limits.max_layers,
-                        help="refuse models of more dense layers than this")
+                        help="refuse models of more layers (nodes of the network graph) than this")
     parser.add_argument("--max-parameters", type=int, default=Limits.max_parameters,
                         help="refuse models of more weights and biases than this")
     parser.add_argument("--max-job-bytes", type=int, default=Limits.max_job_nbytes,

@@ -27,7 +27,8 @@ import numpy as np
 from ..errors import InvalidArgument, TensileError
 from ..memory.manager import JobMemory, MemoryManager, Residency, Tensor
 from ..runtime import model as models
-from ..runtime.program import Program, StepContext, build_training_program
+from ..runtime.builder import build_training_program
+from ..runtime.program import Program, StepContext
 from .reports import JobRow
 
 _job_ids = itertools.count(1)
@@ -179,25 +180,31 @@ class TrainingJob:
         return loss, seconds
 
     def _recompute(self, mm: MemoryManager, name: str, ctx: StepContext) -> None:
-        """Re-run the forward ops that produced the dropped tensor ``name`` (its recipe); their
-        inputs are unchanged since the first run, so the values are identical."""
+        """Re-run the forward ops that produced the dropped tensor ``name`` (their replays, the
+        program's recipe), with fresh workspaces; their inputs are unchanged since the first run,
+        so the values are identical."""
         recipe = self.program.recipe(name)
         if recipe is None:
             raise TensileError(f"internal error: tensor {name!r} of job {self.id} was dropped but "
                                "cannot be recomputed; report this with the model's architecture")
         target = self.tensors[name]
         for p in recipe:
-            op = self.program.ops[p]
+            op = self.program.replay(p)
             for s in op.reads:
-                if s != name and self.tensors[s].residency is Residency.DROPPED:
+                if s != name and s in self.tensors and self.tensors[s].residency is Residency.DROPPED:
                     self._recompute(mm, s, ctx)
-            live = [self.tensors[s] for s in op.accesses]
-            mm.acquire(self.id, live, [], what=f"recompute of {name} by op {op.name} of job {self.id}", wait=True)
+            live = [self.tensors[s] for s in op.accesses if s in self.tensors]
+            workspaces = [self.program.slots[s] for s in op.writes if s not in self.tensors]
+            created = mm.acquire(self.id, live, workspaces, what=f"recompute of {name} by op {op.name} of job "
+                                 f"{self.id}", wait=True)
             try:
+                arrays = {t.slot: mm.array(t) for t in live + created}
                 with mm.device.computing():
-                    op.run({s: mm.array(self.tensors[s]) for s in op.accesses}, ctx)
+                    op.run(arrays, ctx)
             finally:
-                mm.unpin(live)
+                mm.unpin(live + created)
+                for t in created:
+                    mm.free(t)
         mm.note_recompute(target)
 
     def describe(self, mm: MemoryManager | None) -> JobRow:

@@ -7,10 +7,11 @@ lock serialises their allocations and its eviction order gives the weight cache 
 
 Admission: calls start in arrival order while the *footprints* of the running calls fit the
 budget together — a call's footprint is what it needs to run without reloading a layer: all its
-model's layers when it caches them (the default), else its window's layers, plus one batch's
-activations. A call that does not fit waits (its backend has already sent its rows), unless no
-call runs, so one call always does, streaming its layers through the window whatever the
-budget. Without this, calls on more models than the budget holds take turns layer by layer and
+model's layers when it caches them (the default), else its window's layers, plus the activations
+of its largest step (:func:`layered.activations_nbytes`: one node's live activations, output and
+workspace on one batch). A call that does not fit waits (its backend has already sent its rows),
+unless no call runs, so one call always does, streaming its layers through the window whatever
+the budget. Without this, calls on more models than the budget holds take turns layer by layer and
 every batch reloads every layer: on ``cpu``, 8 such calls took twice as long as the same calls
 one after another. Training does not wait for inference: its allocations evict the cache first.
 """
@@ -77,8 +78,7 @@ class InferenceService:
         the module docstring)."""
         layers = sorted((t.arena_nbytes for t in model.layers), reverse=True)
         kept = layers if cache else layers[:min(window + 1, len(layers))]
-        activations = max(layered.step_nbytes(model, i, rows) - t.arena_nbytes for i, t in enumerate(model.layers))
-        return sum(kept) + activations
+        return sum(kept) + max(layered.activations_nbytes(model, rows))
 
     def _admit(self, call_id: int, footprint: int, cancelled) -> None:
         """Wait until the call may start: it is the first waiting and fits beside the running

@@ -1,13 +1,19 @@
-"""The served models: weights on the host, one read-only manager tensor per dense layer.
+"""The served models: weights on the host, one read-only manager tensor per layer with weights.
 
 A served model is the registry row ``tensile.models`` (id, created_at) a backend read in its own
 snapshot; replacing a model gives the row a new id, so a call holds one :class:`ServedModel` from
 start to end and sees the old model or the new one, whole. Layers of two versions never mix:
 every layer tensor belongs to exactly one ServedModel.
 
-Dense layer ``i``'s weight ``W{i}`` (I, O) and bias ``b{i}`` (O,) are packed into one float32 host
-buffer of ``I * O + O`` elements (page-locked on ``cuda``), registered with the memory manager as
-one read-only tensor under :data:`~tensile_db.inference.INFERENCE_JOB`. Its device copy is the
+The *layers* of a served model are the nodes of its network that hold weights
+(:attr:`~tensile_db.runtime.network.Network.layered`: dense layers, convolutions, batch
+normalisations; the output layer last); pooling, flatten, activation, add and concatenation
+nodes have none. A layer's arrays (:attr:`~tensile_db.runtime.network.Node.weights`: a dense
+layer's ``W{i}`` (I, O) and ``b{i}`` (O,), a convolution's ``W{i}`` and optional ``b{i}``, batch
+normalisation's ``gamma{i}``, ``beta{i}``, ``mean{i}``, ``var{i}`` (C,)) are packed, in that order,
+into one flat float32 host buffer (page-locked on ``cuda``), registered with the memory manager as
+one read-only tensor under :data:`~tensile_db.inference.INFERENCE_JOB`; :meth:`ServedModel.split`
+gives them back by name as views of it, on the host or the device. A layer's device copy is the
 *weight cache*: loaded by the calls that need it, kept while the budget allows, and evicted before
 anything else when room is needed (:mod:`tensile_db.memory.cache`, Note [Eviction order] in
 :mod:`tensile_db.memory.eviction`).
@@ -20,6 +26,7 @@ forgotten (its host buffers and device copies freed) as soon as no call uses it.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -28,6 +35,7 @@ import numpy as np
 
 from ..memory.manager import MemoryManager, Tensor
 from ..runtime import model as models
+from ..runtime.network import Node
 from ..runtime.program import Kind
 from ..runtime.weights import check_weights
 from . import INFERENCE_JOB
@@ -39,8 +47,8 @@ HOST_LIMIT_NBYTES = 4 << 30
 @dataclass(eq=False)
 class ServedModel:
     """One version of a registry model, ready to serve. ``layers[i]`` is the read-only tensor of
-    dense layer ``i`` (output layer last); ``scaling`` holds ``x_mean`` / ``x_std`` (F,) and, for
-    regression, ``y_mean`` / ``y_std`` (1,), float32."""
+    ``nodes[i]``, the ``i``-th node with weights (output layer last); ``scaling`` holds ``x_mean``
+    / ``x_std`` (F,) and, for regression, ``y_mean`` / ``y_std`` (1,), float32."""
 
     id: int
     version: str
@@ -57,15 +65,23 @@ class ServedModel:
         return sum(t.nbytes for t in self.layers)
 
     @cached_property
-    def shapes(self) -> list[tuple[int, int]]:
-        """``(I, O)`` of every dense layer, output layer last."""
-        return self.spec.dense_shapes()
+    def nodes(self) -> list[Node]:
+        """The network's nodes that hold weights, in execution order, output layer last."""
+        return self.spec.network.layered
 
-    def split(self, i: int, packed):
-        """Layer ``i``'s (weight (I, O), bias (O,)) as views of its packed 1-D array (host or
-        device)."""
-        n_in, n_out = self.shapes[i]
-        return packed[:n_in * n_out].reshape(n_in, n_out), packed[n_in * n_out:]
+    def split(self, i: int, packed) -> dict:
+        """Layer ``i``'s arrays by name (``nodes[i].weights``: name -> shape, float32) as views of
+        its packed 1-D array of :meth:`packed_numel` elements (host or device)."""
+        arrays, start = {}, 0
+        for name, shape in self.nodes[i].weights.items():
+            numel = math.prod(shape)
+            arrays[name] = packed[start:start + numel].reshape(shape)
+            start += numel
+        return arrays
+
+    def packed_numel(self, i: int) -> int:
+        """Elements of layer ``i``'s packed array: all of its arrays."""
+        return sum(math.prod(shape) for shape in self.nodes[i].weights.values())
 
 
 class ModelStore:
@@ -106,12 +122,12 @@ class ModelStore:
         device = self.manager.device
         m = ServedModel(model_id, version, name, spec, {k: v for k, v in arrays.items() if k[0] in "xy"},
                         database=database)
-        for i, (n_in, n_out) in enumerate(m.shapes):
-            packed = device.host_empty((n_in * n_out + n_out,), np.float32)
-            w, b = m.split(i, packed)
-            w[...], b[...] = arrays[f"W{i}"], arrays[f"b{i}"]
-            m.layers.append(self.manager.adopt(INFERENCE_JOB, f"{name}#{model_id}/layer{i}", Kind.WEIGHT, packed,
-                                               readonly=True))
+        for i, node in enumerate(m.nodes):
+            packed = device.host_empty((m.packed_numel(i),), np.float32)
+            for key, view in m.split(i, packed).items():
+                view[...] = arrays[key]
+            m.layers.append(self.manager.adopt(INFERENCE_JOB, f"{name}#{model_id}/layer{node.index}", Kind.WEIGHT,
+                                               packed, readonly=True))
         with self._lock:
             held = self._hold((model_id, version))
             if held is not None:                  # another call added it meanwhile

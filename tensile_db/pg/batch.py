@@ -122,7 +122,7 @@ def read_model(plpy, GD, name, limits: models.Limits) -> ModelRow:
     row = rows[0]
     architecture = json.loads(row["architecture"])
     classes = list(row["label_classes"]) if row["label_classes"] else None
-    spec = models.ModelSpec.parse(architecture, len(row["feature_names"]), len(classes) if classes else 1, row["task"])
+    spec = models.ModelSpec.of_row(architecture, row["feature_names"], len(classes) if classes else 1, row["task"])
     limits.check(spec, name)
     return ModelRow(row["id"], row["database"], row["version"], name, spec, architecture, list(row["feature_names"]),
                     classes)
@@ -179,9 +179,9 @@ def _predict(plpy, GD, model_name, source, key, options) -> tuple[ModelRow, np.n
     s = session.settings(plpy, GD)
     model = read_model(plpy, GD, model_name, session.limits(plpy, GD, s))
     window = opts.window if opts.window is not None else session.prefetch_window(plpy, GD)
-    layers = len(model.spec.dense_shapes())
+    layers = len(model.spec.network.layered)
     window = layers if isinstance(window, str) else min(window, layers)
-    data = read_features(plpy, source, model.feature_names, key, opts.skip_nulls)
+    data = read_features(plpy, source, model.feature_names, key, opts.skip_nulls, model.spec.architecture.input_shape)
     if len(data.ids) == 0:
         return model, data.ids, np.empty((0, model.spec.n_outputs), dtype=np.float32)
     return model, data.ids, _infer(plpy, GD, s, model, data.x, window, opts)

@@ -10,6 +10,20 @@ to the rows without any NULL (and, where rows are named by their ordinal, one by
 which were kept). Parallel aggregation is switched off for the scan so that no partial aggregates
 are combined.
 
+A row's features may instead be one numeric array column (``real[]``, ``double precision[]``,
+``smallint[]``, ``integer[]``, ``bigint[]``, ``numeric[]``) holding the row's values — an image
+of the architecture's input shape ``[C, H, W]``, or a vector of shape ``[F]`` — in any
+dimensionality, flattened in row-major order. The same scan then aggregates
+``array_send(col::real[])`` (per array: ndim, a has-NULL flag and the element type, a size and
+lower bound per dimension, then each element's length and value, all big-endian int4 / float4),
+decoded with NumPy in one reshape. Every row must hold exactly the input shape's number of values
+(``cardinality``; other rows are counted, never aggregated, so one huge array cannot make the scan
+allocate) and no NULL element (``num_nulls(VARIADIC col)``: a NULL element is a NULL feature, so
+``skip_nulls`` skips that row), and all rows must have the same number of dimensions. An array
+column is the only feature: mixed with other feature columns it is refused, naming them. A model
+trained on one stores that column's name once in ``feature_names``; its width comes from its
+architecture's input shape (:meth:`~tensile_db.runtime.model.ModelSpec.of_row`).
+
 The source is exactly one query (or a table name): one with several statements is refused by
 name (``sqlparse`` splits it), and every statement built around it runs through a cursor, which
 PostgreSQL opens only for a plan of exactly one query, so text after a ``;`` never runs even where
@@ -17,11 +31,14 @@ the split and the server's parser disagree. Every function, operator and type th
 with ``pg_catalog``, so the caller's ``search_path`` resolves only the names in ``source``.
 
 Limit: one column's bytes must stay under PostgreSQL's 1 GB value limit, about 268 million rows
-(134 million with an integer key).
+(134 million with an integer key), or for an array column about 134 million values in all (8
+bytes a value as read, e.g. 2 million 8x8 images); beyond it the scan is refused with a message
+saying so (SQLSTATE 22023).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -36,11 +53,24 @@ NUMERIC_TYPES = {16: "boolean", 20: "bigint", 21: "smallint", 23: "integer", 700
 INTEGER_TYPES = {16, 20, 21, 23}
 #: Type OIDs a key column may have: the integers, not boolean.
 KEY_TYPES = {21: "smallint", 23: "integer", 20: "bigint"}
+#: Array type OIDs accepted as the one feature column that holds a row's values, with their SQL names.
+ARRAY_TYPES = {1005: "smallint[]", 1007: "integer[]", 1016: "bigint[]", 1021: "real[]", 1022: "double precision[]",
+               1231: "numeric[]"}
 #: More distinct labels than this is almost surely a regression target.
 MAX_CLASSES = 10_000
 _TABLE_NAME = re.compile(r'^("[^"]+"|[A-Za-z_][A-Za-z0-9_$]*)(\.("[^"]+"|[A-Za-z_][A-Za-z0-9_$]*))?$')
-#: How one column is read: the SQL type it is cast to, its binary send function, its big-endian dtype.
-_ENCODINGS = {"real": ("float4send", ">f4"), "double precision": ("float8send", ">f8"), "bigint": ("int8send", ">i8")}
+#: How one column is read: the SQL type it is cast to, its binary send function, its big-endian
+#: dtype (an array's is decoded by :func:`_decode_arrays`).
+_ENCODINGS = {"real": ("float4send", ">f4"), "double precision": ("float8send", ">f8"), "bigint": ("int8send", ">i8"),
+              "real[]": ("array_send", None)}
+#: The element type OID in array_send's header of a real[]: real (float4).
+_FLOAT4_OID = 700
+#: Bytes array_send writes per value (its length and the float4) and per array besides (ndim,
+#: has-NULL flag, element type, and one dimension's size and lower bound).
+_ARRAY_VALUE_NBYTES = 8
+_ARRAY_HEADER_NBYTES = 20
+#: PostgreSQL's largest value (and string_agg result), bytes: MaxAllocSize.
+MAX_VALUE_NBYTES = (1 << 30) - 1
 
 
 @dataclass
@@ -72,9 +102,9 @@ class Features:
 
 @dataclass
 class _Scan:
-    """One scan: the decoded columns, each (kept_rows,) of the rows kept, in the source's order;
-    the rows in the source; and ``kept``, (rows,) bool, which rows were kept — only when asked for
-    and some were skipped, else None."""
+    """One scan: the decoded columns, each (kept_rows,) of the rows kept, in the source's order
+    (an array column (kept_rows, values per row) float32); the rows in the source; and ``kept``,
+    (rows,) bool, which rows were kept — only when asked for and some were skipped, else None."""
 
     columns: list[np.ndarray]
     rows: int
@@ -112,7 +142,8 @@ def is_table_name(name: str | None) -> bool:
 
 
 def _type_name(plpy, oid: int) -> str:
-    return NUMERIC_TYPES.get(oid) or plpy.execute(f"SELECT pg_catalog.format_type({int(oid)}, NULL) AS t")[0]["t"]
+    known = NUMERIC_TYPES.get(oid) or ARRAY_TYPES.get(oid)
+    return known or plpy.execute(f"SELECT pg_catalog.format_type({int(oid)}, NULL) AS t")[0]["t"]
 
 
 def _run_one(plpy, sql: str):
@@ -141,71 +172,183 @@ def _check_present(types: dict[str, int], columns: list[str], role: str) -> None
             raise InvalidArgument(f'{role} column "{c}" is not in the source; its columns are: {", ".join(types)}')
 
 
-def _check_numeric(plpy, types: dict[str, int], columns: list[str], role: str) -> None:
+def _check_numeric(plpy, types: dict[str, int], columns: list[str], role: str, arrays: bool = False) -> None:
+    """Raise InvalidArgument for the first of ``columns`` that is not numeric (with ``arrays``,
+    nor a numeric array), naming its type and the types allowed."""
     for c in columns:
-        if types[c] not in NUMERIC_TYPES:
+        if types[c] not in NUMERIC_TYPES and not (arrays and types[c] in ARRAY_TYPES):
+            also = f", or one numeric array column ({', '.join(ARRAY_TYPES.values())})" if arrays else ""
             raise InvalidArgument(f'{role} column "{c}" has type {_type_name(plpy, types[c])}; '
-                                  f'{role}s must be numeric ({", ".join(NUMERIC_TYPES.values())})')
+                                  f'{role}s must be numeric ({", ".join(NUMERIC_TYPES.values())}){also}')
+
+
+def _array_column(types: dict[str, int], features: list[str], hint: str = "") -> str | None:
+    """The array column among ``features``, or None when there is none. Raises InvalidArgument
+    when an array column comes with other feature columns: it holds all of a row's values.
+    ``hint`` ends the message, ``{array}`` in it naming the array column."""
+    arrays = [c for c in features if types[c] in ARRAY_TYPES]
+    if not arrays:
+        return None
+    array = arrays[0]
+    if len(features) > 1:
+        others = [c for c in features if c != array]
+        listed = ", ".join(f'"{c}"' for c in others[:5]) + (f" and {len(others) - 5:,} more" if len(others) > 5 else "")
+        raise InvalidArgument(f'the feature columns mix the array column "{array}" ({ARRAY_TYPES[types[array]]}) '
+                              f"with {listed}; an array column holds all of a row's values, so it must be the only "
+                              f"feature{hint.format(array=array)}")
+    return array
+
+
+def _decode_arrays(data: bytes, rows: int, width: int, column: str) -> np.ndarray:
+    """``rows`` arrays of ``width`` values each and no NULL element, as ``string_agg(array_send(
+    col::real[]), '')`` wrote them one after another -> (rows, width) float32, each array
+    flattened in row-major order. array_send writes big-endian int4 words: ndim, a has-NULL flag,
+    the element type, a size and lower bound per dimension, then per value its length (4) and
+    the float4 itself; so arrays of one ndim are rows of one length, read in one reshape. Raises
+    InvalidArgument when the arrays differ in their number of dimensions."""
+    if rows == 0:
+        return np.empty((0, width), dtype=np.float32)
+    ndim = int.from_bytes(data[:4], "big")
+    header = 3 + 2 * ndim                         # int4 words before the first value's length
+    stride = header + 2 * width                   # int4 words per array
+    words = np.frombuffer(data, dtype=">i4")
+    if len(words) != rows * stride or (words.reshape(rows, stride)[:, 0] != ndim).any():
+        raise InvalidArgument(f'feature column "{column}" holds arrays of different numbers of dimensions (the first '
+                              f"row's has {ndim}); give every row the same shape, or flatten the arrays in the source: "
+                              f"ARRAY(SELECT unnest({column}))")
+    words = words.reshape(rows, stride)
+    if words[:, 1].any() or (words[:, 2] != _FLOAT4_OID).any() or (words[:, header::2] != 4).any():
+        raise RuntimeError(f'array_send of column "{column}" wrote a NULL element or a type other than real')
+    return np.frombuffer(data, dtype=">f4").reshape(rows, stride)[:, header + 1::2].astype(np.float32)
+
+
+def _too_large(columns: list[tuple[str, str]], width: int | None) -> InvalidArgument:
+    """The error of a scan whose column outgrew PostgreSQL's largest value."""
+    arrays = [c for c, t in columns if t == "real[]"]
+    per_row = ""
+    if arrays and width:
+        row_nbytes = _ARRAY_HEADER_NBYTES + _ARRAY_VALUE_NBYTES * width
+        per_row = (f'; the array column "{arrays[0]}" takes about {row_nbytes:,} bytes a row as read, so at most '
+                   f"about {MAX_VALUE_NBYTES // row_nbytes:,} rows fit")
+    return InvalidArgument(f"the source's rows hold more than PostgreSQL's 1 GB limit of one value in one column as "
+                           f"read{per_row}; read fewer rows at once (a WHERE clause or LIMIT in the source)")
 
 
 def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]], skip_nulls: bool,
-          want_kept: bool = False) -> _Scan:
+          want_kept: bool = False, input_shape: tuple[int, ...] | None = None) -> _Scan:
     """Read ``columns`` — ``(name, SQL type)`` pairs, the type a key of ``_ENCODINGS`` — of every
-    row of ``query`` in one scan. Raises InvalidArgument naming each column with NULLs and their
-    count unless ``skip_nulls``. ``want_kept`` asks for the mask of kept rows when rows are
-    skipped."""
+    row of ``query`` in one scan. Raises InvalidArgument naming each column with NULLs (or arrays
+    with NULL elements) and their count unless ``skip_nulls``. ``want_kept`` asks for the mask of
+    kept rows when rows are skipped. A ``real[]`` column's arrays must each hold
+    ``prod(input_shape)`` values (None: as many as each other), else InvalidArgument names the
+    rows that differ. A column beyond PostgreSQL's largest value (SQLSTATE 54000 from string_agg)
+    is InvalidArgument too."""
     def ident(c):
         return plpy.quote_ident(c)
 
     def value(c, sql_type):
         return f"{ident(c)}::int::{sql_type}" if types[c] == 16 else f"{ident(c)}::{sql_type}"
 
+    def no_null_element(c):
+        return f"pg_catalog.num_nulls(VARIADIC {ident(c)}) OPERATOR(pg_catalog.=) 0"
+
+    def cardinality(c):
+        return f"pg_catalog.cardinality({ident(c)})"
+
+    width = math.prod(input_shape) if input_shape else None
+    arrays = [(i, c) for i, (c, t) in enumerate(columns) if t == "real[]"]
     names = list(dict.fromkeys(c for c, _ in columns))
-    complete = " AND ".join(f"{ident(c)} IS NOT NULL" for c in names)
+    complete = " AND ".join([f"{ident(c)} IS NOT NULL" for c in names]
+                            + [no_null_element(c) for _, c in arrays if skip_nulls])
     aggregates = [f"pg_catalog.count({ident(c)}) AS nn{i}" for i, c in enumerate(names)]
+    for i, c in arrays:
+        aggregates += [f"pg_catalog.count(*) FILTER (WHERE pg_catalog.num_nulls(VARIADIC {ident(c)}) "
+                       f"OPERATOR(pg_catalog.>) 0) AS holes{i}",
+                       f"pg_catalog.min({cardinality(c)}) FILTER (WHERE {complete}) AS lo{i}",
+                       f"pg_catalog.max({cardinality(c)}) FILTER (WHERE {complete}) AS hi{i}"]
+        if width is not None:
+            aggregates.append(f"pg_catalog.count(*) FILTER (WHERE {complete} AND {cardinality(c)} "
+                              f"OPERATOR(pg_catalog.<>) {int(width)}) AS off{i}")
+
+    def read_when(c, t):   # the rows a column's aggregate reads: an array of another width never is
+        sized = t == "real[]" and width is not None
+        return f"{complete} AND {cardinality(c)} OPERATOR(pg_catalog.=) {int(width)}" if sized else complete
+
     aggregates += [f"pg_catalog.string_agg(pg_catalog.{_ENCODINGS[t][0]}({value(c, t)}), ''::pg_catalog.bytea) "
-                   f"FILTER (WHERE {complete}) AS c{i}" for i, (c, t) in enumerate(columns)]
+                   f"FILTER (WHERE {read_when(c, t)}) AS c{i}" for i, (c, t) in enumerate(columns)]
     if want_kept and skip_nulls:
         aggregates.append(f"pg_catalog.string_agg(pg_catalog.boolsend({complete}), ''::pg_catalog.bytea) AS kept")
     parallel = plpy.execute("SELECT pg_catalog.current_setting('max_parallel_workers_per_gather') AS old, "
                             "pg_catalog.set_config('max_parallel_workers_per_gather', '0', true)")[0]["old"]
     scan = (f"SELECT pg_catalog.count(*) AS n, pg_catalog.count(*) FILTER (WHERE {complete}) AS complete, "
             f"{', '.join(aggregates)} FROM ({query}\n) AS tensile_source")
-    row = _run_one(plpy, scan)[0]
+    try:
+        row = _run_one(plpy, scan)[0]
+    except plpy.spiexceptions.ProgramLimitExceeded:     # SQLSTATE 54000: a string_agg beyond 1 GB
+        raise _too_large(columns, width) from None
     plpy.execute("SELECT pg_catalog.set_config('max_parallel_workers_per_gather', "
                  f"{plpy.quote_literal(parallel)}, true)")
     n = row["n"]
     nulls = {c: n - row[f"nn{i}"] for i, c in enumerate(names) if row[f"nn{i}"] < n}
-    if nulls and not skip_nulls:
-        listed = ", ".join(f'column "{c}" has {k:,} NULL{"s" if k > 1 else ""}' for c, k in nulls.items())
+    holes = {c: row[f"holes{i}"] for i, c in arrays if row[f"holes{i}"]}
+    if (nulls or holes) and not skip_nulls:
+        listed = ", ".join([f'column "{c}" has {k:,} NULL{"s" if k > 1 else ""}' for c, k in nulls.items()]
+                           + [f'column "{c}" has {k:,} array{"s" if k > 1 else ""} with NULL elements'
+                              for c, k in holes.items()])
         raise InvalidArgument(f"{listed} (of {n:,} rows); filter them in the source or pass "
                               f"options => '{{\"skip_nulls\": true}}' to skip such rows")
-    decoded = [np.frombuffer(row[f"c{i}"] or b"", dtype=_ENCODINGS[t][1]) for i, (_, t) in enumerate(columns)]
-    kept = np.frombuffer(row["kept"], dtype=np.bool_) if row.get("kept") and nulls else None
-    return _Scan(decoded, n, row["complete"], kept)
+    widths = {}
+    for i, c in arrays:
+        low, high, off = row[f"lo{i}"], row[f"hi{i}"], row.get(f"off{i}")
+        if off:
+            raise InvalidArgument(f'feature column "{c}" has {off:,} rows (of {n:,}) whose arrays do not hold '
+                                  f"{width:,} values, as architecture.input.shape {list(input_shape)} asks (they hold "
+                                  f"{low:,} to {high:,}); fix or filter those rows in the source, or give the "
+                                  f"input shape of the rows")
+        if width is None and row["complete"] and (low != high or high == 0):
+            raise InvalidArgument(f'feature column "{c}" holds arrays of {low:,} to {high:,} values; every row must '
+                                  "hold the same number of values, at least one; fix or filter the others in the "
+                                  "source")
+        widths[c] = width if width is not None else (high or 0)
+    decoded = [_decode_arrays(row[f"c{i}"] or b"", row["complete"], widths[c], c) if t == "real[]"
+               else np.frombuffer(row[f"c{i}"] or b"", dtype=_ENCODINGS[t][1]) for i, (c, t) in enumerate(columns)]
+    kept_mask = np.frombuffer(row["kept"], dtype=np.bool_) if row.get("kept") and row["complete"] < n else None
+    return _Scan(decoded, n, row["complete"], kept_mask)
+
+
+def _matrix(columns: list[np.ndarray]) -> np.ndarray:
+    """Feature columns, each (N,), or one array column (N, F), as x (N, F) float32."""
+    return np.column_stack(columns).astype(np.float32, copy=False)
 
 
 def _check_finite(x: np.ndarray, features: list[str]) -> None:
-    for name, bad in ((c, ~np.isfinite(x[:, i])) for i, c in enumerate(features)):
-        if bad.any():
-            raise InvalidArgument(f'feature column "{name}" has {int(bad.sum()):,} NaN or infinite values '
+    """Raise InvalidArgument naming the first feature column with NaN or infinite values (one
+    array column: all of x)."""
+    bad = (~np.isfinite(x)).sum(axis=0)
+    for name, count in zip(features, bad if len(features) == x.shape[1] else [bad.sum()]):
+        if count:
+            raise InvalidArgument(f'feature column "{name}" has {int(count):,} NaN or infinite values '
                                   f'(after conversion to real); filter or clip them in the source')
 
 
 def read_training_data(plpy, source: str, label: str, features: list[str] | None,
-                       skip_nulls: bool) -> TrainingData:
+                       skip_nulls: bool, input_shape: tuple[int, ...] | None = None) -> TrainingData:
     """Read features and label from ``source`` with the caller's privileges.
 
-    ``features`` None means every numeric column but the label. Raises InvalidArgument for a
-    missing or non-numeric column, NULLs (unless ``skip_nulls``), no rows, or non-finite values;
-    errors of the query itself (unknown table, permission denied) come from PostgreSQL.
+    ``features`` None means every numeric (or numeric array) column but the label. An array
+    column is read as the row's values, flattened; it must be the only feature and hold
+    ``prod(input_shape)`` values in every row (``input_shape``: the architecture's, required for
+    an array column). Raises InvalidArgument for a missing or non-numeric column, an array column
+    with others or without an input shape, arrays of another size or with NULL elements, NULLs
+    (unless ``skip_nulls``), no rows, or non-finite values; errors of the query itself (unknown
+    table, permission denied) come from PostgreSQL.
     """
     query, types = _source(plpy, source)
     if not label:
         raise InvalidArgument("label is empty; name the column to predict")
     _check_present(types, [label], "label")
     if features is None:
-        features = [c for c, t in types.items() if c != label and t in NUMERIC_TYPES]
+        features = [c for c, t in types.items() if c != label and (t in NUMERIC_TYPES or t in ARRAY_TYPES)]
         if not features:
             raise InvalidArgument(f"the source has no numeric column besides the label \"{label}\"; "
                                   f"its columns are: {', '.join(types)}")
@@ -217,14 +360,20 @@ def read_training_data(plpy, source: str, label: str, features: list[str] | None
             raise InvalidArgument(f'column "{label}" is both the label and a feature')
         if len(set(features)) != len(features):
             raise InvalidArgument(f"features name a column twice: {features}")
-    _check_numeric(plpy, types, features, "feature")
+    _check_numeric(plpy, types, features, "feature", arrays=True)
     _check_numeric(plpy, types, [label], "label")
-    scan = _scan(plpy, query, types, [(c, "real") for c in features] + [(label, "double precision")], skip_nulls)
+    array = _array_column(types, features, "; pass features => ARRAY['{array}'] to train on it alone")
+    if array is not None and input_shape is None:
+        raise InvalidArgument(f'feature column "{array}" is an array ({ARRAY_TYPES[types[array]]}); give the shape of '
+                              'the values it holds in the architecture: "input": {"shape": [C, H, W]} for images, '
+                              'or {"shape": [F]} for vectors of F values')
+    columns = [(c, "real[]" if c == array else "real") for c in features] + [(label, "double precision")]
+    scan = _scan(plpy, query, types, columns, skip_nulls, input_shape=input_shape)
     if scan.rows == 0:
         raise InvalidArgument("the source returned no rows; check its query or WHERE clause")
     if scan.kept_rows == 0:
         raise InvalidArgument(f"all {scan.rows:,} rows of the source have a NULL in a feature or the label")
-    x = np.stack(scan.columns[:-1], axis=1).astype(np.float32)
+    x = _matrix(scan.columns[:-1])
     y = scan.columns[-1].astype(np.float64)
     _check_finite(x, features)
     if not np.isfinite(y).all():
@@ -233,19 +382,30 @@ def read_training_data(plpy, source: str, label: str, features: list[str] | None
                         scan.rows - scan.kept_rows)
 
 
-def read_features(plpy, source: str, features: list[str], key: str | None, skip_nulls: bool) -> Features:
+def read_features(plpy, source: str, features: list[str], key: str | None, skip_nulls: bool,
+                  input_shape: tuple[int, ...] | None = None) -> Features:
     """Read a model's ``features`` (in order) and the optional integer ``key`` column from
-    ``source`` with the caller's privileges.
+    ``source`` with the caller's privileges. ``input_shape`` is the model's (None: it has
+    none); a model whose one feature is an array column reads each row's array flattened, of
+    ``prod(input_shape)`` values (without an input shape: as many as every row holds).
 
     An empty source gives zero rows, not an error. Raises InvalidArgument for a missing or
-    non-numeric feature column, a missing key column or one that is not smallint / integer /
-    bigint, NULLs (unless ``skip_nulls``: those rows are left out) or non-finite features; errors
-    of the query itself (unknown table, permission denied) come from PostgreSQL.
+    non-numeric feature column, an array column among others or of other sizes, a scalar column
+    where the model reads an array, a missing key column or one that is not smallint / integer /
+    bigint, NULLs or NULL elements (unless ``skip_nulls``: those rows are left out) or non-finite
+    features; errors of the query itself (unknown table, permission denied) come from PostgreSQL.
     """
     query, types = _source(plpy, source)
     _check_present(types, features, "feature")
-    _check_numeric(plpy, types, features, "feature")
-    columns = [(c, "real") for c in features]
+    _check_numeric(plpy, types, features, "feature", arrays=True)
+    array = _array_column(types, features)
+    width = math.prod(input_shape) if input_shape else len(features)
+    if array is None and len(features) == 1 and width > 1:       # the model was trained on an array column
+        raise InvalidArgument(f"the model takes {width:,} values per row, as architecture.input.shape "
+                              f'{list(input_shape)} says, from the array column "{features[0]}", but the source\'s '
+                              f'"{features[0]}" has type {_type_name(plpy, types[features[0]])}; give the source that '
+                              f"column as an array of {width:,} numbers")
+    columns = [(c, "real[]" if c == array else "real") for c in features]
     if key is not None:
         _check_present(types, [key], "key")
         if types[key] not in KEY_TYPES:
@@ -253,8 +413,8 @@ def read_features(plpy, source: str, features: list[str], key: str | None, skip_
                                   f'integer column ({", ".join(KEY_TYPES.values())}), or pass key => NULL to '
                                   f"number the rows 1, 2, ...")
         columns.append((key, "bigint"))
-    scan = _scan(plpy, query, types, columns, skip_nulls, want_kept=key is None)
-    x = np.stack(scan.columns[:len(features)], axis=1).astype(np.float32)
+    scan = _scan(plpy, query, types, columns, skip_nulls, want_kept=key is None, input_shape=input_shape)
+    x = _matrix(scan.columns[:len(features)])
     if key is not None:
         ids = scan.columns[-1].astype(np.int64)
     elif scan.kept is not None:

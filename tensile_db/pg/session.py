@@ -17,7 +17,7 @@ the budget every job shares, so no session may change them with ``SET``, ``ALTER
   a period has been recorded) or ``general`` (the best-fit pool only), one of
   :data:`tensile_db.settings.POOLS`.
 - ``tensile.max_layers`` / ``tensile.max_parameters`` / ``tensile.max_job_bytes``: the largest
-  model trained or served (default 1000 dense layers, 100,000,000 parameters) and the most device
+  model trained or served (default 1000 layers, 100,000,000 parameters) and the most device
   and host bytes one training job may need (its unscheduled peak; default 4GB); larger ones are
   refused at once (see :class:`tensile_db.runtime.model.Limits`).
 - ``tensile.python``: interpreter for the coordinator (default: the virtual environment that holds

@@ -1,14 +1,17 @@
 """``CALL tensile.train_model(...)`` in the backend.
 
 Validates the arguments (the model's size against ``tensile.max_layers`` /
-``tensile.max_parameters`` too), refuses a second training of a name that another session is
-training right now, reads the rows as the calling role, ships them to the coordinator, waits in
-slices so that ``pg_cancel_backend``, ``statement_timeout`` and termination reach the backend
+``tensile.max_parameters`` too, and its layers against the architecture's input shape, before any
+row is read), refuses a second training of a name that another session is training right now,
+reads the rows as the calling role, ships them to the coordinator, waits in slices so that
+``pg_cancel_backend``, ``statement_timeout`` and termination reach the backend
 (:func:`.session.exchange`; the coordinator then cancels the job), relays progress as NOTICE, and
 stores the model through :mod:`.registry` in the caller's transaction. The stored metrics add the
 data path's timings: ``read_s`` (the SPI scan) and ``transfer_s`` (until the coordinator has the
 arrays and has accepted the job). A metric that is not a finite number (a regression whose error
-overflows) is stored as null, with a WARNING naming it.
+overflows) is stored as null, with a WARNING naming it. A model trained on one array column
+(:mod:`.data`) stores that column's name once in ``feature_names``; its input shape says how many
+values a row holds.
 """
 
 from __future__ import annotations
@@ -64,7 +67,9 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
     opts = models.parse_options(options)
     s = session.settings(plpy, GD)
     limits = session.limits(plpy, GD, s)
-    limits.check(models.ModelSpec(arch, 1, 1, "regression"), model_name)      # before reading any row
+    # Before reading any row: the layers against the limits and the input shape (without an input
+    # shape, one value per row until the rows say how many there are).
+    limits.check(models.ModelSpec(arch, arch.n_features or 1, 1, "regression"), model_name)
     _hold_name(plpy, GD, model_name)
     existing = plpy.execute(session.plan(plpy, GD, """
         SELECT owner, owner OPERATOR(pg_catalog.=) current_user AS own
@@ -78,14 +83,16 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
             f'model "{model_name}" already exists (owner {existing[0]["owner"]}); pass options => '
             f"'{{\"replace\": true}}' to replace it, or drop it with tensile.drop_model('{model_name}')")
     started = time.perf_counter()
-    data = read_training_data(plpy, source, label, features, opts.skip_nulls)
+    data = read_training_data(plpy, source, label, features, opts.skip_nulls, arch.input_shape)
     read_s = time.perf_counter() - started
     task = opts.task or ("classification" if data.label_is_integer else "regression")
     y, classes = encode_labels(data, task)
     n_outputs = len(classes) if classes else 1
-    limits.check(models.ModelSpec(arch, len(data.feature_names), n_outputs, task), model_name)
+    spec = models.ModelSpec(arch, data.x.shape[1], n_outputs, task)   # an array column: one name, many values
+    limits.check(spec, model_name)             # and the input shape against the columns, before any job
     skipped = f", {data.skipped_rows:,} rows with NULLs skipped" if data.skipped_rows else ""
-    plpy.notice(f"tensile: training {model_name!r} ({task}) on {len(y):,} rows, {len(data.feature_names)} features"
+    array = f" of array column {data.feature_names[0]!r}" if len(data.feature_names) < spec.n_features else ""
+    plpy.notice(f"tensile: training {model_name!r} ({task}) on {len(y):,} rows, {spec.n_features} features{array}"
                 f"{', ' + str(n_outputs) + ' classes' if classes else ''}{skipped}")
     client, _ = session.connect(plpy, GD, s=s)
     header = {"type": "train", "model_name": model_name, "role": s["role"], "backend_pid": s["pid"],
@@ -98,7 +105,6 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
                     f"device budget {reply['budget_nbytes']:,} bytes")
         result, weights = session.await_result(plpy, GD, client, "training", functools.partial(_relay_progress, plpy))
     metrics = _finite_metrics(plpy, dict(result["metrics"], read_s=read_s, transfer_s=transfer_s))
-    spec = models.ModelSpec(arch, len(data.feature_names), n_outputs, task)
     weights = check_weights(spec, weights, model_name)
     row = (task, registry.jsonb(arch.to_json()), registry.jsonb(opts.to_json()), data.feature_names, label, classes,
            registry.jsonb(metrics), serialize_weights(weights))

@@ -11,10 +11,11 @@ float64 in the gradient tests) and array-module generic.
 
 Convolution is lowered to matrix products (im2col; Chellapilla, Puri and Simard, "High
 Performance Convolutional Neural Networks for Document Processing", 2006): the receptive fields
-of one group become the rows of a (B·OH·OW, C/g·KH·KW) matrix, read through a strided view of the
-padded input, so the forward pass is one product per group, the weight gradient another, and the
-input gradient a product followed by a scatter-add of the columns back into the padded input
-(col2im, one strided add per kernel offset). The backward kernels compute gradients of a scalar
+of one group become the columns of a (C/g·KH·KW, B·OH·OW) matrix, filled by one copy per kernel
+offset whose innermost axis is an image row (a layout with the kernel innermost copied three
+elements at a time and was several times slower), so the forward pass is one product per group,
+the weight gradient another, and the input gradient a product followed by a scatter-add of the
+columns back into the padded input (col2im, one strided add per kernel offset). The backward kernels compute gradients of a scalar
 loss ``L``: given ``dy = dL/dy`` they write ``dx = dL/dx`` and the parameter gradients.
 """
 
@@ -29,10 +30,6 @@ from .kernels import array_module
 
 def _pair(v) -> tuple[int, int]:
     return (int(v), int(v)) if np.isscalar(v) else (int(v[0]), int(v[1]))
-
-
-def _as_strided(xp, a, shape, strides):
-    return xp.lib.stride_tricks.as_strided(a, shape=shape, strides=strides)
 
 
 @dataclass(frozen=True)
@@ -95,27 +92,25 @@ class ConvGeometry:
 
     @property
     def cols_shape(self) -> tuple[int, int]:
-        """Workspace: one group's receptive fields (B·OH·OW, C/g·KH·KW)."""
+        """Workspace: one group's receptive fields as columns (C/g·KH·KW, B·OH·OW)."""
         kh, kw = self.kernel
-        return self.batch * self.out_height * self.out_width, self.channels // self.groups * kh * kw
+        return self.channels // self.groups * kh * kw, self.batch * self.out_height * self.out_width
 
     @property
     def product_shape(self) -> tuple[int, int]:
-        """Workspace: one group's matrix product (B·OH·OW, O/g)."""
-        return self.batch * self.out_height * self.out_width, self.out_channels // self.groups
+        """Workspace: one group's matrix product (O/g, B·OH·OW)."""
+        return self.out_channels // self.groups, self.batch * self.out_height * self.out_width
 
     def workspace_nbytes(self, itemsize: int) -> int:
         """Bytes of the three workspaces at ``itemsize`` bytes per element."""
         return itemsize * sum(int(np.prod(s)) for s in (self.padded_shape, self.cols_shape, self.product_shape))
 
-    def windows(self, xp, padded, group: int = 0):
-        """A strided view (B, OH, OW, C/g, KH, KW) of ``padded``: every receptive field of a group."""
-        cg = self.channels // self.groups
-        sb, sc, sh, sw = padded.strides
-        (kh, kw), (st_h, st_w), (dh, dw) = self.kernel, self.stride, self.dilation
-        base = padded[:, group * cg:(group + 1) * cg]
-        return _as_strided(xp, base, (self.batch, self.out_height, self.out_width, cg, kh, kw),
-                           (sb, sh * st_h, sw * st_w, sc, sh * dh, sw * dw))
+    def tap(self, padded, i: int, j: int):
+        """(B, C, OH, OW): the input element under kernel offset (i, j) of every window, as a
+        strided view of ``padded``."""
+        (sh, sw), (dh, dw) = self.stride, self.dilation
+        oh, ow = self.out_height, self.out_width
+        return padded[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh, j * dw:j * dw + sw * (ow - 1) + 1:sw]
 
 
 def _pad_into(x, padded, geometry: ConvGeometry, fill=0) -> None:
@@ -127,6 +122,20 @@ def _pad_into(x, padded, geometry: ConvGeometry, fill=0) -> None:
 # --- convolution ---------------------------------------------------------------------------------
 
 
+def _im2col(geometry: ConvGeometry, padded, cols, group: int) -> None:
+    """Fill ``cols`` (C/g·KH·KW, B·OH·OW) with one group's receptive fields: row (c, i, j) holds
+    input channel c under kernel offset (i, j) of every window. One copy of a (C/g, B, OH, OW)
+    slab per kernel offset, whose innermost axis is a row of the image."""
+    cg = geometry.channels // geometry.groups
+    kh, kw = geometry.kernel
+    bsz, _, oh, ow = geometry.out_shape
+    rows = cols.reshape(cg, kh, kw, bsz, oh, ow)
+    source = padded[:, group * cg:(group + 1) * cg]
+    for i in range(kh):
+        for j in range(kw):
+            rows[:, i, j] = geometry.tap(source, i, j).transpose(1, 0, 2, 3)
+
+
 def conv2d_forward(x, w, b, out, geometry: ConvGeometry, padded, cols, product) -> None:
     """``out = conv2d(x, w) + b``. x: (B, C, H, W), w: (O, C/g, KH, KW), b: (O,) or None,
     out: (B, O, OH, OW); ``padded``, ``cols``, ``product``: the workspaces of ``geometry``."""
@@ -134,42 +143,41 @@ def conv2d_forward(x, w, b, out, geometry: ConvGeometry, padded, cols, product) 
     _pad_into(x, padded, geometry)
     og = geometry.out_channels // geometry.groups
     bsz, _, oh, ow = geometry.out_shape
-    fields = cols.reshape(bsz, oh, ow, geometry.channels // geometry.groups, *geometry.kernel)
     for g in range(geometry.groups):
-        fields[...] = geometry.windows(xp, padded, g)
-        xp.matmul(cols, w[g * og:(g + 1) * og].reshape(og, -1).T, out=product)
-        out[:, g * og:(g + 1) * og] = product.reshape(bsz, oh, ow, og).transpose(0, 3, 1, 2)
+        _im2col(geometry, padded, cols, g)
+        xp.matmul(w[g * og:(g + 1) * og].reshape(og, -1), cols, out=product)
+        out[:, g * og:(g + 1) * og] = product.reshape(og, bsz, oh, ow).transpose(1, 0, 2, 3)
     if b is not None:
         xp.add(out, b.reshape(1, -1, 1, 1), out=out)
 
 
-def conv2d_backward(w, dy, dx, dw, db, geometry: ConvGeometry, padded, cols, product) -> None:
-    """Gradients of :func:`conv2d_forward`. ``padded`` must still hold the forward pass's padded
-    input; ``cols`` and ``product`` are scratch. Writes dw: (O, C/g, KH, KW), db: (O,) unless
-    None, and dx: (B, C, H, W) unless None. ``padded`` is overwritten when ``dx`` is wanted."""
+def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, padded, cols, product) -> None:
+    """Gradients of :func:`conv2d_forward` at input ``x``; ``padded``, ``cols`` and ``product`` are
+    scratch (the workspaces of ``geometry``). Writes dw: (O, C/g, KH, KW), db: (O,) unless None,
+    and dx: (B, C, H, W) unless None."""
     xp = array_module(dy)
+    _pad_into(x, padded, geometry)
     og = geometry.out_channels // geometry.groups
     cg = geometry.channels // geometry.groups
     bsz, _, oh, ow = geometry.out_shape
+    kh, kw = geometry.kernel
     if db is not None:
         xp.sum(dy, axis=(0, 2, 3), out=db)
-    fields = cols.reshape(bsz, oh, ow, cg, *geometry.kernel)
     for g in range(geometry.groups):
-        fields[...] = geometry.windows(xp, padded, g)
-        product.reshape(bsz, oh, ow, og)[...] = dy[:, g * og:(g + 1) * og].transpose(0, 2, 3, 1)
-        xp.matmul(product.T, cols, out=dw[g * og:(g + 1) * og].reshape(og, -1))
+        _im2col(geometry, padded, cols, g)
+        product.reshape(og, bsz, oh, ow)[...] = dy[:, g * og:(g + 1) * og].transpose(1, 0, 2, 3)
+        xp.matmul(product, cols.T, out=dw[g * og:(g + 1) * og].reshape(og, -1))
     if dx is None:
         return
     padded.fill(0)
-    (kh, kw), (sh, sw), (dh, dwl) = geometry.kernel, geometry.stride, geometry.dilation
     for g in range(geometry.groups):
-        product.reshape(bsz, oh, ow, og)[...] = dy[:, g * og:(g + 1) * og].transpose(0, 2, 3, 1)
-        xp.matmul(product, w[g * og:(g + 1) * og].reshape(og, -1), out=cols)
+        product.reshape(og, bsz, oh, ow)[...] = dy[:, g * og:(g + 1) * og].transpose(1, 0, 2, 3)
+        xp.matmul(w[g * og:(g + 1) * og].reshape(og, -1).T, product, out=cols)
+        rows = cols.reshape(cg, kh, kw, bsz, oh, ow)
+        target = padded[:, g * cg:(g + 1) * cg]
         for i in range(kh):                                 # col2im: one strided add per kernel offset
             for j in range(kw):
-                target = padded[:, g * cg:(g + 1) * cg, i * dh:i * dh + sh * (oh - 1) + 1:sh,
-                                j * dwl:j * dwl + sw * (ow - 1) + 1:sw]
-                target += fields[:, :, :, :, i, j].transpose(0, 3, 1, 2)
+                geometry.tap(target, i, j)[...] += rows[:, i, j].transpose(1, 0, 2, 3)
     ph, pw = geometry.padding
     dx[...] = padded[:, :, ph:ph + geometry.height, pw:pw + geometry.width]
 
@@ -179,16 +187,21 @@ def conv2d_backward(w, dy, dx, dw, db, geometry: ConvGeometry, padded, cols, pro
 
 def max_pool_forward(x, out, argmax, geometry: ConvGeometry, padded) -> None:
     """Max over each window (padding counts as -inf, as in PyTorch). x: (B, C, H, W), out and
-    argmax: (B, C, OH, OW), argmax int64 (the window's flat offset, for the backward pass);
+    argmax: (B, C, OH, OW), argmax an integer array (the window's flat offset, for the backward
+    pass; None at inference);
     ``geometry``: a window geometry whose output channels are C; ``padded``: its padded-input
     workspace."""
     xp = array_module(x)
     _pad_into(x, padded, geometry, fill=-np.inf)
     kh, kw = geometry.kernel
-    out[...] = _window_view(padded, geometry, 0, 0)
+    out[...] = geometry.tap(padded, 0, 0)
+    if argmax is None:                                      # inference: no backward pass follows
+        for offset in range(1, kh * kw):
+            xp.maximum(out, geometry.tap(padded, offset // kw, offset % kw), out=out)
+        return
     argmax.fill(0)
     for offset in range(1, kh * kw):                        # the first maximum wins, as in PyTorch
-        v = _window_view(padded, geometry, offset // kw, offset % kw)
+        v = geometry.tap(padded, offset // kw, offset % kw)
         larger = v > out
         xp.copyto(out, v, where=larger)
         argmax[larger] = offset
@@ -200,7 +213,7 @@ def max_pool_backward(dy, argmax, dx, geometry: ConvGeometry, padded) -> None:
     kh, kw = geometry.kernel
     padded.fill(0)
     for offset in range(kh * kw):
-        _window_view(padded, geometry, offset // kw, offset % kw)[...] += dy * (argmax == offset)
+        geometry.tap(padded, offset // kw, offset % kw)[...] += dy * (argmax == offset)
     ph, pw = geometry.padding
     dx[...] = padded[:, :, ph:ph + geometry.height, pw:pw + geometry.width]
 
@@ -212,7 +225,7 @@ def avg_pool_forward(x, out, geometry: ConvGeometry, padded) -> None:
     out.fill(0)
     for i in range(kh):
         for j in range(kw):
-            out += _window_view(padded, geometry, i, j)
+            out += geometry.tap(padded, i, j)
     out /= kh * kw
 
 
@@ -223,16 +236,9 @@ def avg_pool_backward(dy, dx, geometry: ConvGeometry, padded) -> None:
     share = dy / (kh * kw)
     for i in range(kh):
         for j in range(kw):
-            _window_view(padded, geometry, i, j)[...] += share
+            geometry.tap(padded, i, j)[...] += share
     ph, pw = geometry.padding
     dx[...] = padded[:, :, ph:ph + geometry.height, pw:pw + geometry.width]
-
-
-def _window_view(padded, geometry: ConvGeometry, i: int, j: int):
-    """(B, C, OH, OW): the element at kernel offset (i, j) of every window, as a view of ``padded``."""
-    (sh, sw), (dh, dw) = geometry.stride, geometry.dilation
-    oh, ow = geometry.out_height, geometry.out_width
-    return padded[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh, j * dw:j * dw + sw * (ow - 1) + 1:sw]
 
 
 def global_avg_pool_forward(x, out) -> None:

@@ -1,16 +1,19 @@
 """Model descriptions: the architecture and training options a user writes as JSON, validated.
 
-An architecture is ``{"layers": [{"dense": 256, "activation": "relu", "dropout": 0.1}, ...]}``:
-hidden dense layers, each with an optional activation (``relu``, ``tanh``, ``sigmoid`` or
-``none``; default ``relu``) and an optional dropout probability in [0, 1). The output layer is
-added from the task: ``C`` logits with softmax cross-entropy for classification over ``C``
-classes, one linear output with mean squared error for regression.
+An architecture is ``{"input": {"shape": [C, H, W]}, "layers": [...]}``: the shape of one row
+(optional; default: a vector of the feature columns) and a list of layers — dense,
+convolution, batch normalisation, pooling, flatten, activation, dropout, and the blocks
+``residual`` and ``concat`` (:mod:`.network` parses them and builds the graph). Or it names a
+published network, ``{"model": "resnet50", "width": 0.25, "input": {"shape": [3, 32, 32]}}``
+(:mod:`.zoo`). The output layer is added from the task: ``C`` logits with softmax cross-entropy
+for classification over ``C`` classes, one linear output with mean squared error for regression.
 
 Every validation error names the offending key and value and says what is allowed.
 
-Weights are float32 arrays named ``W{i}`` (I, O) and ``b{i}`` (O,) for dense layer ``i`` counted
-from 0 (the output layer is the last), plus the feature standardisation ``x_mean`` / ``x_std``
-(F,) and, for regression, ``y_mean`` / ``y_std`` (1,); :mod:`.weights` stores and checks them.
+Weights are float32 arrays named after the network's nodes (:mod:`.network`: ``W{i}`` and
+``b{i}`` of dense layers and convolutions, ``gamma{i}`` / ``beta{i}`` / ``mean{i}`` / ``var{i}``
+of batch normalisation), plus the feature standardisation ``x_mean`` / ``x_std`` (F,) and, for
+regression, ``y_mean`` / ``y_std`` (1,); :mod:`.weights` stores and checks them.
 """
 
 from __future__ import annotations
@@ -18,39 +21,46 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 import numpy as np
 
 from ..errors import InvalidArgument
-from . import kernels
+from . import network as networks
+from .network import ACTIVATIONS, MAX_WIDTH, Layer  # noqa: F401  (re-exported: the MLP's layer)
 
 TASKS = ("classification", "regression")
 OPTIMIZERS = ("adam", "sgd")
-ACTIVATIONS = ("relu", "tanh", "sigmoid", "none")
-#: Largest width of one dense layer; wider is almost certainly a typo.
-MAX_WIDTH = 1 << 16
 #: Largest magnitude of a float32; options and labels beyond it cannot be computed with.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
-@dataclass(frozen=True)
-class Layer:
-    """One hidden dense layer: ``units`` outputs, an activation, a dropout probability."""
-
-    units: int
-    activation: str = "relu"
-    dropout: float = 0.0
+#: Largest side of an input shape, and largest number of values in one row.
+MAX_INPUT_SIDE = 1 << 16
+MAX_INPUT_VALUES = 1 << 24
 
 
 @dataclass(frozen=True)
 class Architecture:
-    """Hidden layers of an MLP; the output layer is implied by the task."""
+    """The layers of a network (:mod:`.network`'s layer objects; the output layer is implied by
+    the task), the shape of one row (None: a vector of the feature columns), and, for a named
+    network, its name and options as the user wrote them."""
 
-    layers: tuple[Layer, ...]
+    layers: tuple
+    input_shape: tuple[int, ...] | None = None
+    model: str | None = None
+    model_options: tuple = ()
 
     def to_json(self) -> dict:
-        return {"layers": [{"dense": l.units, "activation": l.activation, **({"dropout": l.dropout} if l.dropout else {})}
-                           for l in self.layers]}
+        shape = {"input": {"shape": list(self.input_shape)}} if self.input_shape else {}
+        if self.model:
+            return {"model": self.model, **dict(self.model_options), **shape}
+        return {**shape, "layers": networks.layers_to_json(self.layers)}
+
+    @property
+    def n_features(self) -> int | None:
+        """Values per row the input shape asks for (None: as many as the data has)."""
+        return math.prod(self.input_shape) if self.input_shape else None
 
 
 @dataclass(frozen=True)
@@ -86,13 +96,24 @@ class ModelSpec:
     n_outputs: int
     task: str
 
-    def dense_shapes(self) -> list[tuple[int, int]]:
-        """``(I, O)`` of every dense layer, output layer last."""
-        widths = [self.n_features] + [l.units for l in self.architecture.layers] + [self.n_outputs]
-        return list(zip(widths[:-1], widths[1:]))
+    @cached_property
+    def network(self) -> networks.Network:
+        """The graph of the model's layers (:func:`.network.build_network`). Raises
+        InvalidArgument when a layer does not suit its input."""
+        return networks.build_network(self.architecture.layers, self.architecture.input_shape, self.n_features,
+                                      self.n_outputs)
 
     def n_parameters(self) -> int:
-        return sum(i * o + o for i, o in self.dense_shapes())
+        return self.network.n_parameters()
+
+    @classmethod
+    def of_row(cls, architecture, feature_names, n_outputs: int, task: str) -> "ModelSpec":
+        """The spec of a registry row: its architecture (JSON text or a dict), its feature
+        columns, its outputs and task. The row's values per row are its input shape's, when the
+        architecture gives one (a model trained on one array column stores that column's name
+        once), else one per feature column. Raises InvalidArgument as :meth:`parse`."""
+        arch = parse_architecture(architecture)
+        return cls.parse(arch, arch.n_features or len(feature_names), n_outputs, task)
 
     @classmethod
     def parse(cls, architecture, n_features: int, n_outputs: int, task: str) -> "ModelSpec":
@@ -104,21 +125,24 @@ class ModelSpec:
         n_features, n_outputs = int(n_features), int(n_outputs)
         if n_features < 1 or n_outputs < 1:
             raise InvalidArgument(f"a model needs at least one feature and one output, got {n_features} and {n_outputs}")
-        return cls(parse_architecture(architecture), n_features, n_outputs, task)
+        arch = architecture if isinstance(architecture, Architecture) else parse_architecture(architecture)
+        spec = cls(arch, n_features, n_outputs, task)
+        spec.network                              # noqa: B018  (shapes checked here)
+        return spec
 
 
 @dataclass(frozen=True)
 class Limits:
     """The largest model the coordinator builds, set by the administrator in the server's
     configuration (``tensile.max_layers``, ``tensile.max_parameters``, ``tensile.max_job_bytes``).
-    A training program has a fixed number of ops per dense layer, so ``max_layers`` bounds the ops
+    A training program has a bounded number of ops per layer, so ``max_layers`` bounds the ops
     per iteration too (and with it the time to build a program and the length of the period the
     jobs share). ``max_job_nbytes`` bounds what one training job may hold on the device and the
     host together, its unscheduled peak: what the budget does not hold is swapped to host memory,
     so without it a job within the other limits (wide layers at a large batch) could make the
     coordinator hold tens of gigabytes."""
 
-    max_layers: int = 1000              # dense layers, the output layer included
+    max_layers: int = 1000              # nodes of the network (layers, block joins), the output layer included
     max_parameters: int = 100_000_000   # weights and biases, elements (float32: 400 MB)
     max_job_nbytes: int = 4 << 30       # a training job's unscheduled peak, bytes
 
@@ -133,9 +157,9 @@ class Limits:
 
     def check(self, spec: ModelSpec, name: str) -> None:
         """Raise InvalidArgument naming the model, its size and the setting it exceeds."""
-        layers = len(spec.architecture.layers) + 1
+        layers = len(spec.network.nodes)
         if layers > self.max_layers:
-            raise InvalidArgument(f"model {name!r} has {layers:,} dense layers (with the output layer), more than "
+            raise InvalidArgument(f"model {name!r} has {layers:,} layers (with the output layer), more than "
                                   f"tensile.max_layers ({self.max_layers:,}); use fewer layers, or ask the "
                                   "administrator to raise tensile.max_layers")
         parameters = spec.n_parameters()
@@ -171,30 +195,36 @@ def check_keys(obj: dict, allowed, where: str) -> None:
 
 
 def parse_architecture(value) -> Architecture:
-    """Validate an architecture (JSON text or dict). Raises InvalidArgument naming the key."""
+    """Validate an architecture (JSON text or dict): ``layers`` (see :func:`.network.parse_layers`)
+    or ``model`` with its options (:mod:`.zoo`), and an optional ``input`` shape. Raises
+    InvalidArgument naming the key."""
+    from . import zoo
+
     obj = load_json_object(value, "architecture")
-    check_keys(obj, ("layers",), "architecture")
+    named = "model" in obj
+    check_keys(obj, ("model", "input") + zoo.OPTION_KEYS if named else ("input", "layers"), "architecture")
+    input_shape = _input_shape(obj["input"]) if "input" in obj else None
+    if named:
+        default_shape, layers = zoo.expand(obj["model"], {k: v for k, v in obj.items() if k in zoo.OPTION_KEYS})
+        options = tuple((k, obj[k]) for k in zoo.OPTION_KEYS if k in obj)
+        return Architecture(networks.parse_layers(layers, f"architecture (model {obj['model']})"),
+                            input_shape or tuple(default_shape), obj["model"], options)
     layers = obj.get("layers")
     if not isinstance(layers, list) or not layers:
         raise InvalidArgument('architecture: "layers" must be a non-empty array of layers, '
                               'e.g. {"layers":[{"dense":128,"activation":"relu"}]}')
-    parsed = []
-    for i, layer in enumerate(layers):
-        where = f"architecture.layers[{i}]"
-        if not isinstance(layer, dict):
-            raise InvalidArgument(f"{where} must be an object like {{\"dense\": 128}}, got {layer!r}")
-        check_keys(layer, ("dense", "activation", "dropout"), where)
-        units = layer.get("dense")
-        if not isinstance(units, int) or isinstance(units, bool) or not 0 < units <= MAX_WIDTH:
-            raise InvalidArgument(f'{where}."dense" must be an integer from 1 to {MAX_WIDTH}, got {units!r}')
-        activation = layer.get("activation", "relu")
-        if activation not in ACTIVATIONS:
-            raise InvalidArgument(f'{where}."activation" must be one of {", ".join(ACTIVATIONS)}, got {activation!r}')
-        dropout = layer.get("dropout", 0.0)
-        if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
-            raise InvalidArgument(f'{where}."dropout" must be a number in [0, 1), got {dropout!r}')
-        parsed.append(Layer(units, activation, float(dropout)))
-    return Architecture(tuple(parsed))
+    return Architecture(networks.parse_layers(layers, "architecture.layers"), input_shape)
+
+
+def _input_shape(value) -> tuple[int, ...]:
+    shape = value.get("shape") if isinstance(value, dict) and set(value) == {"shape"} else None
+    if (not isinstance(shape, list) or len(shape) not in (1, 3)
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= MAX_INPUT_SIDE for d in shape)
+            or math.prod(shape) > MAX_INPUT_VALUES):
+        raise InvalidArgument(f'architecture."input" must be {{"shape": [C, H, W]}} (an image) or {{"shape": [F]}}, '
+                              f"sides from 1 to {MAX_INPUT_SIDE} and at most {MAX_INPUT_VALUES:,} values, got "
+                              f"{_shown(value)}")
+    return tuple(shape)
 
 
 def _shown(value) -> str:
@@ -257,20 +287,8 @@ def parse_options(value) -> TrainOptions:
 
 
 def init_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
-    """He-uniform (relu) or Glorot-uniform (others) float32 weights, zero biases."""
-    rng = np.random.default_rng(seed)
-    acts = activations(spec)
-    weights = {}
-    for i, ((fan_in, fan_out), act) in enumerate(zip(spec.dense_shapes(), acts)):
-        limit = math.sqrt(6.0 / fan_in) if act == "relu" else math.sqrt(6.0 / (fan_in + fan_out))
-        weights[f"W{i}"] = rng.uniform(-limit, limit, size=(fan_in, fan_out)).astype(np.float32)
-        weights[f"b{i}"] = np.zeros(fan_out, dtype=np.float32)
-    return weights
-
-
-def activations(spec: ModelSpec) -> list[str]:
-    """The activation after each dense layer, output layer (``none``) last."""
-    return [l.activation for l in spec.architecture.layers] + ["none"]
+    """The network's initial float32 weights (:meth:`.network.Network.init_weights`)."""
+    return spec.network.init_weights(seed)
 
 
 def standardize(weights: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
@@ -278,14 +296,6 @@ def standardize(weights: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
     applied, if the model has one."""
     x = np.asarray(x, dtype=np.float32)
     return (x - weights["x_mean"]) / weights["x_std"] if "x_mean" in weights else x
-
-
-def dense_layer(h, w, b, activation: str, out) -> None:
-    """One dense layer into ``out``: ``activation(h @ w + b)``. h: (B, I), w: (I, O), b: (O,),
-    out: (B, O), float32 arrays of one array module (NumPy or CuPy)."""
-    kernels.dense_forward(h, w, b, out)
-    if activation != "none":
-        kernels.ACTIVATIONS[activation][0](out, out)
 
 
 def finish(spec: ModelSpec, weights: dict[str, np.ndarray], h: np.ndarray) -> np.ndarray:
@@ -304,13 +314,8 @@ def forward(spec: ModelSpec, weights: dict[str, np.ndarray], x: np.ndarray) -> n
     """Inference on the host: raw features x (N, F) float32 -> outputs (N, n_outputs) float32.
 
     Classification outputs are class probabilities (softmax); regression outputs are in the
-    label's units (standardisation undone). Dropout is the identity at inference. The
-    coordinator's demand-layered inference (:mod:`tensile_db.inference`) runs the same steps.
+    label's units (standardisation undone). Batch normalisation uses its running statistics and
+    dropout is the identity. The coordinator's demand-layered inference
+    (:mod:`tensile_db.inference`) runs the same nodes (:func:`.network.evaluate`).
     """
-    h = standardize(weights, x)
-    for i, act in enumerate(activations(spec)):
-        w = weights[f"W{i}"]
-        out = np.empty((h.shape[0], w.shape[1]), dtype=np.float32)
-        dense_layer(h, w, weights[f"b{i}"], act, out)
-        h = out
-    return finish(spec, weights, h)
+    return finish(spec, weights, spec.network.forward(weights, standardize(weights, x)))

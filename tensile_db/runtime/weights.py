@@ -1,6 +1,6 @@
 """A model's weights as stored in ``tensile.models.weights``: a NumPy ``.npz`` archive of float32
-arrays (``W{i}`` (I, O), ``b{i}`` (O,), ``x_mean`` / ``x_std`` (F,), for regression ``y_mean`` /
-``y_std`` (1,); see :mod:`.model`), written with ``numpy.savez`` and read back without pickle.
+arrays (the network's weights, :meth:`.network.Network.weight_shapes`; ``x_mean`` / ``x_std`` (F,),
+for regression ``y_mean`` / ``y_std`` (1,); see :mod:`.model`), written with ``numpy.savez`` and read back without pickle.
 
 A row may have been written by anyone who could write the table, so reading checks it against
 the architecture before anything is read into memory (:func:`load_weights`), and the arrays
@@ -34,11 +34,9 @@ _SCALING = (("x_mean", "x_std"), ("y_mean", "y_std"))
 
 
 def weight_shapes(spec: ModelSpec, names) -> dict[str, tuple[int, ...]]:
-    """The arrays a model of ``spec`` consists of and their shapes: ``W{i}`` (I, O) and ``b{i}``
-    (O,) for every dense layer, and each scaling pair that ``names`` holds part of."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for i, (n_in, n_out) in enumerate(spec.dense_shapes()):
-        shapes[f"W{i}"], shapes[f"b{i}"] = (n_in, n_out), (n_out,)
+    """The arrays a model of ``spec`` consists of and their shapes: every node's weights
+    (:meth:`.network.Network.weight_shapes`), and each scaling pair that ``names`` holds part of."""
+    shapes = dict(spec.network.weight_shapes())
     names = set(names)
     for pair, shape in zip(_SCALING, ((spec.n_features,), (1,))):
         if names & set(pair) and (pair[0] != "y_mean" or spec.task == "regression"):
