@@ -1,5 +1,5 @@
 # tensile_db — the two commands of the README:
-#   make demo   in-database training of three models at once in an embedded PostgreSQL cluster
+#   make demo   in-database training of four models (three MLPs, a CNN) at once in an embedded PostgreSQL cluster
 #   make test   the test suite (what .ci/run calls)
 #
 # Everything missing is installed: Debian's PL/Python for PostgreSQL 15, a virtual environment
