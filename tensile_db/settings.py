@@ -22,3 +22,6 @@ DEFAULT_POLICY = POLICIES[0]           # tensile.policy: tensile
 DEFAULT_POOL = POOLS[0]                # tensile.pool: planned
 #: Rows per batch a predict_batch call streams through the layers, at most.
 MAX_PREDICT_BATCH_ROWS = 1 << 16
+#: Rows per batch a predict call streams when it does not say: at most this many, fewer when a
+#: step of that many rows would not fit the device budget.
+DEFAULT_PREDICT_BATCH_ROWS = 256

@@ -211,6 +211,24 @@ def test_a_budget_of_the_largest_step_is_enough_and_one_unit_less_is_refused_nam
     svc.manager.close()
 
 
+def test_a_call_that_names_no_batch_size_streams_the_most_rows_whose_steps_fit():
+    spec = cnn_spec()
+    w, x = weights_of(spec), features(spec, n=200)
+    sizing = service()
+    model = sizing.store.add(1, "v", "m", spec, w)
+    need = {rows: max(layered.step_nbytes(model, rows)) for rows in (37, 38)}
+    sizing.manager.close()
+    svc = service(budget=need[37])
+    assert need[38] > need[37]                           # else the budget would not decide the rows
+    out, stats = predict(svc, 1, spec, w, x, window=1, batch_size=None)
+    assert stats.batch_size == 37 and svc.manager.peak_nbytes <= need[37]
+    assert np.array_equal(out, predict(service(), 1, spec, w, x, window=1, batch_size=37)[0])
+    svc.manager.close()
+    roomy = service(budget=1 << 26)
+    assert predict(roomy, 1, spec, w, x, window=1, batch_size=None)[1].batch_size == 200      # all rows, <= 256
+    roomy.manager.close()
+
+
 def test_a_cnn_call_shares_a_tight_budget_with_a_training_job_without_overlap():
     spec = cnn_spec()
     w, x = weights_of(spec), features(spec, n=300)

@@ -140,6 +140,21 @@ def call_shape(model: ServedModel, n_rows: int, window: int, batch_size: int) ->
     return min(window, len(model.layers)), rows, -(-n_rows // rows)
 
 
+def fitting_batch(model: ServedModel, n_rows: int, budget_nbytes: int, most: int) -> int:
+    """Rows per batch for a call that does not choose: the most, up to ``most`` and ``n_rows``,
+    whose every step fits ``budget_nbytes`` with nothing else on the device (1 if none does;
+    :func:`check_fits` then says why). A step's bytes grow with the rows, so a bisection finds it."""
+    steps = plan(model)
+    low, high = 1, max(1, min(most, n_rows))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if max(step_nbytes(model, mid, steps)) <= budget_nbytes:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
 def check_fits(model: ServedModel, rows: int, budget_nbytes: int, in_use_nbytes: int) -> None:
     """Raise DeviceOutOfMemory, naming the node and saying what to change, if a step of ``rows``
     rows cannot fit the budget even with nothing else on the device."""

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import JobCancelled
 from ..memory.manager import MemoryManager
+from ..settings import DEFAULT_PREDICT_BATCH_ROWS
 from . import INFERENCE_JOB, layered
 from .store import HOST_LIMIT_NBYTES, ModelStore, ServedModel
 
@@ -48,8 +49,13 @@ class InferenceService:
                 cancelled=None, on_accept=None) -> tuple[np.ndarray, layered.CallStats]:
         """Run one call (see :func:`layered.run`) on a model checked out of :attr:`store`, and
         check it back in. ``on_accept(call_id, window, batches)`` runs once the call is admitted.
-        Raises DeviceOutOfMemory at once if one step of the call cannot fit the budget."""
+        ``batch_size`` None: the most rows up to :data:`DEFAULT_PREDICT_BATCH_ROWS` whose steps fit
+        the budget (:func:`layered.fitting_batch`). Raises DeviceOutOfMemory at once if one step
+        of the call cannot fit the budget."""
         try:
+            if batch_size is None:
+                batch_size = layered.fitting_batch(model, len(x), self.manager.budget_nbytes,
+                                                   DEFAULT_PREDICT_BATCH_ROWS)
             layered.check(model, x, window, batch_size)
             effective_window, rows, batches = layered.call_shape(model, len(x), window, batch_size)
             layered.check_fits(model, rows, self.manager.budget_nbytes, self.manager.in_use_nbytes)

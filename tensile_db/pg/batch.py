@@ -43,8 +43,7 @@ from . import session
 from .data import is_table_name, read_features
 from .train import check_model_name
 
-#: Rows per batch streamed through the layers, by default and at most.
-DEFAULT_BATCH_SIZE = 256
+#: Rows per batch streamed through the layers, at most (the default is the coordinator's choice).
 MAX_BATCH_SIZE = MAX_PREDICT_BATCH_ROWS
 #: Rows per INSERT statement of predict_into.
 INSERT_CHUNK_ROWS = 10_000
@@ -71,7 +70,7 @@ class BatchOptions:
     """predict_batch's options; the field names are the JSON keys users write."""
 
     window: int | str | None = None         # layers loaded ahead, or "all"; None: tensile.prefetch_window
-    batch_size: int = DEFAULT_BATCH_SIZE    # rows per batch streamed through the layers
+    batch_size: int | None = None           # rows per batch; None: the most up to 256 whose steps fit the budget
     cache: bool = True                      # keep the model's layers in the device weight cache after use
     skip_nulls: bool = False                # leave out rows with a NULL feature or key instead of failing
 
