@@ -1,103 +1,292 @@
 """Training throughput (samples per second) of our runtime beside PyTorch on the CPU.
 
-The same MLP, batch, optimizer (Adam) and data, in one process: PyTorch (``torch.nn``,
-``torch.optim.Adam``), our runtime through the coordinator's executor and memory manager with an
-unlimited budget (vanilla), and our runtime under budgets of 70% and 50% of the model's
-unscheduled peak (the reactive farthest-next-use policy swapping to host memory). Each is run
-once to warm up, then timed over ``--epochs``. Reports samples/s, the peak device bytes and the
-bytes swapped out.
+Two workloads, each trained the same way on both sides (same network, batch, Adam, float32,
+data), in one process:
 
-    python bench/throughput.py [--samples 32768] [--epochs 3]
+- MLP: 64 features -> 512-512-256 relu -> 10 classes, batch 128, features from a normal
+  distribution, classes from a random linear map;
+- CNN: the small residual CNN of :data:`cnn.SMALL_CNN` (convolution, batch norm, a residual
+  block, max pool, a concatenation, global average pool, dense) on generated 3x32x32 images
+  (:func:`cnn.images`), batch 64.
+
+Runs: PyTorch (the same network in ``torch.nn`` node for node, :func:`cnn.torch_module`;
+``torch.optim.Adam``; ``torch.set_num_threads`` set to the threads of the BLAS our matrix products
+run on), and our runtime through the coordinator's executor and memory manager (the ``tensile``
+policy) with an unlimited budget and under budgets that are fractions of the job's vanilla peak
+(raised to its largest working set where that is larger: no policy can go below it). The runs
+of every configuration alternate within each repeat (the order reversed every other repeat), so
+drift of the machine falls on all of them alike.
+
+samples/s counts the iterations after a run's first (the first touches a fresh arena and is the
+scheduler's cold start: it is timed on neither side). Printed per workload: the median
+samples/s over the repeats with its spread (min to max), ours / PyTorch per repeat (median,
+min to max), budget, peak device bytes, bytes swapped out and recomputes per iteration; then the
+target line (decided only when the whole spread of the ratio lies on one side of it) and a
+profile of where our time goes: the op times the executor measures for each op (the scheduler's
+``after`` hook) in the run of median samples/s, grouped by kind, per iteration, and the wall time
+per iteration against the time in the ops.
+
+    python bench/throughput.py [--repeats 5] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import statistics
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 from tabulate import tabulate
 
+import cnn
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import model as models
 from tensile_db.runtime.device import Device
+from tensile_db.scheduler.cost import CostModel, measure_bandwidth
 
-ARCHITECTURE = {"layers": [{"dense": 512}, {"dense": 512}, {"dense": 256}]}
-FEATURES, CLASSES, BATCH = 64, 10, 128
+MiB = 1 << 20
+POLICY = "tensile"
+#: the target: our CNN samples/s at least this fraction of PyTorch's, unlimited budget
+CNN_TARGET_RATIO = 0.5
 
 
-def data(samples: int):
+@dataclass(frozen=True)
+class Workload:
+    """A network, its data and how it is run. ``iterations``: timed iterations per run (one more
+    runs first, untimed); ``fractions``: our budgets, as fractions of the vanilla peak (None:
+    unlimited)."""
+
+    name: str
+    architecture: dict
+    n_features: int
+    batch: int
+    iterations: int
+    fractions: tuple
+    data: object = field(repr=False)           # (samples) -> (x (samples, n_features) float32, y int32)
+
+    @property
+    def spec(self) -> models.ModelSpec:
+        return cnn.spec_of(self.architecture, self.n_features)
+
+    def arrays(self):
+        return self.data((self.iterations + 1) * self.batch)
+
+
+def mlp_data(samples: int, features: int = 64):
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(samples, FEATURES)).astype(np.float32)
-    w = rng.normal(size=(FEATURES, CLASSES))
-    return x, (x @ w).argmax(axis=1).astype(np.int32)
+    x = rng.normal(size=(samples, features)).astype(np.float32)
+    return x, (x @ rng.normal(size=(features, cnn.CLASSES))).argmax(axis=1).astype(np.int32)
 
 
-def ours(x, y, epochs: int, budget_fraction: float | None) -> tuple[float, dict]:
-    spec = models.ModelSpec(models.parse_architecture(ARCHITECTURE), FEATURES, CLASSES, "classification")
-    opts = models.parse_options({"epochs": epochs, "batch_size": BATCH, "standardize": False})
-    job = TrainingJob(JobInfo(0, "bench", "bench"), spec, opts, x, y)
-    budget = int(job.vanilla_peak_nbytes * budget_fraction) if budget_fraction else job.vanilla_peak_nbytes * 4
-    budget = max(budget, job.min_working_set_nbytes)
-    executor = Executor(MemoryManager(Device("cpu"), budget))
+def workloads(quick: bool) -> list[Workload]:
+    scale = 4 if quick else 1
+    return [Workload("MLP", {"layers": [{"dense": 512}, {"dense": 512}, {"dense": 256}]}, 64, 128, 64 // scale,
+                     (None, 0.7, 0.5), mlp_data),
+            Workload("CNN", cnn.SMALL_CNN, int(np.prod(cnn.IMAGE)), 64, 24 // scale, (None, 0.5), cnn.images)]
+
+
+@dataclass
+class Measured:
+    """One run: samples/s after the first iteration; our runs also memory figures and op times."""
+
+    samples_per_s: float
+    budget_nbytes: int = 0
+    peak_nbytes: int = 0
+    swapped_out_nbytes_per_it: float = 0.0
+    recomputes_per_it: float = 0.0
+    wall_s_per_it: float = 0.0
+    op_s: dict = field(default_factory=dict)    # op name -> seconds over the timed iterations
+    timed_iterations: int = 0
+
+
+def budget_for(job: TrainingJob, fraction: float | None) -> int:
+    """``fraction`` of the job's vanilla peak, at least its largest working set (None: 4 x the peak)."""
+    if fraction is None:
+        return 4 * job.vanilla_peak_nbytes
+    return max(int(job.vanilla_peak_nbytes * fraction), job.min_working_set_nbytes)
+
+
+def ours(w: Workload, x, y, fraction: float | None, cost: CostModel) -> Measured:
+    """Train one epoch of ``x``/``y`` through the executor under ``fraction`` of the vanilla peak.
+    Each op's measured seconds are taken from the scheduler's ``after`` hook."""
+    options = models.parse_options({"epochs": 1, "batch_size": w.batch, "standardize": False})
+    job = TrainingJob(JobInfo(0, "bench", w.name), w.spec, options, x, y)
+    budget = budget_for(job, fraction)
+    executor = Executor(MemoryManager(Device("cpu"), budget), policy=POLICY, cost=cost)
+    n_ops, ends, op_s = len(job.program.ops), [], collections.Counter()
+    names = [op.name for op in job.program.ops]
+    hook = executor.scheduler.after
+
+    def after(j, position: int, seconds: float) -> None:
+        hook(j, position, seconds)
+        if j.iterations >= 1:                       # j.iterations: iterations completed before this op's
+            op_s[names[position]] += seconds
+        if position == n_ops - 1:
+            ends.append(time.perf_counter())
+
+    executor.scheduler.after = after
     executor.start()
-    t0 = time.perf_counter()
-    executor.submit(job)
-    while job.events.get()[0] == "progress":
-        pass
-    elapsed = time.perf_counter() - t0
-    if job.error:
-        raise job.error
-    return job.steps_per_epoch * BATCH * epochs / elapsed, {
-        "budget": budget, "peak": job.memory.peak_nbytes, "swapped": job.memory.swapped_out_nbytes,
-        "vanilla": job.vanilla_peak_nbytes}
+    try:
+        executor.submit(job)
+        while (event := job.events.get(timeout=600))[0] == "progress":
+            pass
+    finally:
+        executor.stop()
+    if event[0] != "done":
+        raise RuntimeError(f"{w.name} at {fraction or 'unlimited'} budget failed: {event[1]!r}")
+    timed = len(ends) - 1
+    mem = job.memory
+    return Measured(w.batch * timed / (ends[-1] - ends[0]), budget, mem.peak_nbytes,
+                    mem.swapped_out_nbytes / len(ends), mem.recomputes / len(ends),
+                    (ends[-1] - ends[0]) / timed, dict(op_s), timed)
 
 
-def pytorch(x, y, epochs: int) -> float:
+def pytorch(w: Workload, x, y, threads: int) -> Measured:
+    """The same training in PyTorch on ``threads`` threads; samples/s after the first iteration."""
     import torch
 
-    widths = [FEATURES] + [layer["dense"] for layer in ARCHITECTURE["layers"]]
-    layers: list = []
-    for a, b in zip(widths[:-1], widths[1:]):
-        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    net = torch.nn.Sequential(*layers, torch.nn.Linear(widths[-1], CLASSES))
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    net = cnn.torch_module(w.spec.network)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y).long()
-    steps = len(x) // BATCH
-    gen = torch.Generator().manual_seed(0)
-    t0 = time.perf_counter()
-    for _ in range(epochs):
-        order = torch.randperm(len(x), generator=gen)
-        for i in range(steps):
-            idx = order[i * BATCH:(i + 1) * BATCH]
-            opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(net(xt[idx]), yt[idx]).backward()
-            opt.step()
-    return steps * BATCH * epochs / (time.perf_counter() - t0)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    ends = []
+    for i in range(len(x) // w.batch):
+        idx = order[i * w.batch:(i + 1) * w.batch]
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(net(xt[idx]), yt[idx]).backward()
+        opt.step()
+        ends.append(time.perf_counter())
+    return Measured(w.batch * (len(ends) - 1) / (ends[-1] - ends[0]))
+
+
+def configurations(w: Workload) -> list[tuple[str, float | None]]:
+    """("pytorch", None), then ("ours", fraction) per budget."""
+    return [("pytorch", None)] + [("ours", f) for f in w.fractions]
+
+
+def spread(values) -> str:
+    return f"{min(values):,.0f} to {max(values):,.0f}"
+
+
+def decided(low: float, high: float, target: float) -> str:
+    """PASS when the whole spread is at or above ``target``, FAIL when below, else not decided."""
+    return "PASS" if low >= target else "FAIL" if high < target else "not decided"
+
+
+def label(w: Workload, kind: str, fraction: float | None, job_budget: int, vanilla: int) -> str:
+    if kind == "pytorch":
+        return "PyTorch 2.13, CPU"
+    if fraction is None:
+        return "tensile_db, unlimited"
+    actual = job_budget / vanilla
+    raised = f", raised to the largest working set: {actual:.0%}" if actual > fraction + 0.005 else ""
+    return f"tensile_db, {fraction:.0%} of the vanilla peak{raised}"
+
+
+def report(w: Workload, runs: dict) -> None:
+    """The workload's table, its target line (CNN) and the profile of our unlimited runs."""
+    spec = w.spec
+    options = models.parse_options({"epochs": 1, "batch_size": w.batch})
+    probe = TrainingJob(JobInfo(0, "bench", w.name), spec, options, *w.data(w.batch))
+    vanilla = probe.vanilla_peak_nbytes
+    base = [m.samples_per_s for m in runs[("pytorch", None)]]
+    repeats = len(base)
+    print(f"\n## {w.name}: {cnn.describe(w.architecture)}, {spec.n_parameters():,} parameters (the same in "
+          f"PyTorch), batch {w.batch}, Adam, float32, {w.iterations} timed iterations per run after one untimed, "
+          f"{repeats} repeats; vanilla peak {vanilla:,} bytes, largest working set "
+          f"{probe.min_working_set_nbytes:,} bytes ({probe.min_working_set_nbytes / vanilla:.0%})\n")
+    rows = []
+    for kind, fraction in configurations(w):
+        ms = runs[(kind, fraction)]
+        rates = [m.samples_per_s for m in ms]
+        ratios = [m.samples_per_s / b for m, b in zip(ms, base)]
+        mem = kind == "ours"
+        rows.append([label(w, kind, fraction, ms[0].budget_nbytes, vanilla), f"{statistics.median(rates):,.0f}",
+                     spread(rates),
+                     "-" if not mem else f"{statistics.median(ratios):.2f} ({min(ratios):.2f} to {max(ratios):.2f})",
+                     f"{ms[0].budget_nbytes:,}" if mem else "-", f"{max(m.peak_nbytes for m in ms):,}" if mem else "-",
+                     f"{statistics.median(m.swapped_out_nbytes_per_it for m in ms) / MiB:.1f}" if mem else "-",
+                     f"{statistics.median(m.recomputes_per_it for m in ms):.1f}" if mem else "-"])
+    print(tabulate(rows, headers=["runtime", "samples/s (median)", "spread (min to max)", "ours / PyTorch",
+                                  "budget bytes", "peak device bytes", "swapped out MiB / iteration",
+                                  "recomputes / iteration"],
+                   tablefmt="github", disable_numparse=True, colalign=("left",) + ("right",) * 7))
+    if w.name == "CNN":
+        ratios = [m.samples_per_s / b for m, b in zip(runs[("ours", None)], base)]
+        print(f"\nTarget: CNN samples/s at least {CNN_TARGET_RATIO}x PyTorch's, unlimited: ours / PyTorch "
+              f"{statistics.median(ratios):.2f} (spread {min(ratios):.2f} to {max(ratios):.2f}): "
+              f"{decided(min(ratios), max(ratios), CNN_TARGET_RATIO)}")
+    profile(w, runs)
+
+
+def profile(w: Workload, runs: dict) -> None:
+    """Where our time goes (unlimited budget): the op seconds per iteration of the run of median
+    samples/s, grouped by op kind; then the ops' share of the wall time, per budget (medians)."""
+    ms = runs[("ours", None)]
+    m = sorted(ms, key=lambda r: r.samples_per_s)[(len(ms) - 1) // 2]
+    by_kind: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for name, seconds in m.op_s.items():
+        by_kind[cnn.op_kind(name)][0] += seconds
+        by_kind[cnn.op_kind(name)][1] += 1
+    total = sum(s for s, _ in by_kind.values())
+    rows, cumulative = [], 0.0
+    for kind, (seconds, count) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
+        cumulative += seconds
+        rows.append([kind, count, f"{1e3 * seconds / m.timed_iterations:.2f}", f"{seconds / total:.1%}",
+                     f"{cumulative / total:.1%}"])
+    print(f"\nProfile of tensile_db, {w.name}, unlimited budget: the run of median samples/s ({m.timed_iterations} "
+          "timed iterations; op times as the executor measures them, around each op's arithmetic):\n")
+    print(tabulate(rows, headers=["op kind", "ops per iteration", "ms per iteration", "share of op time",
+                                  "cumulative"], tablefmt="github", disable_numparse=True,
+                   colalign=("left", "right", "right", "right", "right")))
+    print()
+    for kind, fraction in configurations(w)[1:]:
+        ms = runs[(kind, fraction)]
+        wall = statistics.median(m.wall_s_per_it for m in ms)
+        in_ops = statistics.median(sum(m.op_s.values()) / m.timed_iterations for m in ms)
+        print(f"- {'unlimited' if fraction is None else f'{fraction:.0%} budget'}: {1e3 * wall:.1f} ms per iteration "
+              f"(median), of which {1e3 * in_ops:.1f} ms in the ops' arithmetic ({in_ops / wall:.0%}); the rest is "
+              "the executor, memory manager, scheduler, swap waits and recomputes")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=32768)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="runs of every configuration, interleaved")
+    parser.add_argument("--quick", action="store_true", help="a quarter of the iterations per run")
     args = parser.parse_args()
-    x, y = data(args.samples)
-    import torch
-
-    pytorch(x[:4096], y[:4096], 1)                 # warm-up
-    ours(x[:4096], y[:4096], 1, None)
-    rows = [["PyTorch 2.13 (CPU)", pytorch(x, y, args.epochs), "-", "-", "-"]]
-    for label, fraction in (("tensile_db, unlimited budget", None), ("tensile_db, 70% budget", 0.7),
-                            ("tensile_db, 50% budget", 0.5)):
-        rate, mem = ours(x, y, args.epochs, fraction)
-        rows.append([label, rate, f"{mem['budget']:,}", f"{mem['peak']:,}", f"{mem['swapped']:,}"])
-    print(f"MLP {FEATURES}-{'-'.join(str(l['dense']) for l in ARCHITECTURE['layers'])}-{CLASSES}, batch {BATCH}, Adam, "
-          f"{args.samples:,} samples x {args.epochs} epochs, float32, {torch.get_num_threads()} torch threads; "
-          f"unscheduled peak {mem['vanilla']:,} bytes")
-    print(tabulate(rows, headers=["runtime", "samples/s", "budget bytes", "peak device bytes", "swapped out bytes"],
-                   floatfmt=",.0f", colalign=("left", "right", "right", "right", "right")))
+    started = time.perf_counter()
+    threads = cnn.blas_threads()
+    probe = MemoryManager(Device("cpu"), 64 * MiB)
+    cost = measure_bandwidth(probe.device, probe.engine)
+    probe.close()
+    loads = workloads(args.quick)
+    data = {w.name: w.arrays() for w in loads}
+    for w in loads:                                            # warm-up: imports, first-touch of the kernels
+        small = (data[w.name][0][:2 * w.batch], data[w.name][1][:2 * w.batch])
+        pytorch(w, *small, threads)
+        ours(w, *small, None, cost)
+    runs: dict[str, dict] = {w.name: collections.defaultdict(list) for w in loads}
+    for r in range(args.repeats):
+        for w in loads:
+            order = configurations(w)
+            for kind, fraction in order if r % 2 == 0 else order[::-1]:
+                m = pytorch(w, *data[w.name], threads) if kind == "pytorch" else ours(w, *data[w.name], fraction, cost)
+                runs[w.name][(kind, fraction)].append(m)
+    print(f"# Training throughput on {cnn.machine()}\n")
+    print(f"PyTorch runs with torch.set_num_threads({threads}), the threads of the BLAS behind our matrix "
+          "products (our elementwise kernels run on one thread). Our runs: the coordinator's executor, "
+          f"policy {POLICY}, swaps to host memory at {cost.d2h_bytes_per_s / 1e9:.1f} GB/s out and "
+          f"{cost.h2d_bytes_per_s / 1e9:.1f} GB/s in (measured once). Wall-clock times: noisy where other "
+          "work shares the machine; hence medians and spreads over interleaved repeats.")
+    for w in loads:
+        report(w, runs[w.name])
+    print(f"\nBenchmark took {time.perf_counter() - started:.0f} s.")
 
 
 if __name__ == "__main__":
