@@ -44,7 +44,7 @@ MODELS = {
                     {}, 0.95),
     "digits_deep": ({"layers": [{"dense": 256}, {"dense": 256}, {"dense": 128}, {"dense": 64}]}, {}, 0.95),
     "digits_tanh": ({"layers": [{"dense": 384, "activation": "tanh"}, {"dense": 128, "activation": "sigmoid"}]}, {}, 0.95),
-    "digits_cnn": (CNN, {"epochs": 20, "batch_size": 32, "lr": 0.002}, 0.97),
+    "digits_cnn": (CNN, {"batch_size": 64, "lr": 0.003}, 0.97),
 }
 FEATURES = [f"p{i}" for i in range(64)]
 

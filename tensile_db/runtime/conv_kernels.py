@@ -87,7 +87,8 @@ class ConvGeometry:
 
     @property
     def padded_shape(self) -> tuple[int, int, int, int]:
-        """Workspace: the zero-padded input (B, C, H + 2·PH, W + 2·PW)."""
+        """Workspace: the zero-padded input (B, C, H + 2·PH, W + 2·PW); the convolution keeps it
+        channels first, (C, B, H + 2·PH, W + 2·PW), in the same elements."""
         return self.batch, self.channels, self.height + 2 * self.padding[0], self.width + 2 * self.padding[1]
 
     @property
@@ -119,32 +120,52 @@ def _pad_into(x, padded, geometry: ConvGeometry, fill=0) -> None:
     padded[:, :, ph:ph + geometry.height, pw:pw + geometry.width] = x
 
 
+def _channels_first(padded, geometry: ConvGeometry):
+    """The convolution's padded-input workspace (B, C, HP, WP) read as (C, B, HP, WP): the
+    convolution keeps its padded input channels first, so that im2col and col2im copy whole
+    image rows in the order of the columns' rows (one transposing copy of the input instead of
+    one per kernel offset)."""
+    b, c, hp, wp = geometry.padded_shape
+    return padded.reshape(c, b, hp, wp)
+
+
 # --- convolution ---------------------------------------------------------------------------------
 
 
-def _im2col(geometry: ConvGeometry, padded, cols, group: int) -> None:
+def _im2col(geometry: ConvGeometry, padded_cf, cols, group: int) -> None:
     """Fill ``cols`` (C/g·KH·KW, B·OH·OW) with one group's receptive fields: row (c, i, j) holds
     input channel c under kernel offset (i, j) of every window. One copy of a (C/g, B, OH, OW)
-    slab per kernel offset, whose innermost axis is a row of the image."""
+    slab per kernel offset from the channels-first padded input, whose innermost axis is a row of
+    the image."""
     cg = geometry.channels // geometry.groups
     kh, kw = geometry.kernel
     bsz, _, oh, ow = geometry.out_shape
     rows = cols.reshape(cg, kh, kw, bsz, oh, ow)
-    source = padded[:, group * cg:(group + 1) * cg]
+    source = padded_cf[group * cg:(group + 1) * cg]
     for i in range(kh):
         for j in range(kw):
-            rows[:, i, j] = geometry.tap(source, i, j).transpose(1, 0, 2, 3)
+            rows[:, i, j] = geometry.tap(source, i, j)
+
+
+def _pad_channels_first(x, padded, geometry: ConvGeometry):
+    """Zero-pad ``x`` (B, C, H, W) into the workspace, channels first; returns that view."""
+    ph, pw = geometry.padding
+    padded_cf = _channels_first(padded, geometry)
+    if ph or pw:
+        padded_cf.fill(0)
+    padded_cf[:, :, ph:ph + geometry.height, pw:pw + geometry.width] = x.transpose(1, 0, 2, 3)
+    return padded_cf
 
 
 def conv2d_forward(x, w, b, out, geometry: ConvGeometry, padded, cols, product) -> None:
     """``out = conv2d(x, w) + b``. x: (B, C, H, W), w: (O, C/g, KH, KW), b: (O,) or None,
     out: (B, O, OH, OW); ``padded``, ``cols``, ``product``: the workspaces of ``geometry``."""
     xp = array_module(x)
-    _pad_into(x, padded, geometry)
+    padded_cf = _pad_channels_first(x, padded, geometry)
     og = geometry.out_channels // geometry.groups
     bsz, _, oh, ow = geometry.out_shape
     for g in range(geometry.groups):
-        _im2col(geometry, padded, cols, g)
+        _im2col(geometry, padded_cf, cols, g)
         xp.matmul(w[g * og:(g + 1) * og].reshape(og, -1), cols, out=product)
         out[:, g * og:(g + 1) * og] = product.reshape(og, bsz, oh, ow).transpose(1, 0, 2, 3)
     if b is not None:
@@ -156,7 +177,7 @@ def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, padded, cols, 
     scratch (the workspaces of ``geometry``). Writes dw: (O, C/g, KH, KW), db: (O,) unless None,
     and dx: (B, C, H, W) unless None."""
     xp = array_module(dy)
-    _pad_into(x, padded, geometry)
+    padded_cf = _pad_channels_first(x, padded, geometry)
     og = geometry.out_channels // geometry.groups
     cg = geometry.channels // geometry.groups
     bsz, _, oh, ow = geometry.out_shape
@@ -164,22 +185,22 @@ def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, padded, cols, 
     if db is not None:
         xp.sum(dy, axis=(0, 2, 3), out=db)
     for g in range(geometry.groups):
-        _im2col(geometry, padded, cols, g)
+        _im2col(geometry, padded_cf, cols, g)
         product.reshape(og, bsz, oh, ow)[...] = dy[:, g * og:(g + 1) * og].transpose(1, 0, 2, 3)
         xp.matmul(product, cols.T, out=dw[g * og:(g + 1) * og].reshape(og, -1))
     if dx is None:
         return
-    padded.fill(0)
+    padded_cf.fill(0)
     for g in range(geometry.groups):
         product.reshape(og, bsz, oh, ow)[...] = dy[:, g * og:(g + 1) * og].transpose(1, 0, 2, 3)
         xp.matmul(w[g * og:(g + 1) * og].reshape(og, -1).T, product, out=cols)
         rows = cols.reshape(cg, kh, kw, bsz, oh, ow)
-        target = padded[:, g * cg:(g + 1) * cg]
+        target = padded_cf[g * cg:(g + 1) * cg]
         for i in range(kh):                                 # col2im: one strided add per kernel offset
             for j in range(kw):
-                geometry.tap(target, i, j)[...] += rows[:, i, j].transpose(1, 0, 2, 3)
+                geometry.tap(target, i, j)[...] += rows[:, i, j]
     ph, pw = geometry.padding
-    dx[...] = padded[:, :, ph:ph + geometry.height, pw:pw + geometry.width]
+    dx[...] = padded_cf[:, :, ph:ph + geometry.height, pw:pw + geometry.width].transpose(1, 0, 2, 3)
 
 
 # --- pooling -------------------------------------------------------------------------------------
@@ -204,7 +225,7 @@ def max_pool_forward(x, out, argmax, geometry: ConvGeometry, padded) -> None:
         v = geometry.tap(padded, offset // kw, offset % kw)
         larger = v > out
         xp.copyto(out, v, where=larger)
-        argmax[larger] = offset
+        xp.copyto(argmax, offset, where=larger)
 
 
 def max_pool_backward(dy, argmax, dx, geometry: ConvGeometry, padded) -> None:
