@@ -22,7 +22,7 @@ from tensile_db.errors import InvalidArgument
 from tensile_db.memory.arena import UNIT_NBYTES
 from tensile_db.memory.manager import MemoryManager, Residency
 from tensile_db.runtime.device import Device
-from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
+from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions, parse_architecture
 from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.program import Op
 from tensile_db.scheduler import POLICIES
@@ -289,6 +289,19 @@ def test_vdnn_swaps_every_layer_input():
     inputs = {op.reads[0] for op in seq.program.ops if op.name.startswith("dense") and "backward" not in op.name}
     assert {d.slot for d in plan.decisions} == inputs
     assert {d.method for d in plan.decisions} == {"swap"}
+
+
+def test_vdnn_swaps_the_input_of_every_convolution_too():
+    arch = {"input": {"shape": [2, 8, 8]}, "layers": [
+        {"conv": 4, "padding": 1}, {"conv": 4, "padding": 1}, {"max_pool": 2}, {"conv": 8}, {"dense": 6}]}
+    spec = ModelSpec(parse_architecture(arch), 128, 3, "classification")
+    seq = sequence(spec, TrainOptions(), batch=4)
+    tl = Timeline([JobTrace(1, seq)])
+    plan = plan_vdnn(tl, FAST)
+    _assert_valid(plan, tl)
+    layers = [op for op in seq.program.ops if op.name.startswith(("conv", "dense")) and "backward" not in op.name]
+    assert len(layers) == 5
+    assert {d.slot for d in plan.decisions} == {op.reads[0] for op in layers}
 
 
 def test_unknown_policy_is_refused():

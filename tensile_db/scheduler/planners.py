@@ -21,7 +21,8 @@ actions are keyed by period position, so each iteration gets its own swaps and r
   section IV): at the peak, rank the swappable tensors by duration of absence, by area of absence
   (bytes x duration) and by size, and swap the one with the best summed rank (a Borda majority
   vote of the three scores); swaps only, no recompute, each timed as above.
-- :func:`plan_vdnn` (Rhu et al., vDNN, MICRO 2016, "vDNN_all"): every layer's input is swapped out
+- :func:`plan_vdnn` (Rhu et al., vDNN, MICRO 2016, "vDNN_all"): every layer's (dense layer's or
+  convolution's) input is swapped out
   after its last forward use, released when the next layer's forward starts, and prefetched when
   the backward pass of the layer above starts, whatever the budget.
 """
@@ -275,14 +276,15 @@ def plan_vdnn(timeline: Timeline, cost: CostModel, target_nbytes: int | None = N
         prog = timeline.program(job_id)
         names = [op.name for op in prog.ops]
         first_backward = next(i for i, n in enumerate(names) if n.endswith("_backward"))
-        dense = [i for i, n in enumerate(names) if n.startswith("dense") and not n.endswith("_backward")]
-        for layer, p in enumerate(dense):
+        # The layers: dense layers and convolutions, in forward order.
+        layers = [i for i, n in enumerate(names) if n.startswith(("dense", "conv")) and not n.endswith("_backward")]
+        for k, p in enumerate(layers):
             slot = prog.ops[p].reads[0]
             pos = prog.positions[slot]
             pa = max(q for q in pos if q < first_backward)
             pb = min(q for q in pos if q >= first_backward)
-            free = next((q for q in dense if q > pa), first_backward - 1)
-            above = f"dense{layer + 1}_backward"
+            free = next((q for q in layers if q > pa), first_backward - 1)
+            above = f"{names[layers[k + 1]]}_backward" if k + 1 < len(layers) else None
             back = names.index(above) if above in names else first_backward
             if not pa < free < back <= pb:
                 continue
