@@ -213,7 +213,10 @@ def max_pool_forward(x, out, argmax, geometry: ConvGeometry, padded) -> None:
     ``geometry``: a window geometry whose output channels are C; ``padded``: its padded-input
     workspace."""
     xp = array_module(x)
-    _pad_into(x, padded, geometry, fill=-np.inf)
+    if any(geometry.padding):
+        _pad_into(x, padded, geometry, fill=-np.inf)
+    else:                                                   # no padding: the windows are views of x
+        padded = x
     kh, kw = geometry.kernel
     out[...] = geometry.tap(padded, 0, 0)
     if argmax is None:                                      # inference: no backward pass follows
@@ -241,7 +244,10 @@ def max_pool_backward(dy, argmax, dx, geometry: ConvGeometry, padded) -> None:
 
 def avg_pool_forward(x, out, geometry: ConvGeometry, padded) -> None:
     """Mean over each window, zero padding counted (PyTorch's ``count_include_pad=True``)."""
-    _pad_into(x, padded, geometry)
+    if any(geometry.padding):
+        _pad_into(x, padded, geometry)
+    else:
+        padded = x
     kh, kw = geometry.kernel
     out.fill(0)
     for i in range(kh):
