@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from . import conv_kernels as ck
 from . import kernels
 from .model import ModelSpec, TrainOptions
@@ -55,6 +53,7 @@ class _Builder:
         self.out: dict[int, str] = {}              # node (or INPUT) -> the slot its readers read
         self.grad: dict[int, str] = {}             # node -> the gradient slot of ``out[node]``
         self.temps = 0
+        self.pending: list[tuple[int, str]] = []   # (node, temporary) contributions not yet added in
         needs: dict[int, bool] = {INPUT: False}    # does a parameter depend on the node's output?
         for node in self.net.nodes:
             needs[node.index] = bool(node.params) or any(needs[j] for j in node.inputs)
@@ -166,7 +165,7 @@ class _Builder:
         elif node.op == "dropout":
             self.dropout(i, inp, h, node.dropout)
         else:                                               # flatten, or an activation node's copy
-            self.op(f"{node.op}{i}", (inp,), (h,), lambda a, ctx: a[h].__setitem__(..., a[inp].reshape(a[h].shape)))
+            self.op(f"{node.op}{i}", (inp,), (h,), lambda a, ctx: _copy_into(a[inp], a[h]))
         self.out[i] = h
         if node.activation != "none":
             fwd = kernels.ACTIVATIONS[node.activation][0]
@@ -261,7 +260,9 @@ class _Builder:
             kept = [(t, self.slots[s].shape) for t, s in zip(targets, ins)]
             writes = tuple(dict.fromkeys(t for t in targets if t))
             if node.op == "add":
-                run = lambda a, ctx: [a[t].__setitem__(..., a[g]) for t in writes]   # noqa: E731
+                def run(a, ctx):
+                    for t in writes:
+                        _copy_into(a[g], a[t])
             else:
                 def run(a, ctx):
                     start = 0
@@ -273,8 +274,7 @@ class _Builder:
                 self.op(f"{node.op}{i}_backward", (g,), writes, run)
             self.accumulate(node.inputs[1:])
         else:                                               # flatten, or an activation node's copy
-            self.op(f"{node.op}{i}_backward", (g,), outs,
-                    lambda a, ctx: a[dx].__setitem__(..., a[g].reshape(a[dx].shape)))
+            self.op(f"{node.op}{i}_backward", (g,), outs, lambda a, ctx: _copy_into(a[g], a[dx]))
         self.accumulate(node.inputs[:1])
 
     def contribution(self, j: int) -> str | None:
@@ -292,19 +292,13 @@ class _Builder:
         self.pending.append((j, name))
         return name
 
-    @property
-    def pending(self) -> list:
-        return self.__dict__.setdefault("_pending", [])
-
     def accumulate(self, inputs) -> None:
         """Add every pending temporary contribution of ``inputs`` into their gradient slots."""
         for j, name in [p for p in self.pending if p[0] in inputs]:
             self.pending.remove((j, name))
             total = self.grad[j]
             self.op(f"accumulate_{total}", (total, name), (total,),
-                    lambda a, ctx, total=total, name=name: np.add(a[total], a[name], out=a[total])
-                    if isinstance(a[total], np.ndarray) else kernels.array_module(a[total]).add(
-                        a[total], a[name], out=a[total]))
+                    lambda a, ctx, total=total, name=name: ck.add_forward(a[total], a[name], a[total]))
 
     # -- optimizer ----------------------------------------------------------------------------------
 
@@ -325,3 +319,8 @@ class _Builder:
                     self.op(f"sgd_{p}", (p, grad, vel), (p, grad, vel),
                             lambda a, ctx, p=p, grad=grad, vel=vel: kernels.sgd_update(
                                 a[p], a[grad], a[vel], lr, options.momentum, wd))
+
+
+def _copy_into(src, dst) -> None:
+    """``dst[...] = src`` in ``dst``'s shape (flatten, and the gradients of a join)."""
+    dst[...] = src.reshape(dst.shape)
