@@ -227,8 +227,8 @@ def max_pool_forward(x, out, argmax, geometry: ConvGeometry, padded) -> None:
     for offset in range(1, kh * kw):                        # the first maximum wins, as in PyTorch
         v = geometry.tap(padded, offset // kw, offset % kw)
         larger = v > out
-        xp.copyto(out, v, where=larger)
-        xp.copyto(argmax, offset, where=larger)
+        xp.maximum(out, v, out=out)
+        argmax[...] = xp.where(larger, offset, argmax)      # a select: masked copies were 10x slower
 
 
 def max_pool_backward(dy, argmax, dx, geometry: ConvGeometry, padded) -> None:
