@@ -238,8 +238,25 @@ def test_bad_width_message():
 
 
 def test_width_limits_accepted():
-    zoo.expand("densenet121", {"width": 4})
-    zoo.expand("densenet121", {"width": 1e-9})
+    def channels(width):
+        _, layers = zoo.expand("densenet121", {"width": width})
+        found = []
+
+        def visit(items):
+            for layer in items:
+                if "conv" in layer:
+                    found.append(layer["conv"])
+                for branch in ([layer["residual"], layer.get("shortcut", [])] if "residual" in layer
+                               else layer.get("concat", [])):
+                    visit(branch)
+
+        visit(layers)
+        return found
+
+    full, widest, narrowest = channels(1.0), channels(4), channels(1e-9)
+    assert widest[0] == 4 * full[0] == 256                   # the stem: 64 features, four times
+    assert narrowest[0] == 1 and len(narrowest) == len(full)  # the stem floors at 1; the structure stays
+    assert all(n < f for n, f in zip(narrowest, full))
 
 
 def test_unknown_option():
