@@ -102,9 +102,14 @@ class ConvGeometry:
         """Workspace: one group's matrix product (O/g, B·OH·OW)."""
         return self.out_channels // self.groups, self.batch * self.out_height * self.out_width
 
+    @property
+    def workspace_nelems(self) -> int:
+        """Elements of the three workspaces (padded input, columns, product) together."""
+        return sum(int(np.prod(s)) for s in (self.padded_shape, self.cols_shape, self.product_shape))
+
     def workspace_nbytes(self, itemsize: int) -> int:
         """Bytes of the three workspaces at ``itemsize`` bytes per element."""
-        return itemsize * sum(int(np.prod(s)) for s in (self.padded_shape, self.cols_shape, self.product_shape))
+        return itemsize * self.workspace_nelems
 
     def tap(self, padded, i: int, j: int):
         """(B, C, OH, OW): the input element under kernel offset (i, j) of every window, as a

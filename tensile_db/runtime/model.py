@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from . import network as networks
-from .network import ACTIVATIONS, MAX_WIDTH, Layer  # noqa: F401  (re-exported: the MLP's layer)
+from .network import MAX_WIDTH, Layer, _shown  # noqa: F401  (re-exported: the MLP's layer, its width limit)
 
 TASKS = ("classification", "regression")
 OPTIMIZERS = ("adam", "sgd")
@@ -225,12 +225,6 @@ def _input_shape(value) -> tuple[int, ...]:
                               f"sides from 1 to {MAX_INPUT_SIDE} and at most {MAX_INPUT_VALUES:,} values, got "
                               f"{_shown(value)}")
     return tuple(shape)
-
-
-def _shown(value) -> str:
-    """A JSON value as the user wrote it, cut to a readable length."""
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def check_float32(key: str, value) -> float:

@@ -18,6 +18,7 @@ normalisation. An MLP's nodes are its dense layers, so its weights are ``W0, b0,
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -135,8 +136,7 @@ LAYER_KINDS = tuple(_KEYS) + ("activation", "dropout")
 
 
 def _shown(value) -> str:
-    import json
-
+    """A JSON value as the user wrote it, cut to a readable length (for error messages)."""
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -348,20 +348,10 @@ class Node:
         """float32 elements of the forward pass's workspace at ``batch`` rows (0: none): the
         convolution's padded input, im2col matrix and product, or a pool's padded input."""
         if self.op == "conv":
-            g = self.geometry(batch)
-            return sum(math.prod(s) for s in (g.padded_shape, g.cols_shape, g.product_shape))
+            return self.geometry(batch).workspace_nelems
         if self.op in ("max_pool", "avg_pool"):
             return math.prod(self.geometry(batch).padded_shape)
         return 0
-
-    def flops(self, batch: int) -> int:
-        """Multiply-adds of the forward pass at ``batch`` rows, times two (floating-point ops)."""
-        if self.op == "dense":
-            return 2 * batch * self.in_shapes[0][0] * self.shape[0]
-        if self.op == "conv":
-            g = self.geometry(batch)
-            return 2 * math.prod(g.out_shape) * math.prod(g.weight_shape[1:])
-        return batch * math.prod(self.shape)
 
 
 def conv_workspaces(geometry: ck.ConvGeometry, flat):
