@@ -126,11 +126,13 @@ class Executor:
             with self._cond:
                 if self._stopping and not self.running:
                     return
-                while self.queued and len(self.running) < self.max_active_jobs:
+                while self.queued and len(self.running) < self.max_active_jobs and self._due(self.queued[0]):
                     self._admit(self.queued.popleft())
                 if not self.running:
-                    if not self._stopping:
-                        self._cond.wait()
+                    if self.queued and self.manager.device.simulated:       # idle until it arrives
+                        self.manager.device.clock.idle_until(self.queued[0].arrival_s)
+                    elif not self._stopping:
+                        self._cond.wait(None if not self.queued else 0.01)
                     continue
                 if self._repace:
                     self._set_paces()
@@ -173,6 +175,10 @@ class Executor:
                         self.scheduler.at_iteration(job, pace.iteration)
             self.round += 1
 
+    def _due(self, job: TrainingJob) -> bool:
+        """Whether the device clock has reached the job's arrival time (if it has one)."""
+        return job.arrival_s is None or self.manager.device.now() >= job.arrival_s
+
     def describe(self) -> dict:
         """The scheduler's figures for ``tensile.memory`` (see :meth:`Scheduler.describe`)."""
         return self.scheduler.describe()
@@ -214,6 +220,7 @@ class Executor:
         self._pace[job.id].start += self.scheduler.stagger(job, phases, self.period, self.round, repeats)
         self.scheduler.at_iteration(job, 0)
         job.state, job.started_at = JobState.RUNNING, time.time()
+        job.device_started_s = self.manager.device.now()
         self.running[job.id] = (job, job.ops(self.manager, self.manager.device, self.scheduler))
 
     def _finish(self, job: TrainingJob, state: JobState, error: BaseException | None = None) -> None:
@@ -224,4 +231,5 @@ class Executor:
         self.scheduler.forget(job)
         job.memory = self.manager.release_job(job.id)
         job.state, job.error, job.finished_at = state, error, time.time()
+        job.device_finished_s = self.manager.device.now()
         job.events.put(("done", None) if state is JobState.DONE else ("error", error))

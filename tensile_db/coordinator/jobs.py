@@ -83,6 +83,11 @@ class TrainingJob:
         self.created_at = time.time()
         self.started_at: float | None = None
         self.finished_at: float | None = None
+        # On the device's clock (Device.now(), seconds; virtual on ``sim``): admitted no earlier
+        # than ``arrival_s`` when it is set, and when it started and finished.
+        self.arrival_s: float | None = None
+        self.device_started_s: float | None = None
+        self.device_finished_s: float | None = None
         self.error: BaseException | None = None
         self.result: dict[str, np.ndarray] | None = None
         self.events: queue.Queue = queue.Queue()
@@ -115,10 +120,14 @@ class TrainingJob:
         seconds)`` after it, with the op's measured compute time in seconds. On completion
         ``self.result`` holds the trained weights and scaling on the host.
         """
-        weights = models.init_weights(self.spec, self.options.seed)
+        if device.simulated:             # no values: the weights and state have shapes only
+            weights = {name: device.host_empty(shape, np.float32) for name, shape in self.spec.network.weight_shapes().items()}
+        else:
+            weights = models.init_weights(self.spec, self.options.seed)
         for name, slot in self.program.slots.items():
             if slot.kind.persistent:
-                value = weights[name] if name in weights else np.zeros(slot.shape, slot.dtype)
+                value = (weights[name] if name in weights else device.host_empty(slot.shape, slot.dtype)
+                         if device.simulated else np.zeros(slot.shape, slot.dtype))
                 self.tensors[name] = mm.adopt(self.id, name, slot.kind, value)
         rng = np.random.default_rng(self.options.seed)
         ctx = StepContext(device)
@@ -168,10 +177,9 @@ class TrainingJob:
         try:
             arrays = {s: mm.array(self.tensors[s]) for s in op.accesses}
             with mm.device.computing():
-                start = time.perf_counter()
-                op.run(arrays, ctx)
-                mm.device.synchronize()
-                seconds = time.perf_counter() - start
+                start = mm.device.now()
+                mm.device.execute(op, arrays, ctx)
+                seconds = mm.device.now() - start
             loss = float(arrays["loss"][0]) if "loss" in op.writes else None
         finally:
             mm.unpin(live + created)
@@ -200,7 +208,7 @@ class TrainingJob:
             try:
                 arrays = {t.slot: mm.array(t) for t in live + created}
                 with mm.device.computing():
-                    op.run(arrays, ctx)
+                    mm.device.execute(op, arrays, ctx)
             finally:
                 mm.unpin(live + created)
                 for t in created:

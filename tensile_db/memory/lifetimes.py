@@ -117,7 +117,8 @@ def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="la
         hit = np.zeros(len(seg_owner), dtype=bool)
         for s, e in a.segments:
             hit |= (seg_start <= e) & (s <= seg_end)
-        owners = np.unique(seg_owner[hit & placed])
+        owners = seg_owner[hit & placed]                 # ascending: segments are in placement order
+        owners = owners[np.concatenate(([True], owners[1:] != owners[:-1]))] if len(owners) else owners
         lo = offsets[owners]
         rank = np.argsort(lo, kind="stable")
         lo, hi = lo[rank], lo[rank] + sizes[owners][rank]
@@ -136,13 +137,14 @@ def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="la
 
 
 def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s: float = 0.0,
-                  seed: int = 0) -> PoolPlan:
+                  seed: int = 0, max_tries: int | None = None) -> PoolPlan:
     """The smallest arena of :func:`plan_offsets` over every order of :data:`ORDERS`, then, for up
     to ``search_s`` seconds, over randomised orders: by size, or by size times lifetime, each
     scaled by a seeded random factor in [0.25, 1.75). Fixed greedy orders can miss by 20% or more
     when sizes and lifetimes are mixed; a plan is made once per schedule, so a short search is
-    affordable. Stops early at the lower bound, :func:`max_live_nbytes`. Deterministic for a given
-    ``seed`` and number of tries."""
+    affordable. Stops early at the lower bound, :func:`max_live_nbytes`, and after ``max_tries``
+    randomised orders when given. Deterministic for a given ``seed`` and number of tries (so with
+    ``max_tries`` and an unbounded ``search_s``)."""
     best = min((plan_offsets(allocs, strategy, order) for order in ORDERS), key=lambda p: p.arena_nbytes)
     bound = max_live_nbytes(allocs)
     keys = (np.array([a.nbytes for a in allocs], dtype=np.float64),
@@ -150,7 +152,7 @@ def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s
     rng = np.random.default_rng(seed)
     deadline = time.perf_counter() + search_s
     tries = 0
-    while best.arena_nbytes > bound and time.perf_counter() < deadline:
+    while best.arena_nbytes > bound and time.perf_counter() < deadline and tries != max_tries:
         weight = keys[tries % 2] * rng.uniform(0.25, 1.75, len(allocs))
         order = [allocs[i] for i in np.lexsort((np.arange(len(allocs)), -weight))]
         plan = plan_offsets(allocs, strategy, order)

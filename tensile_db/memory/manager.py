@@ -101,7 +101,8 @@ class MemoryManager(Residencies):
         self._lock = threading.RLock()           # CuPy temporaries re-enter on cuda
         self._unpinned = threading.Condition(self._lock)   # notified when pins or blocks go
         # guarded by _lock
-        self.pool = PlannedPool(self._install_region, self._dissolve_region, enabled=pool == "planned")
+        self.pool = PlannedPool(self._install_region, self._dissolve_region, enabled=pool == "planned",
+                                synchronous=device.simulated)
         self.eviction = Eviction(self)
         self.cache = WeightCache(self)
 
@@ -165,7 +166,7 @@ class MemoryManager(Residencies):
             if readonly:
                 t.host = host
             else:
-                t.host = np.array(host, order="C", copy=True)
+                t.host = self.device.host_copy(host)
                 self._account(t, host=t.nbytes)
             return t
 

@@ -39,6 +39,7 @@ plan.
 from __future__ import annotations
 
 import collections
+import math
 import concurrent.futures
 import enum
 import logging
@@ -56,6 +57,8 @@ Key = tuple          # (job id, slot, op position)
 MAX_BACKOFF_PERIODS = 64
 #: Seconds the planning thread searches for a smaller packing than the greedy orders find.
 SEARCH_S = 0.1
+#: Randomised orders a synchronous pool tries instead (a time limit would make it non-deterministic).
+SEARCH_TRIES = 4
 #: Boundaries a plan may take on the planning thread before the executor waits for it: the
 #: planning thread competes for the GIL with the executor and can starve.
 PLAN_WAIT_PERIODS = 4
@@ -79,10 +82,14 @@ class PlannedPool:
             moves are :func:`region_layout`'s; the manager performs them.
         dissolve: ``dissolve()`` — the manager turns the region back into general-pool blocks.
         enabled: False for the general pool only (``tensile.pool = 'general'``).
+        synchronous: plan at the boundary that finishes a recording, in the caller's thread, with
+            a search bounded by tries (:data:`SEARCH_TRIES`), not time: the same recording always
+            gives the same plan at the same boundary (the simulated device's determinism).
     """
 
-    def __init__(self, install: Callable, dissolve: Callable, enabled: bool = True):
+    def __init__(self, install: Callable, dissolve: Callable, enabled: bool = True, synchronous: bool = False):
         self.enabled = enabled
+        self.synchronous = synchronous
         self.state = State.IDLE
         self.plan: PoolPlan | None = None            # the installed plan (offsets relative to base)
         self.base = 0                                # arena offset of the region, bytes
@@ -229,7 +236,11 @@ class PlannedPool:
         if allocs is None:
             return "the period's allocations and frees do not pair up"
         self.state, self._planning_periods = State.PLANNING, 0
-        self._planning = self._thread.submit(_plan, allocs)
+        if self.synchronous:
+            self._planning = concurrent.futures.Future()
+            self._planning.set_result(_plan(allocs, math.inf, SEARCH_TRIES))
+        else:
+            self._planning = self._thread.submit(_plan, allocs)
         return None
 
     def _install_planned(self, live: dict[Key, int]) -> str | None:
@@ -374,21 +385,22 @@ def _allocations(events, sizes, start_live) -> list[Allocation] | None:
     return allocs
 
 
-def _plan(allocs: list[Allocation]) -> tuple[list[Allocation], PoolPlan, dict]:
+def _plan(allocs: list[Allocation], search_s: float = SEARCH_S, max_tries: int | None = None
+          ) -> tuple[list[Allocation], PoolPlan, dict]:
     """On the planning thread: the offsets (checked) and the figures reported for them."""
-    plan = plan_smallest(allocs, "best_fit", SEARCH_S)
+    plan = plan_smallest(allocs, "best_fit", search_s, max_tries=max_tries)
     check_plan(allocs, plan)
-    return allocs, plan, _figures(allocs, plan)
+    return allocs, plan, _figures(allocs, plan, search_s / 4, max_tries and max_tries // 4)
 
 
-def _figures(allocs: list[Allocation], plan: PoolPlan) -> dict:
+def _figures(allocs: list[Allocation], plan: PoolPlan, search_s: float, max_tries: int | None) -> dict:
     """Planned arena, lower bound and general-pool high-water mark (highest byte the best-fit
     pool touches on the same trace), for all jobs together and for each job alone."""
     _, general = replay_general_pool(allocs)
     per_job = {}
     for job in sorted({a.key[0] for a in allocs}):
         mine = [a for a in allocs if a.key[0] == job]
-        per_job[job] = {"planned_arena_nbytes": plan_smallest(mine, "best_fit", SEARCH_S / 4).arena_nbytes,
+        per_job[job] = {"planned_arena_nbytes": plan_smallest(mine, "best_fit", search_s, max_tries=max_tries).arena_nbytes,
                         "max_live_nbytes": max_live_nbytes(mine),
                         "general_pool_nbytes": replay_general_pool(mine)[1]}
     return {"planned_arena_nbytes": plan.arena_nbytes, "max_live_nbytes": max_live_nbytes(allocs),

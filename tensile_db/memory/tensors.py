@@ -10,6 +10,7 @@ residency and offset do not change until it is unpinned).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,13 +56,12 @@ class Tensor:
     wanted: int = 0                      # read-only: prefetch windows of running calls that hold it (the weight cache's)
     last_used: int = 0                   # tick of its last acquire (least recently used goes first)
 
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+    nbytes: int = field(init=False)        # from shape and dtype, which never change
+    arena_nbytes: int = field(init=False)  # nbytes rounded up to the arena unit
 
-    @property
-    def arena_nbytes(self) -> int:
-        return round_up(self.nbytes)
+    def __post_init__(self):
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        self.arena_nbytes = round_up(self.nbytes)
 
 
 @dataclass

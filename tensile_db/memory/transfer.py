@@ -3,7 +3,9 @@
 On ``cpu`` a single copy thread performs the copies (NumPy releases the GIL while copying, so they
 overlap the executor's arithmetic on another core). On ``cuda`` copies go to a separate copy
 stream from and to pinned host buffers; a swap-out first waits (on the copy stream) for the work
-already queued on the compute stream, and a :class:`Transfer` completes when its event has.
+already queued on the compute stream, and a :class:`Transfer` completes when its event has. On
+``sim`` a copy is queued on the simulated device's copy engine of its direction
+(:mod:`tensile_db.runtime.simulated`) and completes on its virtual clock.
 
 Copies are issued in order and run one at a time, which is how the scheduler's cost model sees the
 channel (:mod:`tensile_db.scheduler.timeline`).
@@ -38,7 +40,9 @@ class TransferEngine:
 
     def __init__(self, device):
         self.device = device
-        if device.name == "cpu":
+        if device.simulated:
+            pass
+        elif device.name == "cpu":
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-copy")
         else:  # pragma: no cover - cuda only
             import cupy
@@ -47,6 +51,8 @@ class TransferEngine:
 
     def to_host(self, array) -> Transfer:
         """Start copying the device array ``array`` into a new host array (``Transfer.host``)."""
+        if self.device.simulated:
+            return self._sim_copy("d2h", array, self.device.host_empty(array.shape, array.dtype))
         if self.device.name == "cpu":
             host = np.empty(array.shape, array.dtype)
             future = self._pool.submit(np.copyto, host, array)
@@ -58,6 +64,8 @@ class TransferEngine:
         ``cuda``, ``pinned`` says ``host`` is already page-locked (from
         :meth:`~tensile_db.runtime.device.Device.host_empty`), so it is copied from directly,
         not staged; it must not change until the copy completes."""
+        if self.device.simulated:
+            return self._sim_copy("h2d", array)
         if self.device.name == "cpu":
             future = self._pool.submit(np.copyto, array, host)
             return Transfer(future.done, future.result)
@@ -66,6 +74,10 @@ class TransferEngine:
     def close(self) -> None:
         if self.device.name == "cpu":
             self._pool.shutdown(wait=True)
+
+    def _sim_copy(self, direction: str, array, host=None) -> Transfer:
+        copy, clock = self.device.start_copy(direction, array.nbytes), self.device.clock
+        return Transfer(lambda: copy.done, lambda: clock.wait(copy), host)
 
     def _cuda_copy(self, array, host, host_pinned=False):  # pragma: no cover - cuda only
         cupy = self._cupy

@@ -63,8 +63,20 @@ class _Builder:
         self.slots[name] = Slot(name, kind, tuple(int(d) for d in shape), dtype)
         return name
 
-    def op(self, name: str, reads, writes, run, replay: Op | None = None) -> None:
-        self.ops.append(Op(name, tuple(reads), tuple(writes), run, replay))
+    def op(self, name: str, reads, writes, run, replay: Op | None = None, flops: int = 0,
+           unit: str = "elementwise") -> None:
+        self.ops.append(self.make_op(name, reads, writes, run, replay, flops, unit))
+
+    def make_op(self, name: str, reads, writes, run, replay: Op | None = None, flops: int = 0,
+                unit: str = "elementwise") -> Op:
+        """An op costing ``flops`` (elementwise ops: one per element written, when 0) and the
+        bytes of the slots it reads and writes, workspaces left out (:class:`Op`)."""
+        moved = [self.slots[s] for s in tuple(reads) + tuple(writes) if self.slots[s].kind is not Kind.WORKSPACE]
+        flops = flops or sum(self.numel(s) for s in writes if self.slots[s].kind is not Kind.WORKSPACE)
+        return Op(name, tuple(reads), tuple(writes), run, replay, int(flops), sum(s.nbytes for s in moved), unit)
+
+    def numel(self, slot: str) -> int:
+        return math.prod(self.slots[slot].shape)
 
     def rows(self, shape) -> tuple[int, ...]:
         return (self.batch, *shape)
@@ -82,7 +94,7 @@ class _Builder:
             ctx.device.to_device(ctx.batch_x.reshape(a[x].shape), a[x])
             ctx.device.to_device(ctx.batch_y, a[y])
 
-        self.op("load_batch", (), (x, y), load)
+        self.op("load_batch", (), (x, y), load, unit="load")
         self.out[INPUT] = x
         for node in self.net.nodes:
             self.forward(node)
@@ -123,7 +135,8 @@ class _Builder:
             w, bias = f"W{i}", f"b{i}"
             self.params(node)
             self.op(f"dense{i}", (inp, w, bias), (h,),
-                    lambda a, ctx: kernels.dense_forward(a[inp].reshape(b, -1), a[w], a[bias], a[h]))
+                    lambda a, ctx: kernels.dense_forward(a[inp].reshape(b, -1), a[w], a[bias], a[h]),
+                    flops=2 * b * self.numel(w), unit="matmul")
         elif node.op == "conv":
             g = node.geometry(b)
             self.params(node)
@@ -131,30 +144,34 @@ class _Builder:
             ws = self.workspace(f"ws{i}", node.workspace_nelems(b))
             self.op(f"conv{i}", (inp, w) + ((bias,) if bias else ()), (h, ws),
                     lambda a, ctx: ck.conv2d_forward(a[inp], a[w], a[bias] if bias else None, a[h], g,
-                                                     *conv_workspaces(g, a[ws])))
+                                                     *conv_workspaces(g, a[ws])),
+                    flops=self.conv_flops(h, w), unit="conv")
         elif node.op == "batch_norm":
             self.params(node)
             gamma, beta, rmean, rvar = f"gamma{i}", f"beta{i}", f"mean{i}", f"var{i}"
             c = node.shape[0]
             bm, bs = self.slot(f"bm{i}", Kind.ACTIVATION, (c,)), self.slot(f"bs{i}", Kind.ACTIVATION, (c,))
             momentum, eps = node.layer.momentum, node.layer.eps
-            replay = Op(f"batch_norm{i}_replay", (inp, gamma, beta, bm, bs), (h,),
-                        lambda a, ctx: ck.batch_norm_apply(a[inp], a[gamma], a[beta], a[bm], a[bs], a[h]))
+            replay = self.make_op(f"batch_norm{i}_replay", (inp, gamma, beta, bm, bs), (h,),
+                                  lambda a, ctx: ck.batch_norm_apply(a[inp], a[gamma], a[beta], a[bm], a[bs], a[h]),
+                                  flops=2 * self.numel(h))
             self.op(f"batch_norm{i}", (inp, gamma, beta, rmean, rvar), (h, bm, bs, rmean, rvar),
                     lambda a, ctx: ck.batch_norm_forward(a[inp], a[gamma], a[beta], a[h], a[bm], a[bs], a[rmean],
-                                                         a[rvar], momentum, eps), replay)
+                                                         a[rvar], momentum, eps), replay, flops=6 * self.numel(h))
         elif node.op == "max_pool":
             g = node.geometry(b)
             window = math.prod(g.kernel)
             am = self.slot(f"am{i}", Kind.ACTIVATION, self.rows(node.shape), "uint8" if window <= 256 else "int32")
             ws = self.workspace(f"ws{i}", node.workspace_nelems(b))
             self.op(f"max_pool{i}", (inp,), (h, am, ws),
-                    lambda a, ctx: ck.max_pool_forward(a[inp], a[h], a[am], g, pool_workspace(g, a[ws])))
+                    lambda a, ctx: ck.max_pool_forward(a[inp], a[h], a[am], g, pool_workspace(g, a[ws])),
+                    flops=window * self.numel(h))
         elif node.op == "avg_pool":
             g = node.geometry(b)
             ws = self.workspace(f"ws{i}", node.workspace_nelems(b))
             self.op(f"avg_pool{i}", (inp,), (h, ws),
-                    lambda a, ctx: ck.avg_pool_forward(a[inp], a[h], g, pool_workspace(g, a[ws])))
+                    lambda a, ctx: ck.avg_pool_forward(a[inp], a[h], g, pool_workspace(g, a[ws])),
+                    flops=math.prod(g.kernel) * self.numel(h))
         elif node.op == "global_avg_pool":
             self.op(f"global_avg_pool{i}", (inp,), (h,), lambda a, ctx: ck.global_avg_pool_forward(a[inp], a[h]))
         elif node.op == "add":
@@ -192,6 +209,11 @@ class _Builder:
         for name, shape in node.weights.items():
             self.slot(name, Kind.WEIGHT, shape)
 
+    def conv_flops(self, out: str, w: str) -> int:
+        """Multiply-adds of a convolution, times two: each output element (``out``: B, OC, OH,
+        OW) takes a dot product over the kernel's ``C/g * KH * KW`` taps (``w``: OC, C/g, KH, KW)."""
+        return 2 * self.numel(out) * math.prod(self.slots[w].shape[1:])
+
     def workspace(self, name: str, nelems: int) -> str:
         return self.slot(name, Kind.WORKSPACE, (nelems,))
 
@@ -221,7 +243,8 @@ class _Builder:
             dw, db = (self.slot(f"d{p}", Kind.GRADIENT, self.slots[p].shape) for p in (w, bias))
             self.op(f"dense{i}_backward", (inp, w, g), (dw, db) + outs,
                     lambda a, ctx: kernels.dense_backward(a[inp].reshape(b, -1), a[w], a[g],
-                                                          a[dx].reshape(b, -1) if dx else None, a[dw], a[db]))
+                                                          a[dx].reshape(b, -1) if dx else None, a[dw], a[db]),
+                    flops=2 * b * self.numel(w) * (1 + bool(dx)), unit="matmul")
         elif node.op == "conv":
             geo = node.geometry(b)
             w, bias = f"W{i}", f"b{i}" if f"b{i}" in node.params else None
@@ -230,14 +253,16 @@ class _Builder:
             ws = self.workspace(f"wsb{i}", node.workspace_nelems(b))
             self.op(f"conv{i}_backward", (inp, w, g), (dw,) + ((db,) if db else ()) + outs + (ws,),
                     lambda a, ctx: ck.conv2d_backward(a[inp], a[w], a[g], a[dx] if dx else None, a[dw],
-                                                      a[db] if db else None, geo, *conv_workspaces(geo, a[ws])))
+                                                      a[db] if db else None, geo, *conv_workspaces(geo, a[ws])),
+                    flops=self.conv_flops(f"h{i}", w) * (1 + bool(dx)), unit="conv")
         elif node.op == "batch_norm":
             gamma, bm, bs = f"gamma{i}", f"bm{i}", f"bs{i}"
             dgamma = self.slot(f"dgamma{i}", Kind.GRADIENT, self.slots[gamma].shape)
             dbeta = self.slot(f"dbeta{i}", Kind.GRADIENT, self.slots[gamma].shape)
             self.op(f"batch_norm{i}_backward", (inp, gamma, bm, bs, g), (dgamma, dbeta) + outs,
                     lambda a, ctx: ck.batch_norm_backward(a[inp], a[gamma], a[bm], a[bs], a[g],
-                                                          a[dx] if dx else None, a[dgamma], a[dbeta]))
+                                                          a[dx] if dx else None, a[dgamma], a[dbeta]),
+                    flops=10 * self.numel(g))
         elif node.op == "max_pool":
             geo, am = node.geometry(b), f"am{i}"
             ws = self.workspace(f"wsb{i}", node.workspace_nelems(b))
@@ -312,13 +337,15 @@ class _Builder:
                     m = self.slot(f"adam_m_{p}", Kind.OPTIMIZER_STATE, shape)
                     v = self.slot(f"adam_v_{p}", Kind.OPTIMIZER_STATE, shape)
                     self.op(f"adam_{p}", (p, grad, m, v), (p, grad, m, v),
-                            lambda a, ctx, p=p, grad=grad, m=m, v=v: kernels.adam_update(
-                                a[p], a[grad], a[m], a[v], lr, 0.9, 0.999, 1e-8, ctx.step, wd))
+                        lambda a, ctx, p=p, grad=grad, m=m, v=v: kernels.adam_update(
+                            a[p], a[grad], a[m], a[v], lr, 0.9, 0.999, 1e-8, ctx.step, wd),
+                        flops=12 * self.numel(p), unit="optimizer")
                 else:
                     vel = self.slot(f"sgd_velocity_{p}", Kind.OPTIMIZER_STATE, shape)
                     self.op(f"sgd_{p}", (p, grad, vel), (p, grad, vel),
-                            lambda a, ctx, p=p, grad=grad, vel=vel: kernels.sgd_update(
-                                a[p], a[grad], a[vel], lr, options.momentum, wd))
+                        lambda a, ctx, p=p, grad=grad, vel=vel: kernels.sgd_update(
+                            a[p], a[grad], a[vel], lr, options.momentum, wd),
+                        flops=4 * self.numel(p), unit="optimizer")
 
 
 def _copy_into(src, dst) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import numpy as np
 
@@ -17,7 +18,12 @@ from ..errors import InvalidArgument
 
 
 class Device:
-    """One compute device. ``name`` is ``"cpu"`` or ``"cuda"``; ``xp`` its array module."""
+    """One compute device. ``name`` is ``"cpu"`` or ``"cuda"``; ``xp`` its array module. The
+    simulated device ``sim`` is :class:`~.simulated.SimDevice` (:func:`make_device`)."""
+
+    #: True for a device whose tensors hold no values and whose time is virtual
+    #: (:mod:`.simulated`): callers skip work whose only purpose is values, and plan synchronously.
+    simulated = False
 
     def __init__(self, name: str):
         if name == "cpu":
@@ -31,9 +37,27 @@ class Device:
                     "or set tensile.device = 'cpu'") from exc
             self.xp = cupy
         else:
-            raise InvalidArgument(f"unknown device {name!r}; use 'cpu' or 'cuda'")
+            raise InvalidArgument(f"unknown device {name!r}; use 'cpu', 'cuda' or 'sim'")
         self.name = name
         self._compute = threading.Lock() if name == "cpu" else None
+
+    def describe(self) -> str:
+        """The device in words, as benchmark output names it."""
+        return self.name
+
+    def now(self) -> float:
+        """The device's clock, seconds (wall clock here; virtual on ``sim``)."""
+        return time.perf_counter()
+
+    def execute(self, op, arrays: dict, ctx) -> None:
+        """Run ``op`` (a :class:`~.program.Op`) on ``arrays`` (slot -> device array) and wait for
+        it to complete, so that :meth:`now` around this call times the op."""
+        op.run(arrays, ctx)
+        self.synchronize()
+
+    def host_copy(self, host: np.ndarray) -> np.ndarray:
+        """A C-contiguous host copy of ``host``, owned by the caller."""
+        return np.array(host, order="C", copy=True)
 
     def computing(self):
         """A context manager around one op's arithmetic. On ``cpu`` it lets one thread compute at
@@ -108,3 +132,15 @@ def pinned_empty(cupy, shape, dtype) -> np.ndarray:  # pragma: no cover - cuda o
     count = int(np.prod(shape, dtype=np.int64))
     mem = cupy.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
     return np.frombuffer(mem, dtype, count).reshape(shape)
+
+
+def make_device(name: str, **sim_options) -> Device:
+    """The device named ``name``: ``cpu``, ``cuda``, or ``sim`` (:class:`~.simulated.SimDevice`,
+    whose keyword arguments ``sim_options`` are: profile, seed, jitter, first_run_error,
+    contention). Raises InvalidArgument for an unknown name or a simulator option elsewhere."""
+    if name == "sim":
+        from .simulated import SimDevice
+        return SimDevice(**sim_options)
+    if sim_options:
+        raise InvalidArgument(f"options {sorted(sim_options)} apply to the 'sim' device only, not {name!r}")
+    return Device(name)

@@ -70,18 +70,33 @@ class StepContext:
     batch_y: np.ndarray | None = None
 
 
+#: Classes of kernel, by how they use a GPU: ``conv`` (convolutions), ``matmul`` (dense layers),
+#: ``elementwise`` (activations, joins, copies, pooling, normalisation, the loss), ``optimizer``
+#: (parameter updates) and ``load`` (a host -> device copy on the compute stream: the batch).
+UNITS = ("conv", "matmul", "elementwise", "optimizer", "load")
+
+
 @dataclass(frozen=True)
 class Op:
     """One operator: reads and writes slots by name; ``run(arrays, ctx)`` does the arithmetic.
     ``replay``, when given, is the op a recompute runs instead: it writes only the op's first
     output, from slots that the op saved (batch normalisation replays from its saved batch
-    statistics rather than updating the running ones again)."""
+    statistics rather than updating the running ones again).
+
+    Its cost, for the simulated device's roofline (:mod:`tensile_db.runtime.simulated`):
+    ``flops`` floating-point operations, ``nbytes`` bytes of device memory read plus written
+    (workspaces left out: a GPU library's convolution does not stage its im2col matrix in memory),
+    and ``unit``, the class of kernel (:data:`UNITS`).
+    """
 
     name: str
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     run: Callable[[dict, StepContext], None] = field(repr=False, compare=False)
     replay: "Op | None" = field(default=None, repr=False, compare=False)
+    flops: int = field(default=0, compare=False)
+    nbytes: int = field(default=0, compare=False)
+    unit: str = field(default="elementwise", compare=False)
 
     @property
     def accesses(self) -> tuple[str, ...]:

@@ -8,7 +8,6 @@ ops that produce it (:mod:`tensile_db.scheduler.trace`).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,15 +37,16 @@ def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) 
     is the slope between the two sizes, or ``nbytes`` over the large copy's time when noise makes
     the slope meaningless. Returns a :class:`CostModel`.
     """
-    host = np.ones(nbytes, dtype=np.uint8)
-    dev = device.xp.zeros(nbytes, dtype=np.uint8)
+    host = device.host_empty((nbytes,), np.uint8)
+    host[...] = 1
+    dev = device.arena_buffer(nbytes)
 
     def best(copy) -> float:
         times = []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = device.now()
             copy().wait()
-            times.append(time.perf_counter() - start)
+            times.append(device.now() - start)
         return min(times)
 
     h2d = best(lambda: engine.to_device(host, dev))
