@@ -3,15 +3,17 @@
 them): the one place each is written. A leaf module: a PostgreSQL backend imports it without the
 scheduler or the memory manager.
 
-- ``POLICIES``: ``tensile.policy``, the scheduler: ``tensile`` (TENSILE, arXiv 2105.13336),
-  ``reactive`` (no plan: evict the farthest next use), ``vdnn`` (vDNN_all) and ``swap_score``
-  (the swap selection of arXiv 1903.06631).
+- ``POLICIES``: ``tensile.policy``, the scheduler: ``tensile`` (TENSILE, arXiv 2105.13336,
+  planned over the combined timeline), ``reactive`` (no plan: evict the farthest next use), and
+  the published baselines it is measured against: ``vdnn`` (vDNN_all), ``swap_score`` (the swap
+  selection of arXiv 1903.06631), ``capuchin`` (Peng et al., ASPLOS 2020), ``checkpoint`` (sqrt(n)
+  segments, arXiv 1604.06174) and ``tensile_published`` (TENSILE with each job planned alone).
 - ``DEVICES``: ``tensile.device``: ``cpu`` (NumPy) or ``cuda`` (CuPy).
 - ``POOLS``: ``tensile.pool``: ``planned`` (recurring allocations at lifetime-planned offsets) or
   ``general`` (the best-fit pool only).
 """
 
-POLICIES = ("tensile", "reactive", "vdnn", "swap_score")
+POLICIES = ("tensile", "reactive", "vdnn", "swap_score", "capuchin", "checkpoint", "tensile_published")
 DEVICES = ("cpu", "cuda")
 POOLS = ("planned", "general")
 

@@ -20,10 +20,14 @@ are now known), when a job leaves, and when a job's measured iteration time has 
 than ``drift`` since the plan was made. The executor calls :meth:`Scheduler.replan` between two
 rounds when :attr:`Scheduler.replan_reasons` is not empty; the plan is made on a planning thread
 from a snapshot of the access sequences and installed by :meth:`Scheduler.poll` when it is
-ready, so jobs never wait for the planner.
+ready, so jobs never wait for the planner. On the simulated device (:mod:`tensile_db.runtime.simulated`)
+planning is synchronous and bounded by decisions, not seconds, so that a run does not depend on
+the speed of the machine that simulates it; its wall-clock time is still measured
+(:attr:`Scheduler.plan_seconds`) but costs no virtual time.
 
 Policies (:data:`POLICIES`): ``tensile`` (the planner of :func:`~.planners.plan_tensile`),
-``swap_score`` (arXiv 1903.06631), ``vdnn`` (vDNN_all) and ``reactive`` (no plan). Unlimited
+``swap_score`` (arXiv 1903.06631), ``vdnn`` (vDNN_all), the baselines of :mod:`.baselines`
+(``capuchin``, ``checkpoint``, ``tensile_published``) and ``reactive`` (no plan). Unlimited
 memory ("vanilla") is the reactive policy with a budget above the combined peak.
 """
 
@@ -40,8 +44,9 @@ import numpy as np
 from ..errors import InvalidArgument
 from ..memory.arena import UNIT_NBYTES
 from ..settings import DEFAULT_POLICY, POLICIES
+from .baselines import BASELINE_PLANNERS
 from .cost import CostModel, measure_bandwidth
-from .planners import ACTIONS, Plan, plan_swap_score, plan_tensile, plan_vdnn
+from .planners import ACTIONS, MAX_PLAN_SECONDS, Plan, plan_swap_score, plan_tensile, plan_vdnn
 from .reactive import FarthestNextUse
 from .timeline import JobTrace, Timeline, iterations_per_period, round_of
 from .trace import SETTLE_ITERATIONS, AccessSequence
@@ -50,7 +55,10 @@ log = logging.getLogger(__name__)
 
 #: most delays :meth:`Scheduler.stagger` compares (a period may be tens of thousands of rounds)
 STAGGER_CANDIDATES = 256
-_PLANNERS = {"tensile": plan_tensile, "swap_score": plan_swap_score, "vdnn": plan_vdnn}
+#: policy -> planner(timeline, cost, target bytes, max_seconds: None for no time limit)
+_PLANNERS = {"tensile": plan_tensile, "swap_score": plan_swap_score,
+             "vdnn": lambda timeline, cost, target, max_seconds: plan_vdnn(timeline, cost, target),
+             **BASELINE_PLANNERS}
 #: What each plan action does to its tensor: the memory manager's operation of that name.
 _ACTIONS = {"swap_out": lambda mm, t: mm.swap_out(t), "release": lambda mm, t: mm.release(t),
             "swap_in": lambda mm, t: mm.swap_in(t), "drop": lambda mm, t: mm.drop(t)}
@@ -83,6 +91,7 @@ class Scheduler:
         self.drift = drift
         self.drift_every = drift_every
         self.headroom = headroom
+        self.deterministic = manager.device.simulated      # plan synchronously, without a time limit
         self.reactive = FarthestNextUse()
         manager.next_use = self.reactive
         if policy == "tensile":        # the fallback keeps the plans' headroom too
@@ -240,7 +249,7 @@ class Scheduler:
         if self._pending is not None:
             self._pending.cancel()                       # superseded: skip it if not started yet
         self._pending = self._planning.submit(self._make, request)
-        if wait:
+        if wait or self.deterministic:
             self._pending.result()
             self.poll()
 
@@ -278,7 +287,8 @@ class Scheduler:
         plan = None
         if request.traces:
             try:
-                plan = _PLANNERS[self.policy](Timeline(request.traces, request.period), self.cost, request.target)
+                plan = _PLANNERS[self.policy](Timeline(request.traces, request.period), self.cost, request.target,
+                                              None if self.deterministic else MAX_PLAN_SECONDS)
             except Exception:  # a failed plan leaves the jobs under the reactive fallback
                 log.exception("planning failed (%s); jobs run reactively until the next plan",
                               "; ".join(request.reasons))

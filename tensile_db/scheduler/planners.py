@@ -29,6 +29,7 @@ actions are keyed by period position, so each iteration gets its own swaps and r
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -202,9 +203,10 @@ class _State:
         self.sim = simulate(self.tl, self.decisions, self.cost)
 
 
-def _greedy(policy: str, timeline: Timeline, cost: CostModel, target_nbytes: int, choose) -> Plan:
+def _greedy(policy: str, timeline: Timeline, cost: CostModel, target_nbytes: int, choose,
+            max_seconds: float | None) -> Plan:
     state = _State(timeline, cost)
-    deadline = time.monotonic() + MAX_PLAN_SECONDS
+    deadline = time.monotonic() + (math.inf if max_seconds is None else max_seconds)
     while len(state.decisions) < MAX_DECISIONS and time.monotonic() < deadline:
         use = timeline.usage(state.decisions)
         k = int(np.argmax(use))
@@ -218,9 +220,11 @@ def _greedy(policy: str, timeline: Timeline, cost: CostModel, target_nbytes: int
     return Plan.build(policy, timeline, state.decisions, cost, target_nbytes)
 
 
-def plan_tensile(timeline: Timeline, cost: CostModel, target_nbytes: int) -> Plan:
+def plan_tensile(timeline: Timeline, cost: CostModel, target_nbytes: int,
+                 max_seconds: float | None = MAX_PLAN_SECONDS) -> Plan:
     """TENSILE's planner over the combined timeline (see the module docstring). ``target_nbytes``
-    is the combined peak to reach, bytes."""
+    is the combined peak to reach, bytes; ``max_seconds`` bounds the time spent choosing (None:
+    only :data:`MAX_DECISIONS` does, so the plan does not depend on the machine's speed)."""
 
     def choose(state: _State, gaps: list[_Gap], k: int) -> Decision | None:
         options = []
@@ -242,11 +246,13 @@ def plan_tensile(timeline: Timeline, cost: CostModel, target_nbytes: int) -> Pla
                 best, best_extra = d, extra
         return best
 
-    return _greedy("tensile", timeline, cost, target_nbytes, choose)
+    return _greedy("tensile", timeline, cost, target_nbytes, choose, max_seconds)
 
 
-def plan_swap_score(timeline: Timeline, cost: CostModel, target_nbytes: int) -> Plan:
-    """The swap selection of arXiv 1903.06631 (see the module docstring)."""
+def plan_swap_score(timeline: Timeline, cost: CostModel, target_nbytes: int,
+                    max_seconds: float | None = MAX_PLAN_SECONDS) -> Plan:
+    """The swap selection of arXiv 1903.06631 (see the module docstring); ``max_seconds`` as for
+    :func:`plan_tensile`."""
 
     def choose(state: _State, gaps: list[_Gap], k: int) -> Decision | None:
         scored = []
@@ -265,7 +271,7 @@ def plan_swap_score(timeline: Timeline, cost: CostModel, target_nbytes: int) -> 
                 votes[i] += rank
         return scored[int(np.argmin(votes))][3]
 
-    return _greedy("swap_score", timeline, cost, target_nbytes, choose)
+    return _greedy("swap_score", timeline, cost, target_nbytes, choose, max_seconds)
 
 
 def plan_vdnn(timeline: Timeline, cost: CostModel, target_nbytes: int | None = None) -> Plan:
