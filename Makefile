@@ -34,6 +34,7 @@ bench: $(VENV)/.bench-deps package extension
 	$(PY) bench/throughput.py
 	$(PY) bench/scheduler.py
 	$(PY) bench/pool.py
+	$(PY) bench/paper.py
 	$(PY) bench/inference.py
 	$(PY) bench/fairness.py
 	$(PY) bench/load.py

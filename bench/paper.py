@@ -1,0 +1,387 @@
+"""The seed papers' experiments on the simulated device: every policy, at GPU scale, reproducibly.
+
+The project's own executor, memory manager, pools and planners run unchanged on ``sim``
+(:mod:`tensile_db.runtime.simulated`): tensors have arena offsets but no values, ops and copies
+take roofline time on a named GPU profile on a virtual clock, with seeded jitter. So every figure
+below is **simulated** (the header names the profile), and two runs with the same arguments
+print the same tables, byte for byte, except the last section (planner wall time on this machine).
+
+Models (:mod:`tensile_db.runtime.zoo`): VGG-16, ResNet-50, Inception-V3 and DenseNet-121 at
+3x224x224, batch 16, 1000 classes, Adam. Workloads: one job of each model; 2, 3 and 4 identical
+ResNet-50 jobs; and the mixed arrival of the four models (TENSILE's setup), one job arriving
+every ``ARRIVAL_ITERATIONS`` solo iterations of the first. Budgets: 70%, 50% and 35% of the
+vanilla run's peak, and, per policy, the smallest budget of :data:`FLOOR_FRACTIONS` at which it
+still completes every job. Policies: vanilla (unlimited memory), reactive (farthest next use),
+vdnn (vDNN, Rhu et al. 2016: every convolution's and dense layer's input swapped), swap_score
+(arXiv 1903.06631), capuchin (Peng et al., ASPLOS 2020), checkpoint (sqrt(n) segments, Chen et
+al., arXiv 1604.06174), tensile_published (TENSILE with each job planned alone, memory the sum of
+per-job plans) and tensile (this project's global planner).
+
+Measures (per run): peak device bytes; MSR = 1 - peak / vanilla peak; EOR, the steady-state
+extra overhead ratio: the seconds per unit of work once every job has run ``WARMUP`` iterations
+(cold start, planning and pacing done) until the first job ends, against the same in the vanilla
+run, minus 1 (a unit of work is one job's iteration weighted by its roofline time alone, so jobs
+of different models count by their size); CBR = MSR / EOR; bytes copied device -> host and host
+-> device; FLOPs recomputed; passive swap-ins (accesses the plan did not cover); whether every
+job completed. Then a summary of who wins at each budget, the PASS / FAIL lines of the targets,
+the planned pool against the best-fit pool and a simulation of CuPy's default ``MemoryPool`` on
+the periods the planned pool recorded in the vanilla runs, and, last, planning wall time.
+
+Written to ``--out``: ``paper_memory_<policy>.png`` (device bytes per job, stacked, over virtual
+time, of four ResNet-50 jobs at 50%) and ``paper_pool_resnet50.png`` (the planned pool's packing
+of one ResNet-50 period).
+
+    python bench/paper.py [--profile h100] [--seed 0] [--jitter 0.03] [--first-run-error 0.05]
+                          [--quick] [--out bench/out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tabulate import tabulate
+
+from cupy_pool import replay_cupy_pool
+from tensile_db.coordinator.executor import Executor
+from tensile_db.coordinator.jobs import JobInfo, TrainingJob
+from tensile_db.memory.lifetimes import max_live_nbytes, replay_general_pool
+from tensile_db.memory.manager import MemoryManager
+from tensile_db.runtime import model as models
+from tensile_db.runtime.gpus import PROFILES
+from tensile_db.runtime.simulated import SimDevice
+
+IMAGE = (3, 224, 224)
+BATCH, CLASSES = 16, 1000
+MODELS = ("vgg16", "resnet50", "inception_v3", "densenet121")
+WORKLOADS = {
+    "1x vgg16": ["vgg16"],
+    "1x resnet50": ["resnet50"],
+    "1x inception_v3": ["inception_v3"],
+    "1x densenet121": ["densenet121"],
+    "2x resnet50": ["resnet50"] * 2,
+    "3x resnet50": ["resnet50"] * 3,
+    "4x resnet50": ["resnet50"] * 4,
+    "mixed": ["vgg16", "resnet50", "inception_v3", "densenet121"],
+}
+QUICK_WORKLOADS = ["1x resnet50", "4x resnet50", "mixed"]
+STAGGERED = {"mixed"}
+ARRIVAL_ITERATIONS = 1          # solo iterations of the first job between two arrivals
+POLICIES = ("reactive", "vdnn", "swap_score", "capuchin", "checkpoint", "tensile_published", "tensile")
+RIVALS = ("vdnn", "swap_score", "capuchin", "tensile_published")      # the target's baselines
+BUDGETS = (0.70, 0.50, 0.35)
+FLOOR_FRACTIONS = (0.30, 0.25, 0.20, 0.15, 0.10)
+WARMUP = 5                      # iterations before the steady state (cold start, settling, plans)
+MEASURED = 3                    # steady iterations of the slowest job
+VANILLA_HEADROOM = 8            # vanilla: a budget of this many times the jobs' unscheduled peaks
+GiB = 1 << 30
+
+
+@dataclass
+class Run:
+    """One run: bytes, seconds of virtual time, counts."""
+
+    workload: str
+    policy: str
+    fraction: float | None              # budget as a fraction of the vanilla peak; None: vanilla
+    budget_nbytes: int
+    peak_nbytes: int = 0
+    completed: bool = False
+    error: str = ""
+    work_s: float = 0.0                 # steady-state work done (roofline seconds alone)
+    window_s: float = 0.0               # virtual seconds it took
+    d2h_nbytes: int = 0
+    h2d_nbytes: int = 0
+    recomputed_flops: int = 0
+    passive_swap_ins: int = 0
+    plan_wall_s: float = 0.0            # wall clock of the planner on this machine
+    samples: list = field(default_factory=list)     # (virtual s, job label -> device bytes)
+    pool_history: list = field(default_factory=list)
+
+    @property
+    def seconds_per_work(self) -> float:
+        return self.window_s / self.work_s if self.work_s else math.nan
+
+
+def spec_of(model: str) -> models.ModelSpec:
+    arch = models.parse_architecture({"model": model, "input": {"shape": list(IMAGE)}})
+    return models.ModelSpec(arch, math.prod(IMAGE), CLASSES, "classification")
+
+
+def iteration_s(device: SimDevice, job: TrainingJob) -> float:
+    """Roofline seconds of one iteration of ``job`` alone, without jitter."""
+    return sum(device.op_seconds(op) for op in job.program.ops)
+
+
+def make_jobs(workload: str, device: SimDevice) -> list[TrainingJob]:
+    """Fresh jobs of ``workload``: every job runs WARMUP iterations plus enough to take about the
+    device time of MEASURED iterations of the slowest; staggered jobs arrive ARRIVAL_ITERATIONS
+    solo iterations of the first apart."""
+    jobs = []
+    for i, model in enumerate(WORKLOADS[workload]):
+        options = models.parse_options({"epochs": 1, "batch_size": BATCH, "seed": i, "standardize": False})
+        x = np.zeros((BATCH, math.prod(IMAGE)), np.float32)
+        jobs.append(TrainingJob(JobInfo(0, "bench", f"{model} #{i + 1}"), spec_of(model), options, x,
+                                np.zeros(BATCH, np.int32)))
+    solo = [iteration_s(device, j) for j in jobs]
+    for i, job in enumerate(jobs):
+        job.options = dataclasses.replace(job.options, epochs=WARMUP + math.ceil(MEASURED * max(solo) / solo[i]))
+        if workload in STAGGERED:
+            job.arrival_s = i * ARRIVAL_ITERATIONS * solo[0]
+    return jobs
+
+
+def run(workload: str, policy: str, fraction: float | None, vanilla_peak: int | None, args,
+        sample: bool = False) -> Run:
+    """Train the jobs of ``workload`` under ``policy`` at ``fraction`` of ``vanilla_peak`` (None:
+    vanilla) on a fresh simulated device; returns the :class:`Run`."""
+    device = SimDevice(args.profile, seed=args.seed, jitter=args.jitter, first_run_error=args.first_run_error)
+    jobs = make_jobs(workload, device)
+    if fraction is None:
+        budget = VANILLA_HEADROOM * sum(j.vanilla_peak_nbytes for j in jobs)
+    else:
+        budget = int(vanilla_peak * fraction)
+    manager = MemoryManager(device, budget)
+    executor = Executor(manager, policy="reactive" if fraction is None else policy)
+    result = Run(workload, "vanilla" if fraction is None else policy, fraction, manager.budget_nbytes)
+    solo = {j.id: iteration_s(device, j) for j in jobs}
+    done: list[tuple[float, int, int]] = []          # (virtual s, job id, iterations done)
+    scheduler = executor.scheduler
+    iteration_done, after, note_recompute = scheduler.iteration_done, scheduler.after, manager.note_recompute
+
+    def on_iteration(job) -> bool:
+        done.append((device.now(), job.id, job.iterations))
+        return iteration_done(job)
+
+    def on_after(job, position, seconds) -> None:
+        after(job, position, seconds)
+        result.samples.append((device.now(), {j: m.device_nbytes for j, m in manager.jobs.items()}))
+
+    def on_recompute(tensor) -> None:
+        job = next(j for j in jobs if j.id == tensor.job_id)
+        result.recomputed_flops += sum(job.program.ops[p].flops for p in job.program.recipe(tensor.slot))
+        note_recompute(tensor)
+
+    scheduler.iteration_done, manager.note_recompute = on_iteration, on_recompute
+    if sample:
+        scheduler.after = on_after
+    copied = dict(device.clock.copied_nbytes)        # the cost model's measuring copies are not the run's
+    errors, submitted = [], []
+    for job in jobs:
+        try:
+            executor.submit(job)
+            submitted.append(job)
+        except Exception as exc:           # its smallest working set exceeds the budget
+            errors.append(f"{job.info.model_name}: {type(exc).__name__}")
+    executor.start()
+    for job in submitted:
+        while (event := job.events.get())[0] == "progress":
+            pass
+        if event[0] != "done":
+            errors.append(f"{job.info.model_name}: {type(event[1]).__name__}")
+    executor.stop()
+    result.completed, result.error = not errors, "; ".join(errors)
+    result.peak_nbytes = manager.peak_nbytes
+    result.d2h_nbytes = device.clock.copied_nbytes["d2h"] - copied["d2h"]
+    result.h2d_nbytes = device.clock.copied_nbytes["h2d"] - copied["h2d"]
+    mems = [j.memory for j in jobs if j.memory is not None]
+    result.passive_swap_ins = sum(m.passive_swap_ins for m in mems)
+    result.plan_wall_s = scheduler.plan_seconds
+    result.pool_history = list(manager.pool.history)
+    if result.completed:
+        start = max(t for t, j, n in done if n == WARMUP)
+        end = min(max(t for t, j, _ in done if j == job.id) for job in jobs)
+        result.window_s = end - start
+        result.work_s = sum(solo[j] for t, j, n in done if start < t <= end)
+    result.samples = [(t, {by.info.model_name: b.get(by.id, 0) for by in jobs}) for t, b in result.samples]
+    return result
+
+
+def measures(r: Run, vanilla: Run) -> tuple[float, float, float]:
+    """(MSR, EOR, CBR) of ``r`` against ``vanilla``."""
+    msr = 1.0 - r.peak_nbytes / vanilla.peak_nbytes
+    eor = r.seconds_per_work / vanilla.seconds_per_work - 1.0 if r.completed else math.nan
+    cbr = msr / eor if eor > 1e-9 else math.inf if eor == eor else math.nan
+    return msr, eor, cbr
+
+
+def row(r: Run, vanilla: Run) -> list:
+    msr, eor, cbr = measures(r, vanilla)
+    budget = "vanilla" if r.fraction is None else f"{r.fraction:.0%}"
+    return [r.workload, budget, r.policy, f"{r.peak_nbytes / GiB:.3f}", f"{msr:.3f}",
+            f"{eor:+.3f}" if r.completed else "-", f"{cbr:.2f}" if r.completed else "-",
+            f"{r.d2h_nbytes / GiB:.2f}", f"{r.h2d_nbytes / GiB:.2f}", f"{r.recomputed_flops / 1e9:.1f}",
+            r.passive_swap_ins, "yes" if r.completed else f"no ({r.error[:60]})"]
+
+
+HEADERS = ["workload", "budget", "policy", "peak GiB", "MSR", "EOR", "CBR", "d2h GiB", "h2d GiB",
+           "recomputed GFLOP", "passive swap-ins", "completed"]
+
+
+def winners(results: dict, fraction: float) -> list[list]:
+    """Per workload at ``fraction``: the completed policy of least EOR (ties: higher MSR)."""
+    rows = []
+    for workload, runs in results.items():
+        vanilla = runs["vanilla"]
+        done = [r for key, r in runs.items() if key != "vanilla" and key[1] == fraction and r.completed]
+        if done:
+            best = min(done, key=lambda r: (round(measures(r, vanilla)[1], 4), -r.peak_nbytes))
+            rows.append([workload, f"{fraction:.0%}", best.policy, f"{measures(best, vanilla)[1]:+.3f}"])
+        else:
+            rows.append([workload, f"{fraction:.0%}", "none completes", "-"])
+    return rows
+
+
+def targets(results: dict, pool_rows: list) -> list[str]:
+    lines = []
+    four = results.get("4x resnet50")
+    if four:
+        r = four[("tensile", 0.50)]
+        eor = measures(r, four["vanilla"])[1]
+        lines.append(f"{'PASS' if r.completed and eor <= 0.10 else 'FAIL'}: tensile's EOR at 50% on four ResNet-50 "
+                     f"jobs <= 0.10 (got {eor:+.3f})")
+    losses = []
+    for workload, runs in results.items():
+        vanilla, mine = runs["vanilla"], runs[("tensile", 0.50)]
+        msr, eor, _ = measures(mine, vanilla)
+        for rival in RIVALS:
+            other = runs[(rival, 0.50)]
+            o_msr, o_eor, _ = measures(other, vanilla)
+            if other.completed and not (mine.completed and eor < o_eor and msr >= o_msr - 1e-9):
+                losses.append(f"{workload} vs {rival} (EOR {eor:+.3f} vs {o_eor:+.3f}, MSR {msr:.3f} vs {o_msr:.3f})")
+    lines.append(f"{'PASS' if not losses else 'FAIL'}: at 50%, tensile's EOR below every baseline's "
+                 f"(vdnn, swap_score, capuchin, tensile_published) at an MSR at least as high"
+                 + (f"; not on: {'; '.join(losses)}" if losses else ""))
+    failed = [w for w, runs in results.items() if not runs[("tensile", 0.35)].completed]
+    lines.append(f"{'PASS' if not failed else 'FAIL'}: at 35%, tensile completes every job of every workload"
+                 + (f"; not on: {', '.join(failed)}" if failed else ""))
+    if pool_rows:
+        tight = all(r[-4] <= 1.05 for r in pool_rows)
+        below = all(r[-1] >= 0.10 for r in pool_rows)
+        lines.append(f"{'PASS' if tight else 'FAIL'}: planned pool <= 1.05 x max live on every recorded period "
+                     f"(worst {max(r[-4] for r in pool_rows):.3f})")
+        lines.append(f"{'PASS' if below else 'FAIL'}: planned pool >= 10% below CuPy's default pool on every "
+                     f"recorded period (least {min(r[-1] for r in pool_rows):.1%})")
+    return lines
+
+
+def pool_table(results: dict) -> list[list]:
+    """The planned pool's last installed plan of every vanilla run: its arena against max live,
+    the best-fit general pool and the simulated CuPy default pool on the same period."""
+    rows = []
+    for workload, runs in results.items():
+        history = runs["vanilla"].pool_history
+        if not history:
+            continue
+        allocs, plan = max(history, key=lambda h: len({a.key[0] for a in h[0]}))
+        live = max_live_nbytes(allocs)
+        general = replay_general_pool(allocs)[1]
+        cupy = replay_cupy_pool(allocs)
+        rows.append([workload, len({a.key[0] for a in allocs}), len(allocs), f"{live / GiB:.3f}",
+                     plan.arena_nbytes / live, general / live, cupy / live, 1 - plan.arena_nbytes / cupy])
+    return rows
+
+
+def draw_memory(runs: list[Run], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.2 * len(runs)), sharex=True)
+    for ax, r in zip(np.atleast_1d(axes), runs):
+        t = np.array([s for s, _ in r.samples])
+        labels = list(r.samples[0][1]) if r.samples else []
+        ys = [np.array([b[k] for _, b in r.samples]) / GiB for k in labels]
+        if ys:
+            ax.stackplot(t, ys, labels=labels, step="post")
+        ax.axhline(r.budget_nbytes / GiB, color="crimson", linestyle="--", linewidth=1)
+        ax.set_ylabel("GiB")
+        ax.set_title(f"{r.policy}", fontsize=9, loc="left")
+    np.atleast_1d(axes)[-1].set_xlabel("virtual seconds")
+    np.atleast_1d(axes)[0].legend(loc="upper right", fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", default="h100", choices=sorted(PROFILES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jitter", type=float, default=0.03)
+    parser.add_argument("--first-run-error", type=float, default=0.05)
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_WORKLOADS)}, no budget floor")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    workloads = args.workloads or (QUICK_WORKLOADS if args.quick else list(WORKLOADS))
+    device = SimDevice(args.profile)
+    print(f"# Paper benchmark (simulated, {device.profile.description}; seed {args.seed}, jitter {args.jitter}, "
+          f"first-run error {args.first_run_error:+})\n")
+    print(f"Batch {BATCH} at {'x'.join(map(str, IMAGE))}, Adam; EOR in the steady state after {WARMUP} iterations.\n")
+    wall = []
+    results: dict[str, dict] = {}
+    for workload in workloads:
+        started = time.perf_counter()
+        vanilla = run(workload, "vanilla", None, None, args)
+        runs = {"vanilla": vanilla}
+        for fraction in BUDGETS:
+            for policy in POLICIES:
+                sample = workload == "4x resnet50" and fraction == 0.50
+                runs[(policy, fraction)] = run(workload, policy, fraction, vanilla.peak_nbytes, args, sample)
+        floors = {}
+        if not args.quick:
+            for policy in POLICIES:
+                floors[policy] = next((f for f in BUDGETS[::-1] if runs[(policy, f)].completed), None)
+                if floors[policy] == BUDGETS[-1]:
+                    for fraction in FLOOR_FRACTIONS:
+                        runs[(policy, fraction)] = r = run(workload, policy, fraction, vanilla.peak_nbytes, args)
+                        if not r.completed:
+                            break
+                        floors[policy] = fraction
+        results[workload] = runs
+        table = [row(vanilla, vanilla)] + [row(runs[(p, f)], vanilla) for f in BUDGETS for p in POLICIES]
+        print(f"## {workload}\n")
+        print(tabulate(table, HEADERS, tablefmt="github"))
+        if floors:
+            print("\nSmallest budget completing every job: " +
+                  ", ".join(f"{p} {'none of 35% and above' if f is None else f'{f:.0%}'}" for p, f in floors.items()))
+        print()
+        wall.append([workload, f"{time.perf_counter() - started:.1f}"] +
+                    [f"{sum(r.plan_wall_s for k, r in runs.items() if k != 'vanilla' and k[0] == p):.2f}"
+                     for p in POLICIES])
+        sys.stdout.flush()
+        if workload == "4x resnet50":
+            draw_memory([vanilla] + [runs[(p, 0.50)] for p in POLICIES], args.out / "paper_memory.png",
+                        f"four ResNet-50 jobs at 50% (simulated, {device.profile.description})")
+    print("## Who wins (least EOR among the policies that complete)\n")
+    print(tabulate([w for f in BUDGETS for w in winners(results, f)], ["workload", "budget", "policy", "EOR"],
+                   tablefmt="github"))
+    rows = pool_table(results)
+    print("\n## Planned pool on the recorded periods of the vanilla runs\n")
+    print(tabulate(rows, ["workload", "jobs", "allocations", "max live GiB", "planned / max live",
+                          "best fit / max live", "CuPy pool / max live", "planned below CuPy"],
+                   tablefmt="github", floatfmt=".3f"))
+    print("\n## Targets\n")
+    for line in targets(results, rows):
+        print(line)
+    resnet = results.get("1x resnet50")
+    if resnet and resnet["vanilla"].pool_history:
+        from pool import draw_arena
+        allocs, plan = resnet["vanilla"].pool_history[-1]
+        draw_arena(allocs, plan, args.out / "paper_pool_resnet50.png",
+                   f"planned pool, one ResNet-50 period (simulated, {device.profile.description})")
+    print("\n## Wall clock of this machine (not simulated; varies from run to run)\n")
+    print(tabulate(wall, ["workload", "bench s"] + [f"{p} plan s" for p in POLICIES], tablefmt="github"))
+
+
+if __name__ == "__main__":
+    main()
