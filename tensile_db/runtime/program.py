@@ -127,6 +127,7 @@ class Program:
                 raise ValueError(f"slot {name!r} is never accessed")
             if not slots[name].kind.persistent:
                 self.frees_after[pos[-1]].append(name)
+        self._recipes: dict[str, tuple[int, ...] | None] = {}   # recipe(), memoised: a program never changes
 
     def next_use(self, name: str, position: int) -> int:
         """Ops from ``position`` (the op just run, or -1 before the first) until the next access
@@ -160,6 +161,11 @@ class Program:
         slots. Re-running the writers in backward then reproduces the value bit for bit: a
         branch's input is still held, so a recipe never needs an op whose inputs are gone.
         """
+        if name not in self._recipes:
+            self._recipes[name] = self._find_recipe(name)
+        return self._recipes[name]
+
+    def _find_recipe(self, name: str) -> tuple[int, ...] | None:
         if self.slots[name].kind is not Kind.ACTIVATION:
             return None
         pos = self.positions[name]

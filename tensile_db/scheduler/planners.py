@@ -29,6 +29,7 @@ actions are keyed by period position, so each iteration gets its own swaps and r
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cost import CostModel
-from .timeline import Decision, Simulation, TensorInfo, Timeline, simulate
+from .timeline import Decision, Simulator, Simulation, TensorInfo, Timeline, simulate
 
 #: candidates compared by a full simulation per step of :func:`plan_tensile`
 SIMULATED_CANDIDATES = 4
@@ -110,10 +111,59 @@ class _Gap:
     b: int                 # event of the access after it
     pa: int                # the same as period positions of the job
     pb: int
+    # (inputs, seconds) of recomputing the tensor at ``b``, if the program allows it there
+    recipe: tuple[tuple[str, ...], float] | None = field(default=None, compare=False)
+
+
+@dataclass
+class _Options:
+    """What each of some gaps, all spanning event ``k``, could become under the decisions so far:
+    the swap that frees ``k`` (:meth:`_State.swap`) and the seconds of a recompute. One entry per
+    gap; arrays of shape (g,)."""
+
+    gaps: list[_Gap]
+    k: int
+    a: np.ndarray              # int64 event of the access before the absence
+    nbytes: np.ndarray         # int64 bytes
+    free: np.ndarray           # int64 event: released before it
+    back: np.ndarray           # int64 event: swap-in issued before it
+    back_s: np.ndarray         # float64 s, start of the next access on the clock of the one before
+    stall_s: np.ndarray        # float64 s, the swap's predicted stall
+    recipe_s: np.ndarray       # float64 s, the recompute's ops; NaN where the program cannot
+
+    @functools.cached_property
+    def position(self) -> dict[int, int]:
+        """id(gap) -> its entry."""
+        return {id(g): i for i, g in enumerate(self.gaps)}
+
+    @functools.cached_property
+    def _swaps(self) -> list[tuple[int, int, float]]:
+        """(free, back, stall_s) of each entry, as Python numbers."""
+        return list(zip(self.free.tolist(), self.back.tolist(), self.stall_s.tolist()))
+
+    def swap(self, i: int) -> tuple[Decision, float]:
+        """Entry ``i``'s swap, and its predicted stall in seconds."""
+        g, (free, back, stall_s) = self.gaps[i], self._swaps[i]
+        return Decision(g.tensor.job_id, g.tensor.slot, g.tensor.nbytes, "swap", g.a, g.b, free, back), stall_s
+
+
+#: A gap in the store of :class:`_State`: its events, the events from ``a`` to ``b`` (``n`` when
+#: they are equal), its tensor's bytes, its place in the candidates' order (tensor index, place
+#: among the tensor's gaps), its recompute's seconds (NaN where the program cannot), and whether
+#: it is still a gap (a decision replaces those of the slots it touches).
+_GAP_ROW = np.dtype([("a", np.int64), ("b", np.int64), ("span", np.int64), ("nbytes", np.int64),
+                     ("order", np.int64), ("recipe_s", np.float64), ("live", np.bool_)])
 
 
 class _State:
-    """The planner's working state: decisions so far and accesses added by recomputes."""
+    """The planner's working state: decisions so far, accesses added by recomputes, the usage and
+    the simulation under the decisions, and every absence not decided yet.
+
+    The absences (gaps) of all tensors live in one store of arrays, so that those spanning an
+    event are found and their swaps timed at once. A decision replaces the gaps of the slots it
+    touches (its own, and the inputs a recompute reads); the replaced ones stay in the store,
+    marked dead.
+    """
 
     def __init__(self, timeline: Timeline, cost: CostModel):
         self.tl = timeline
@@ -121,16 +171,36 @@ class _State:
         self.decisions: list[Decision] = []
         self.taken: set[tuple[int, str, int]] = set()       # (job, slot, a) already decided
         self.extra: dict[tuple[int, str], set[int]] = {}    # positions read by planned recomputes
-        self.sim = simulate(timeline, [], cost)
-        # (job, slot) -> repeat -> gaps; a decision on a slot invalidates all its repeats
-        self._gaps: dict[tuple[int, str], dict[int, list[_Gap]]] = {}
+        self.use = timeline.usage([])                       # (n,) int64 bytes per event under the decisions
+        self._absent: dict[tuple[int, str], list[tuple[int, int]]] = {}   # (job, slot) -> its windows
+        self._recipes: dict[tuple[int, str], tuple[int, tuple[str, ...], float] | None] = {}
+        self._trials: dict[int, tuple[Decision, Simulation]] = {}    # id(decision) -> simulated with it
+        self._options: _Options | None = None                        # of the last candidates
+        self._simulator = Simulator(timeline, cost)                  # the decisions, to simulate
+        self._set_sim(self._simulator.simulate())
+        # the store: every gap found, by index (_Gap objects, and their rows of _GAP_ROW)
+        self._gaps = np.empty(0, dtype=object)
+        self._rows = np.empty(0, dtype=_GAP_ROW)
+        self._index: dict[int, int] = {}                    # id(gap) -> index
+        self._of_tensor: list[list[int]] = [[] for _ in timeline.tensors]
+        self._tensor_index = {(t.job_id, t.slot, t.repeat): i for i, t in enumerate(timeline.tensors)}
+        self._tensors_of: dict[tuple[int, str], list[int]] = {}       # (job, slot) -> tensor indices
+        for i, t in enumerate(timeline.tensors):
+            self._tensors_of.setdefault((t.job_id, t.slot), []).append(i)
+        self._renew(range(len(timeline.tensors)))
+
+    def _set_sim(self, sim: Simulation) -> None:
+        self.sim = sim
+        # (2n,) float64 s: every event's start in the simulated period, then a period later
+        self._clock_s = np.concatenate([sim.start_s, sim.start_s + sim.period_s])
+        self._options = None
+        self._trials.clear()
+
+    # --- gaps
 
     def gaps(self, t: TensorInfo) -> list[_Gap]:
-        """The absences of ``t`` not decided yet (cached until a decision touches ``t``)."""
-        cached = self._gaps.setdefault((t.job_id, t.slot), {})
-        if t.repeat not in cached:
-            cached[t.repeat] = self._find_gaps(t)
-        return cached[t.repeat]
+        """The absences of ``t`` not decided yet."""
+        return [self._gaps[i] for i in self._of_tensor[self._tensor_index[(t.job_id, t.slot, t.repeat)]]]
 
     def _find_gaps(self, t: TensorInfo) -> list[_Gap]:
         extra = self.extra.get((t.job_id, t.slot), set())
@@ -144,63 +214,135 @@ class _State:
         for pa, pb in pairs:
             a, b = self.tl.index[(t.job_id, pa)], self.tl.index[(t.job_id, pb)]
             if (t.job_id, t.slot, a) not in self.taken:
-                out.append(_Gap(t, a, b, pa, pb))
+                out.append(_Gap(t, a, b, pa, pb, self._recipe_at(t, pa, pb)))
         return out
 
-    def inside(self, gap: _Gap, k: int) -> bool:
-        """Is event ``k`` strictly between the gap's accesses?"""
-        span = self.tl.cyclic(gap.a, gap.b) or self.tl.n
-        return 0 < self.tl.cyclic(gap.a, k) < span
+    def _renew(self, tensors) -> None:
+        """Replace the gaps of the tensors (indices into ``timeline.tensors``) by those found now."""
+        gaps, rows = [], []
+        for ti in tensors:
+            self._rows["live"][self._of_tensor[ti]] = False
+            self._of_tensor[ti] = []
+            for j, g in enumerate(self._find_gaps(self.tl.tensors[ti])):
+                index = len(self._gaps) + len(gaps)
+                self._of_tensor[ti].append(index)
+                self._index[id(g)] = index
+                gaps.append(g)
+                rows.append((g.a, g.b, self.tl.cyclic(g.a, g.b) or self.tl.n, g.tensor.nbytes, ti << 32 | j,
+                             math.nan if g.recipe is None else g.recipe[1], True))
+        new = np.empty(len(gaps), dtype=object)
+        new[:] = gaps
+        self._gaps = np.concatenate([self._gaps, new])
+        self._rows = np.concatenate([self._rows, np.array(rows, dtype=_GAP_ROW)])
 
-    def time_at(self, k: int, after: int) -> float:
-        """Start time of event ``k`` on the clock of event ``after`` (one period later if it wraps)."""
-        s = self.sim.start_s
-        return s[k] + (self.sim.period_s if k <= after else 0.0)
+    def candidates(self, k: int) -> list[_Gap]:
+        """The gaps with event ``k`` strictly between their accesses, in the order of
+        ``timeline.tensors`` (each tensor's in the order of its accesses); their
+        :meth:`options` are computed with them."""
+        rows = self._rows
+        after = (k - rows["a"]) % self.tl.n
+        index = np.flatnonzero(rows["live"] & (after > 0) & (after < rows["span"]))
+        index = index[np.argsort(rows["order"][index], kind="stable")]
+        gaps = self._gaps[index].tolist()
+        self._options = self._options_of(gaps, index, k)
+        return gaps
+
+    # --- what a gap can become
+
+    def options(self, gaps: list[_Gap], k: int) -> _Options:
+        """The swaps that free event ``k`` and the recompute seconds of ``gaps`` (all spanning
+        ``k``), on the current simulation."""
+        if self._options is not None and self._options.gaps is gaps and self._options.k == k:
+            return self._options
+        return self._options_of(gaps, np.array([self._index[id(g)] for g in gaps], dtype=np.int64), k)
+
+    def _options_of(self, gaps: list[_Gap], index: np.ndarray, k: int) -> _Options:
+        """Each swap timed as early/late as the copies allow: the release at the first event from
+        ``a + 1`` (at the latest ``k``) that starts once the swap-out has completed, the swap-in
+        at the last event up to ``b`` (at the earliest ``k + 1``) that starts early enough for it
+        to complete by the start of ``b``; the stall is what either misses by. So every swap
+        frees ``k`` (``free <= k < back``). On the clock of event ``a`` (events from ``a + 1``
+        on, a period later once they wrap: ``_clock_s``), start times never decrease, so both
+        events are found by bisection."""
+        n, clock_s, rows = self.tl.n, self._clock_s, self._rows[index]
+        a, b, nbytes = rows["a"], rows["b"], rows["nbytes"]
+        k_at = np.where(k > a, k, k + n)                    # k, b and the events found, on a's clock
+        b_at = np.where(b > a, b, b + n)
+        out_done_s = self.sim.start_s[a] + self.tl.durations_s[a] + self.cost.swap_out_s(nbytes)
+        back_s = clock_s[b_at]
+        need_by_s = back_s - self.cost.swap_in_s(nbytes)
+        free = np.minimum(np.maximum(a + 1, np.searchsorted(clock_s, out_done_s, "left")), k_at)
+        back = np.maximum(np.minimum(b_at, np.searchsorted(clock_s, need_by_s, "right") - 1), k_at + 1)
+        stall_s = np.maximum(0.0, out_done_s - clock_s[free]) + np.maximum(0.0, clock_s[back] - need_by_s)
+        return _Options(gaps, k, a, nbytes, free % n, back % n, back_s, stall_s, rows["recipe_s"])
 
     def swap(self, gap: _Gap, k: int) -> tuple[Decision, float]:
-        """The swap of ``gap`` that frees event ``k``, timed as early/late as the copies allow,
-        with its predicted stall in seconds."""
-        tl, a, b, nbytes = self.tl, gap.a, gap.b, gap.tensor.nbytes
-        end_a = self.sim.start_s[a] + tl.durations_s[a]
-        out_done = end_a + self.cost.swap_out_s(nbytes)
-        need_by = self.time_at(b, a) - self.cost.swap_in_s(nbytes)
-        free = (a + 1) % tl.n
-        while free != k and self.time_at(free, a) < out_done:
-            free = (free + 1) % tl.n
-        back = b
-        while (back - 1) % tl.n != k and self.time_at(back, a) > need_by:
-            back = (back - 1) % tl.n
-        stall = max(0.0, out_done - self.time_at(free, a)) + max(0.0, self.time_at(back, a) - need_by)
-        return Decision(gap.tensor.job_id, gap.tensor.slot, nbytes, "swap", a, b, free, back), stall
+        """The swap of ``gap`` that frees event ``k``, timed as early/late as the copies allow
+        (:meth:`_options_of`), with its predicted stall in seconds."""
+        options = self._options
+        i = options.position.get(id(gap)) if options is not None and options.k == k else None
+        if i is None:
+            options, i = self.options([gap], k), 0
+        return options.swap(i)
+
+    def _recipe(self, job_id: int, slot: str) -> tuple[int, tuple[str, ...], float] | None:
+        """(the recipe's last op, the slots it reads, its ops' measured seconds) of the slot, or
+        None if it is not recomputable (:meth:`Program.recipe`)."""
+        key = (job_id, slot)
+        if key not in self._recipes:
+            prog = self.tl.program(job_id)
+            recipe = prog.recipe(slot)
+            times = self.tl.traces[job_id].sequence.times_s
+            self._recipes[key] = None if recipe is None else (
+                recipe[-1], tuple(sorted(prog.recipe_inputs_of(recipe, slot))), float(sum(times[p] for p in recipe)))
+        return self._recipes[key]
+
+    def _recipe_at(self, t: TensorInfo, pa: int, pb: int) -> tuple[tuple[str, ...], float] | None:
+        """(inputs, seconds) of recomputing ``t`` at period position ``pb`` after its absence
+        from ``pa``, if the program allows it there: the recipe ran before the absence, which
+        does not wrap."""
+        recipe = self._recipe(t.job_id, t.slot)
+        if recipe is None or pa % self.tl.n_program_ops(t.job_id) < recipe[0] or pb <= pa:
+            return None
+        return recipe[1], recipe[2]
 
     def recompute(self, gap: _Gap) -> Decision | None:
         """The recompute of ``gap``'s tensor at its next access, if the program allows it there
         and the recipe's inputs are held at that event under the decisions so far."""
-        t = gap.tensor
-        prog = self.tl.program(t.job_id)
-        recipe = prog.recipe(t.slot)
-        if recipe is None or gap.pa % len(prog.ops) < recipe[-1] or gap.pb <= gap.pa:
+        if gap.recipe is None:
             return None
-        inputs = prog.recipe_inputs_of(recipe, t.slot)
-        for d in self.decisions:
-            if d.job_id == t.job_id and (d.slot in inputs or d.slot == t.slot):
-                start, length = d.window(self.tl.n)
+        t, (inputs, seconds) = gap.tensor, gap.recipe
+        for name in (t.slot, *inputs):
+            for start, length in self._absent.get((t.job_id, name), ()):
                 if self.tl.cyclic(start, gap.b) < length:
                     return None
-        times = self.tl.traces[t.job_id].sequence.times_s
         return Decision(t.job_id, t.slot, t.nbytes, "recompute", gap.a, gap.b, (gap.a + 1) % self.tl.n,
-                        gap.b, float(sum(times[p] for p in recipe)), tuple(sorted(inputs)))
+                        gap.b, seconds, inputs)
+
+    # --- decisions
+
+    def trial(self, d: Decision) -> Simulation:
+        """The simulation of the decisions so far and ``d`` (reused if :meth:`add` takes ``d``)."""
+        sim = self._simulator.simulate(also=d)
+        self._trials[id(d)] = (d, sim)
+        return sim
 
     def add(self, d: Decision) -> None:
         self.decisions.append(d)
         self.taken.add((d.job_id, d.slot, d.a))
-        self._gaps.pop((d.job_id, d.slot), None)
+        window = d.window(self.tl.n)
+        self.tl.add_window(self.use, *window, -d.nbytes)
+        self._absent.setdefault((d.job_id, d.slot), []).append(window)
+        touched = [d.slot]
         if d.method == "recompute":
             pb = self.tl.events[d.b][1]
             for name in d.recipe_inputs:
                 self.extra.setdefault((d.job_id, name), set()).add(pb)
-                self._gaps.pop((d.job_id, name), None)
-        self.sim = simulate(self.tl, self.decisions, self.cost)
+                touched.append(name)
+        self._renew(i for name in dict.fromkeys(touched) for i in self._tensors_of[(d.job_id, name)])
+        self._simulator.add(d)
+        trial = self._trials.get(id(d))
+        self._set_sim(trial[1] if trial is not None and trial[0] is d else self._simulator.simulate())
 
 
 def _greedy(policy: str, timeline: Timeline, cost: CostModel, target_nbytes: int, choose,
@@ -208,11 +350,10 @@ def _greedy(policy: str, timeline: Timeline, cost: CostModel, target_nbytes: int
     state = _State(timeline, cost)
     deadline = time.monotonic() + (math.inf if max_seconds is None else max_seconds)
     while len(state.decisions) < MAX_DECISIONS and time.monotonic() < deadline:
-        use = timeline.usage(state.decisions)
-        k = int(np.argmax(use))
-        if use[k] <= target_nbytes:
+        k = int(np.argmax(state.use))
+        if state.use[k] <= target_nbytes:
             break
-        candidates = [g for t in timeline.tensors for g in state.gaps(t) if state.inside(g, k)]
+        candidates = state.candidates(k)
         decision = choose(state, candidates, k) if candidates else None
         if decision is None:
             break                               # the target is out of reach; reactive covers the rest
@@ -227,23 +368,27 @@ def plan_tensile(timeline: Timeline, cost: CostModel, target_nbytes: int,
     only :data:`MAX_DECISIONS` does, so the plan does not depend on the machine's speed)."""
 
     def choose(state: _State, gaps: list[_Gap], k: int) -> Decision | None:
-        options = []
-        for g in gaps:
-            d, stall = state.swap(g, k)
-            if d.window(timeline.n)[1] > 0:
-                transfer = cost.swap_out_s(d.nbytes) + cost.swap_in_s(d.nbytes)
-                options.append((stall, -d.nbytes, transfer, d))
-            r = state.recompute(g)
-            if r is not None:
-                options.append((r.recipe_s, -r.nbytes, 0.0, r))
-        if not options:
-            return None
-        options.sort(key=lambda o: o[:3])
-        best, best_extra = None, None
-        for *_, d in options[:SIMULATED_CANDIDATES]:
-            extra = simulate(timeline, state.decisions + [d], cost).extra_s
+        # Option 2i is gap i's swap, 2i + 1 its recompute where the program allows one; ranked
+        # by (predicted stall or recompute seconds, -bytes, transfer seconds), ties in that
+        # order; the first few whose recompute's inputs are held are simulated.
+        opt = state.options(gaps, k)
+        m = len(gaps)
+        first, nbytes, transfer_s = np.empty(2 * m), np.repeat(-opt.nbytes, 2), np.zeros(2 * m)
+        first[0::2], first[1::2] = opt.stall_s, opt.recipe_s
+        transfer_s[0::2] = cost.swap_out_s(opt.nbytes) + cost.swap_in_s(opt.nbytes)
+        ranked = np.flatnonzero(~np.isnan(first))
+        ranked = ranked[np.lexsort((transfer_s[ranked], nbytes[ranked], first[ranked]))]
+        best, best_extra, tried = None, None, 0
+        for o in ranked.tolist():
+            d = opt.swap(o // 2)[0] if o % 2 == 0 else state.recompute(gaps[o // 2])
+            if d is None:
+                continue                        # its recipe's inputs are absent there
+            extra = state.trial(d).extra_s
             if best is None or extra < best_extra - 1e-12:
                 best, best_extra = d, extra
+            tried += 1
+            if tried == SIMULATED_CANDIDATES:
+                break
         return best
 
     return _greedy("tensile", timeline, cost, target_nbytes, choose, max_seconds)
@@ -255,21 +400,12 @@ def plan_swap_score(timeline: Timeline, cost: CostModel, target_nbytes: int,
     :func:`plan_tensile`."""
 
     def choose(state: _State, gaps: list[_Gap], k: int) -> Decision | None:
-        scored = []
-        for g in gaps:
-            d, _ = state.swap(g, k)
-            if d.window(timeline.n)[1] == 0:
-                continue
-            duration = state.time_at(g.b, g.a) - state.sim.start_s[g.a]
-            scored.append((duration, duration * d.nbytes, d.nbytes, d))
-        if not scored:
-            return None
-        votes = np.zeros(len(scored))
-        for score in range(3):
-            order = sorted(range(len(scored)), key=lambda i: -scored[i][score])
-            for rank, i in enumerate(order):
-                votes[i] += rank
-        return scored[int(np.argmin(votes))][3]
+        opt = state.options(gaps, k)                # every swap frees k
+        duration_s = opt.back_s - state.sim.start_s[opt.a]
+        votes = np.zeros(len(gaps))
+        for score in (duration_s, duration_s * opt.nbytes, opt.nbytes):
+            votes[np.argsort(-score, kind="stable")] += np.arange(len(gaps))     # rank, best first
+        return opt.swap(int(np.argmin(votes)))[0]
 
     return _greedy("swap_score", timeline, cost, target_nbytes, choose, max_seconds)
 

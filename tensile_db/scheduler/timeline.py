@@ -42,6 +42,11 @@ timeline sees that the jobs' peaks fall at different times.
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -202,32 +207,33 @@ class Timeline:
         last = self.index[(t.job_id, t.positions[-1])]
         return first, self.cyclic(first, last) + 1
 
-    def usage(self, decisions: list[Decision]) -> np.ndarray:
-        """(n,) int64: arena bytes held during each event under ``decisions``."""
-        diff = np.zeros(self.n + 1, dtype=np.int64)
+    def add_window(self, use: np.ndarray, start: int, length: int, nbytes: int) -> None:
+        """Add ``nbytes`` to ``use`` ((n,) int64, bytes per event) over ``length`` events from
+        event ``start``, wrapping around the period; in place."""
+        end = start + length
+        use[start:min(end, self.n)] += nbytes
+        if end > self.n:
+            use[:end - self.n] += nbytes
 
-        def add(start, length, nbytes):
-            if length <= 0:
-                return
-            end = start + length
-            diff[start] += nbytes
-            if end <= self.n:
-                diff[end] -= nbytes
-            else:
-                diff[self.n] -= nbytes
-                diff[0] += nbytes
-                diff[end - self.n] -= nbytes
-
+    @functools.cached_property
+    def _vanilla_usage(self) -> np.ndarray:
+        """(n,) int64: arena bytes held during each event without a plan (read-only)."""
+        use = np.zeros(self.n, dtype=np.int64)
         for t in self.tensors:
-            add(*self.lifetime(t), t.nbytes)
+            self.add_window(use, *self.lifetime(t), t.nbytes)
+        use.flags.writeable = False
+        return use
+
+    def usage(self, decisions: list[Decision]) -> np.ndarray:
+        """(n,) int64: arena bytes held during each event under ``decisions`` (a new array)."""
+        use = self._vanilla_usage.copy()
         for d in decisions:
-            start, length = d.window(self.n)
-            add(start, length, -d.nbytes)
-        return np.cumsum(diff[:-1])
+            self.add_window(use, *d.window(self.n), -d.nbytes)
+        return use
 
     def vanilla_peak_nbytes(self) -> int:
         """The combined peak with no plan: the most arena bytes any event holds."""
-        return int(self.usage([]).max())
+        return int(self._vanilla_usage.max())
 
 
 @dataclass
@@ -252,50 +258,121 @@ def simulate(timeline: Timeline, decisions: list[Decision], cost: CostModel) -> 
     """Predict the timing of ``decisions`` on ``timeline``: ops run back to back on the compute
     stream; swaps run one at a time on the copy channel in issue order; the op that next accesses
     a swapped tensor waits for its swap-in, a release waits for its swap-out, and a recompute adds
-    the producing ops' measured times before the op that needs the tensor."""
-    n = timeline.n
-    release: dict[int, list] = {}
-    swap_in: dict[int, list] = {}
-    swap_out: dict[int, list] = {}
-    wait_in: dict[int, list] = {}
-    recompute_s = np.zeros(n)
-    for i, d in enumerate(decisions):
+    the producing ops' measured times before the op that needs the tensor (:class:`Simulator`)."""
+    return Simulator(timeline, cost, decisions).simulate()
+
+
+class Simulator:
+    """Decisions by the events their actions happen at, and the simulation of their timing
+    (:func:`simulate`). A planner that tries one more decision at a time keeps one, adds each
+    decision it takes (:meth:`add`), and simulates the candidates with ``also``.
+
+    At an event, in this order: the releases wait for their swap-outs, the swap-ins are issued,
+    the op waits for the swap-ins it needs, the recomputes run, the op runs, the swap-outs are
+    issued; each in the order of the decisions. Only the events with such actions are visited one
+    by one; between them the clock adds the ops' times in order (the same sums, to the last bit,
+    as visiting every event).
+    """
+
+    def __init__(self, timeline: Timeline, cost: CostModel, decisions: Sequence[Decision] = ()):
+        self.timeline = timeline
+        self.cost = cost
+        self.decisions: list[Decision] = []
+        # (event, releases, swap-ins, waits for a swap-in, swap-outs) for every event with an
+        # action, by event: decision indices, with the copy's seconds for the two that issue one
+        # (None for none). The lists are never changed in place, so a copy of the list may be
+        # changed apart.
+        self._steps: list[tuple] = []
+        self._recompute_s = np.zeros(timeline.n)          # seconds of recomputes before each op
+        self._transfer_nbytes = 0
+        self._durations = timeline.durations_s.tolist()
+        self._compute_s = float(timeline.durations_s.sum())
+        for d in decisions:
+            self.add(d)
+
+    def _merge(self, steps: list[tuple], d: Decision, i: int) -> None:
+        """Put the actions of ``d``, the ``i``-th decision, into ``steps``, in place."""
         if d.method == "swap":
-            swap_out.setdefault(d.a, []).append((i, cost.swap_out_s(d.nbytes)))
-            release.setdefault(d.free, []).append(i)
-            swap_in.setdefault(d.back, []).append((i, cost.swap_in_s(d.nbytes)))
-            wait_in.setdefault(d.b, []).append(i)
+            actions = [(d.free, 0, i), (d.back, 1, (i, self.cost.swap_in_s(d.nbytes))), (d.b, 2, i),
+                       (d.a, 3, (i, self.cost.swap_out_s(d.nbytes)))]
         else:
-            recompute_s[d.b] += d.recipe_s
-    durations = timeline.durations_s.tolist()
-    recompute_list = recompute_s.tolist()
-    out_end = [0.0] * len(decisions)
-    in_end = [0.0] * len(decisions)
-    start = [0.0] * n
-    t = channel = stall = busy = period_start = 0.0
-    for rep in range(2):
-        if rep == 1:
-            period_start, stall, busy = t, 0.0, 0.0
-        for k in range(n):
-            for i in release.get(k, ()):
-                if out_end[i] > t:
-                    stall += out_end[i] - t
-                    t = out_end[i]
-            for i, seconds in swap_in.get(k, ()):
-                channel = max(channel, t) + seconds
-                busy += seconds
-                in_end[i] = channel
-            for i in wait_in.get(k, ()):
-                if in_end[i] > t:
-                    stall += in_end[i] - t
-                    t = in_end[i]
-            t += recompute_list[k]
-            start[k] = t - period_start
-            t += durations[k]
-            for i, seconds in swap_out.get(k, ()):
-                channel = max(channel, t) + seconds
-                busy += seconds
-                out_end[i] = channel
-    nbytes = sum(2 * d.nbytes for d in decisions if d.method == "swap")
-    return Simulation(np.array(start), t - period_start, float(timeline.durations_s.sum()), stall,
-                      float(recompute_s.sum()), nbytes, busy)
+            actions = [(d.b, None, None)]                 # visited for its recompute
+        for k, which, entry in actions:
+            at = bisect.bisect_left(steps, k, key=operator.itemgetter(0))
+            if at == len(steps) or steps[at][0] != k:
+                steps.insert(at, (k, None, None, None, None))
+            if which is not None:
+                step = list(steps[at])
+                step[1 + which] = (step[1 + which] or []) + [entry]
+                steps[at] = tuple(step)
+
+    def add(self, d: Decision) -> None:
+        """Append ``d`` to the decisions."""
+        self._merge(self._steps, d, len(self.decisions))
+        self.decisions.append(d)
+        if d.method == "swap":
+            self._transfer_nbytes += 2 * d.nbytes
+        else:
+            self._recompute_s[d.b] += d.recipe_s
+
+    def simulate(self, also: Decision | None = None) -> Simulation:
+        """Predict the timing of the decisions, and of ``also`` after them if given (not added)."""
+        steps, recompute_s, nbytes = self._steps, self._recompute_s, self._transfer_nbytes
+        if also is not None:
+            steps = steps.copy()
+            self._merge(steps, also, len(self.decisions))
+            if also.method == "swap":
+                nbytes += 2 * also.nbytes
+            else:
+                recompute_s = recompute_s.copy()
+                recompute_s[also.b] += also.recipe_s
+        start_s, period_s, stall_s, busy_s = self._replay(steps, recompute_s.tolist(), len(self.decisions) + 1)
+        return Simulation(start_s, period_s, self._compute_s, stall_s, float(recompute_s.sum()), nbytes, busy_s)
+
+    def _replay(self, steps: list, recompute: list[float], transfers: int) -> tuple[np.ndarray, float, float, float]:
+        """Two periods of ``steps``; (the second's start times, its length, stall and copy
+        channel's busy time), seconds."""
+        durations = self._durations
+        out_end = [0.0] * transfers
+        in_end = [0.0] * transfers
+        starts: list[float] = []            # the second period's op start times, on one clock
+        t = channel = period_start = stall = busy = 0.0
+        for rep in range(2):
+            period_start, stall, busy, done = t, 0.0, 0.0, 0
+            for k, releases, swap_ins, waits, swap_outs in steps:
+                if rep:                     # the ops before this event, each at the clock's time
+                    starts.extend(itertools.accumulate(durations[done:k], initial=t))
+                    t = starts.pop()
+                elif k > done:
+                    t = functools.reduce(operator.add, durations[done:k], t)
+                if releases:
+                    for i in releases:
+                        if out_end[i] > t:
+                            stall += out_end[i] - t
+                            t = out_end[i]
+                if swap_ins:
+                    for i, seconds in swap_ins:
+                        channel = (channel if channel > t else t) + seconds
+                        busy += seconds
+                        in_end[i] = channel
+                if waits:
+                    for i in waits:
+                        if in_end[i] > t:
+                            stall += in_end[i] - t
+                            t = in_end[i]
+                t += recompute[k]
+                if rep:
+                    starts.append(t)
+                t += durations[k]
+                if swap_outs:
+                    for i, seconds in swap_outs:
+                        channel = (channel if channel > t else t) + seconds
+                        busy += seconds
+                        out_end[i] = channel
+                done = k + 1
+            if rep:
+                starts.extend(itertools.accumulate(durations[done:], initial=t))
+                t = starts.pop()
+            else:
+                t = functools.reduce(operator.add, durations[done:], t)
+        return np.array(starts) - period_start, t - period_start, stall, busy
