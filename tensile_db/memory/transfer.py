@@ -1,14 +1,16 @@
 """The swap engine: copies between the device arena and host memory, off the compute path.
 
 On ``cpu`` a single copy thread performs the copies (NumPy releases the GIL while copying, so they
-overlap the executor's arithmetic on another core). On ``cuda`` copies go to a separate copy
-stream from and to pinned host buffers; a swap-out first waits (on the copy stream) for the work
-already queued on the compute stream, and a :class:`Transfer` completes when its event has. On
-``sim`` a copy is queued on the simulated device's copy engine of its direction
+overlap the executor's arithmetic on another core). On ``cuda`` copies go to a copy stream per
+direction (a GPU has a copy engine for each, so a swap-out and a swap-in run at once) from and to
+pinned host buffers; a swap-out first waits (on its copy stream) for the work already queued on
+the compute stream, and a :class:`Transfer` completes when its event has. On ``sim`` a copy is
+queued on the simulated device's copy engine of its direction
 (:mod:`tensile_db.runtime.simulated`) and completes on its virtual clock.
 
-Copies are issued in order and run one at a time, which is how the scheduler's cost model sees the
-channel (:mod:`tensile_db.scheduler.timeline`).
+Copies in one direction are issued in order and run one at a time; :attr:`TransferEngine.duplex`
+says whether the two directions overlap (``cuda``, ``sim``) or share one channel (``cpu``), which
+is how the scheduler's cost model sees the channels (:mod:`tensile_db.scheduler.timeline`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class TransferEngine:
 
     def __init__(self, device):
         self.device = device
+        self.duplex = device.name != "cpu"     # copies device -> host and host -> device overlap
         if device.simulated:
             pass
         elif device.name == "cpu":
@@ -47,7 +50,7 @@ class TransferEngine:
         else:  # pragma: no cover - cuda only
             import cupy
             self._cupy = cupy
-            self._stream = cupy.cuda.Stream(non_blocking=True)
+            self._streams = {"d2h": cupy.cuda.Stream(non_blocking=True), "h2d": cupy.cuda.Stream(non_blocking=True)}
 
     def to_host(self, array) -> Transfer:
         """Start copying the device array ``array`` into a new host array (``Transfer.host``)."""
@@ -81,18 +84,19 @@ class TransferEngine:
 
     def _cuda_copy(self, array, host, host_pinned=False):  # pragma: no cover - cuda only
         cupy = self._cupy
+        stream = self._streams["d2h" if host is None else "h2d"]
         queued = cupy.cuda.get_current_stream().record()
-        self._stream.wait_event(queued)
+        stream.wait_event(queued)
         if host is None:
             pinned = pinned_empty(cupy, array.shape, array.dtype)
-            array.get(stream=self._stream, out=pinned)
+            array.get(stream=stream, out=pinned)
         elif host_pinned:
-            array.set(host, stream=self._stream)
+            array.set(host, stream=stream)
         else:
             pinned = pinned_empty(cupy, host.shape, host.dtype)
             pinned[...] = host
-            array.set(pinned, stream=self._stream)
-        done = self._stream.record()
+            array.set(pinned, stream=stream)
+        done = stream.record()
 
         def wait():
             done.synchronize()

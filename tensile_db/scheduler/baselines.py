@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
+
 from ..runtime.program import Kind, Program
 from .cost import CostModel
 from .planners import Plan, _Gap, _greedy, _State, plan_tensile
@@ -32,16 +34,18 @@ from .timeline import Decision, Simulation, Timeline, simulate
 # --- Capuchin -------------------------------------------------------------------------------------
 
 
-def _free_time_s(timeline: Timeline, measured: Simulation, gap: _Gap, cost: CostModel) -> float:
-    """Capuchin's free time (FT) of swapping ``gap``'s tensor, seconds: the absence on the
-    measured clock (``measured``: the timeline simulated without a plan), from the end of the
-    access before it to the start of the access after it (a period later if it wraps), less the
-    swap-out and swap-in times. FT >= 0: the copies can hide behind compute."""
+def _free_time_s(timeline: Timeline, measured: Simulation, a: np.ndarray, b: np.ndarray, nbytes: np.ndarray,
+                 cost: CostModel) -> np.ndarray:
+    """Capuchin's free time (FT) of swapping each absence (accesses at events ``a`` and ``b``,
+    tensors of ``nbytes``; arrays of shape (g,)), seconds: the absence on the measured clock
+    (``measured``: the timeline simulated without a plan), from the end of the access before it
+    to the start of the access after it (a period later if it wraps), less the swap-out and
+    swap-in times. FT >= 0: the copies can hide behind compute."""
     start_s = measured.start_s
-    end_a_s = start_s[gap.a] + timeline.durations_s[gap.a]
-    b_s = start_s[gap.b] + (measured.period_s if gap.b <= gap.a else 0.0)
-    nbytes = gap.tensor.nbytes
-    return b_s - end_a_s - cost.swap_out_s(nbytes) - cost.swap_in_s(nbytes)
+    end_a_s = start_s[a] + timeline.durations_s[a]
+    b_s = start_s[b] + np.where(b <= a, measured.period_s, 0.0)
+    copies_s = 2 * cost.latency_s + nbytes / cost.d2h_bytes_per_s + nbytes / cost.h2d_bytes_per_s
+    return b_s - end_a_s - copies_s
 
 
 def plan_capuchin(timeline: Timeline, cost: CostModel, target_nbytes: int, max_seconds: float | None = None) -> Plan:
@@ -68,21 +72,24 @@ def plan_capuchin(timeline: Timeline, cost: CostModel, target_nbytes: int, max_s
     measured = simulate(timeline, [], cost)     # no plan: the measured access sequence's clock
 
     def choose(state: _State, gaps: list[_Gap], k: int) -> Decision | None:
-        swaps, recomputes = [], []
-        for g in gaps:
-            d, _ = state.swap(g, k)
-            if d.window(timeline.n)[1] > 0:
-                swaps.append((_free_time_s(timeline, measured, g, cost), d))
-            r = state.recompute(g)
-            if r is not None:
-                recomputes.append((r.nbytes / r.recipe_s if r.recipe_s > 0 else math.inf, r))   # MSPS, B/s
-        best_swap = max(swaps, key=lambda s: s[0], default=None)
-        if best_swap is not None and best_swap[0] >= 0:
-            return best_swap[1]                             # a swap that hides
-        best_recompute = max(recomputes, key=lambda r: r[0], default=(None, None))[1]
-        if best_swap is None or (best_recompute is not None and best_recompute.recipe_s <= -best_swap[0]):
-            return best_recompute
-        return best_swap[1]                                 # exposes less time than recomputing
+        opt = state.options(gaps, k)                # every swap frees k
+        free_s = _free_time_s(timeline, measured, opt.a, np.array([g.b for g in gaps], dtype=np.int64),
+                              opt.nbytes, cost)
+        best = int(np.argmax(free_s))
+        if free_s[best] >= 0:
+            return opt.swap(best)[0]                # a swap that hides: the largest free time
+        with np.errstate(divide="ignore", invalid="ignore"):
+            msps = np.where(opt.recipe_s > 0, opt.nbytes / opt.recipe_s, np.inf)      # B/s
+        msps[np.isnan(opt.recipe_s)] = -np.inf     # the program cannot recompute these
+        for i in np.argsort(-msps, kind="stable").tolist():
+            if msps[i] == -np.inf:
+                break
+            recompute = state.recompute(gaps[i])
+            if recompute is not None:               # the best MSPS whose inputs are held
+                if recompute.recipe_s <= -free_s[best]:
+                    return recompute
+                break
+        return opt.swap(best)[0]                    # exposes less time than recomputing
 
     return _greedy("capuchin", timeline, cost, target_nbytes, choose, max_seconds)
 

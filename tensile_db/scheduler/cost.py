@@ -15,11 +15,14 @@ import numpy as np
 
 @dataclass(frozen=True)
 class CostModel:
-    """Bandwidths in bytes per second, and a fixed latency per transfer in seconds."""
+    """Bandwidths in bytes per second, and a fixed latency per transfer in seconds. ``duplex``:
+    swap-outs and swap-ins run on separate copy engines and overlap each other (a GPU's copy
+    engines, the simulated device's); else they share one channel (``cpu``'s copy thread)."""
 
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
     latency_s: float = 0.0
+    duplex: bool = False
 
     def swap_in_s(self, nbytes: int) -> float:
         """Seconds to copy ``nbytes`` host -> device."""
@@ -58,4 +61,5 @@ def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) 
             return (nbytes - 512) / (seconds - latency)
         return nbytes / seconds
 
-    return CostModel(h2d_bytes_per_s=bandwidth(h2d), d2h_bytes_per_s=bandwidth(d2h), latency_s=latency)
+    return CostModel(h2d_bytes_per_s=bandwidth(h2d), d2h_bytes_per_s=bandwidth(d2h), latency_s=latency,
+                     duplex=engine.duplex)

@@ -35,7 +35,8 @@ iteration (so a job of ``k`` iterations per period has ``k`` such lifetimes of i
 one always; a planned absence (a :class:`Decision`) removes a cyclic window of events. Because a
 swap-out's bytes are freed at a fixed event (the executor waits there if the copy is late) and a
 swap-in's are taken at a fixed event, memory over the timeline depends only on the plan, not on
-timing; only the predicted time does, which :func:`simulate` computes with one FIFO copy channel.
+timing; only the predicted time does, which :func:`simulate` computes with one FIFO copy channel,
+or one per direction where the cost model says the copies are duplex (a GPU's copy engines).
 TENSILE plans each job against the sum of the per-job peaks; planning against the combined
 timeline sees that the jobs' peaks fall at different times.
 """
@@ -256,7 +257,8 @@ class Simulation:
 
 def simulate(timeline: Timeline, decisions: list[Decision], cost: CostModel) -> Simulation:
     """Predict the timing of ``decisions`` on ``timeline``: ops run back to back on the compute
-    stream; swaps run one at a time on the copy channel in issue order; the op that next accesses
+    stream; swaps run one at a time on the copy channel in issue order (swap-outs and swap-ins on
+    separate channels when ``cost.duplex``); the op that next accesses
     a swapped tensor waits for its swap-in, a release waits for its swap-out, and a recompute adds
     the producing ops' measured times before the op that needs the tensor (:class:`Simulator`)."""
     return Simulator(timeline, cost, decisions).simulate()
@@ -336,7 +338,9 @@ class Simulator:
         out_end = [0.0] * transfers
         in_end = [0.0] * transfers
         starts: list[float] = []            # the second period's op start times, on one clock
-        t = channel = period_start = stall = busy = 0.0
+        t = period_start = stall = busy = 0.0
+        free = [0.0, 0.0]                   # when each copy channel is next free: swap-ins', swap-outs'
+        out = 1 if self.cost.duplex else 0  # one channel for both directions unless duplex
         for rep in range(2):
             period_start, stall, busy, done = t, 0.0, 0.0, 0
             for k, releases, swap_ins, waits, swap_outs in steps:
@@ -352,9 +356,9 @@ class Simulator:
                             t = out_end[i]
                 if swap_ins:
                     for i, seconds in swap_ins:
-                        channel = (channel if channel > t else t) + seconds
+                        free[0] = (free[0] if free[0] > t else t) + seconds
                         busy += seconds
-                        in_end[i] = channel
+                        in_end[i] = free[0]
                 if waits:
                     for i in waits:
                         if in_end[i] > t:
@@ -366,9 +370,9 @@ class Simulator:
                 t += durations[k]
                 if swap_outs:
                     for i, seconds in swap_outs:
-                        channel = (channel if channel > t else t) + seconds
+                        free[out] = (free[out] if free[out] > t else t) + seconds
                         busy += seconds
-                        out_end[i] = channel
+                        out_end[i] = free[out]
                 done = k + 1
             if rep:
                 starts.extend(itertools.accumulate(durations[done:], initial=t))
