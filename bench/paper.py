@@ -18,10 +18,9 @@ al., arXiv 1604.06174), tensile_published (TENSILE with each job planned alone, 
 per-job plans) and tensile (this project's global planner).
 
 Measures (per run): peak device bytes; MSR = 1 - peak / vanilla peak; EOR, the steady-state
-extra overhead ratio: the seconds per unit of work once every job has run ``WARMUP`` iterations
-(cold start, planning and pacing done) until the first job ends, against the same in the vanilla
-run, minus 1 (a unit of work is one job's iteration weighted by its roofline time alone, so jobs
-of different models count by their size); CBR = MSR / EOR; bytes copied device -> host and host
+extra overhead ratio: each job's seconds per iteration from its ``WARMUP``-th iteration (cold
+start, planning and pacing done) to its last, over the same job's in the vanilla run, averaged
+over the jobs, minus 1; CBR = MSR / EOR; bytes copied device -> host and host
 -> device; FLOPs recomputed; passive swap-ins (accesses the plan did not cover); whether every
 job completed. Then a summary of who wins at each budget, the PASS / FAIL lines of the targets,
 the planned pool against the best-fit pool and a simulation of CuPy's default ``MemoryPool`` on
@@ -40,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -94,8 +94,10 @@ class Run:
     peak_nbytes: int = 0
     completed: bool = False
     error: str = ""
-    work_s: float = 0.0                 # steady-state work done (roofline seconds alone)
-    window_s: float = 0.0               # virtual seconds it took
+    #: job label -> virtual seconds per iteration in its steady state (from its WARMUP-th
+    #: iteration to its last)
+    iteration_s: dict = field(default_factory=dict)
+    window_start_s: float = 0.0         # virtual time every job had run WARMUP iterations
     d2h_nbytes: int = 0
     h2d_nbytes: int = 0
     recomputed_flops: int = 0
@@ -103,10 +105,6 @@ class Run:
     plan_wall_s: float = 0.0            # wall clock of the planner on this machine
     samples: list = field(default_factory=list)     # (virtual s, job label -> device bytes)
     pool_history: list = field(default_factory=list)
-
-    @property
-    def seconds_per_work(self) -> float:
-        return self.window_s / self.work_s if self.work_s else math.nan
 
 
 def spec_of(model: str) -> models.ModelSpec:
@@ -150,7 +148,6 @@ def run(workload: str, policy: str, fraction: float | None, vanilla_peak: int | 
     manager = MemoryManager(device, budget)
     executor = Executor(manager, policy="reactive" if fraction is None else policy)
     result = Run(workload, "vanilla" if fraction is None else policy, fraction, manager.budget_nbytes)
-    solo = {j.id: iteration_s(device, j) for j in jobs}
     done: list[tuple[float, int, int]] = []          # (virtual s, job id, iterations done)
     scheduler = executor.scheduler
     iteration_done, after, note_recompute = scheduler.iteration_done, scheduler.after, manager.note_recompute
@@ -195,10 +192,11 @@ def run(workload: str, policy: str, fraction: float | None, vanilla_peak: int | 
     result.plan_wall_s = scheduler.plan_seconds
     result.pool_history = list(manager.pool.history)
     if result.completed:
-        start = max(t for t, j, n in done if n == WARMUP)
-        end = min(max(t for t, j, _ in done if j == job.id) for job in jobs)
-        result.window_s = end - start
-        result.work_s = sum(solo[j] for t, j, n in done if start < t <= end)
+        result.window_start_s = max(t for t, j, n in done if n == WARMUP)
+        for job in jobs:
+            mine = {n: t for t, j, n in done if j == job.id}
+            last = max(mine)
+            result.iteration_s[job.info.model_name] = (mine[last] - mine[WARMUP]) / (last - WARMUP)
     result.samples = [(t, {by.info.model_name: b.get(by.id, 0) for by in jobs}) for t, b in result.samples]
     return result
 
@@ -206,7 +204,8 @@ def run(workload: str, policy: str, fraction: float | None, vanilla_peak: int | 
 def measures(r: Run, vanilla: Run) -> tuple[float, float, float]:
     """(MSR, EOR, CBR) of ``r`` against ``vanilla``."""
     msr = 1.0 - r.peak_nbytes / vanilla.peak_nbytes
-    eor = r.seconds_per_work / vanilla.seconds_per_work - 1.0 if r.completed else math.nan
+    eor = (statistics.mean(r.iteration_s[j] / vanilla.iteration_s[j] for j in vanilla.iteration_s) - 1.0
+           if r.completed else math.nan)
     cbr = msr / eor if eor > 1e-9 else math.inf if eor == eor else math.nan
     return msr, eor, cbr
 

@@ -258,3 +258,46 @@ def test_compact_then_random_work_keeps_the_invariants():
         assert all(o1 + s1 <= o2 for (o1, s1), (o2, _) in zip(blocks, blocks[1:]))
         assert a.in_use_nbytes == sum(s for _, s in blocks) <= a.capacity_nbytes
         assert a.in_use_nbytes + sum(s for s, _ in a._free_by_size) == a.capacity_nbytes
+
+
+def test_compact_for_a_block_slides_only_the_cheapest_run():
+    a = ArenaAllocator(23 * U)
+    sizes = [4, 1, 1, 4, 1, 1, 4]                        # units, each with a one-unit hole above
+    offs = []
+    for size in sizes:
+        offs.append(a.allocate(size * U))
+        a.allocate(U)
+    for off, size in zip(offs, sizes):
+        a.free(off + size * U)
+    assert offs == [0, 5 * U, 7 * U, 9 * U, 14 * U, 16 * U, 18 * U]
+    assert a.largest_free_nbytes == U and a.allocate(2 * U) is None
+    movable = set(offs)
+    moves = a.compact(movable, need_nbytes=2 * U)
+    assert moves == [(5 * U, 4 * U, U)]                  # one unit moved, not a 4-unit block
+    assert a.allocate(2 * U) == 5 * U
+    big = {offs[0], offs[3], offs[6]}                    # each frees at most 2 U sliding alone
+    assert a.compact(big, need_nbytes=3 * U) == []
+
+
+def test_compact_for_a_block_then_random_work_keeps_the_invariants():
+    rng = np.random.default_rng(7)
+    a = ArenaAllocator(256 * U)
+    live = []
+    for step in range(2000):
+        if live and (rng.random() < 0.45 or a.free_nbytes == 0):
+            a.free(live.pop(rng.integers(len(live))))
+        else:
+            size = int(rng.integers(1, 12)) * U
+            off = a.allocate(size)
+            if off is None and a.free_nbytes >= size:
+                before = a.in_use_nbytes
+                moved = dict((old, new) for old, new, _ in a.compact(set(live[::2]), need_nbytes=size))
+                live = [moved.get(o, o) for o in live]
+                assert a.in_use_nbytes == before
+                off = a.allocate(size)
+                assert (off is not None) == bool(moved)      # a run that slid opened the block
+            if off is not None:
+                live.append(off)
+        blocks = a.blocks()
+        assert sorted(live) == [o for o, _ in blocks]
+        assert all(o1 + s1 <= o2 for (o1, s1), (o2, _) in zip(blocks, blocks[1:]))

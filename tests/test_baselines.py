@@ -83,7 +83,9 @@ def test_every_baseline_plan_is_valid_and_deterministic(name, cost):
         assert plan.policy == name and plan.decisions
         _assert_valid(plan, tl)
         _assert_ordered(plan, tl)
-        assert plan.predicted_peak_nbytes == tl.usage(plan.decisions).max() < plan.vanilla_peak_nbytes
+        assert plan.predicted_peak_nbytes == tl.usage(plan.decisions).max()
+        if name != "checkpoint":    # a fixed strategy: its recomputes' workspaces can raise the peak
+            assert plan.predicted_peak_nbytes < plan.vanilla_peak_nbytes
         assert planner(tl, cost, target, None).decisions == plan.decisions      # the scheduler's call
 
 
@@ -167,7 +169,8 @@ def test_checkpoint_drops_the_inside_of_sqrt_n_segments(make, repeats):
         for d in mine:
             q = tl.events[d.a][1] % len(prog.ops)
             assert q == max(p for p in prog.positions[d.slot] if p < first_backward)   # after the forward pass
-    assert plan.predicted_peak_nbytes < plan.vanilla_peak_nbytes
+    # the dropped tensors free their bytes; a recompute's workspaces take some back at its event
+    assert plan.predicted_peak_nbytes <= plan.vanilla_peak_nbytes + max(d.workspace_nbytes for d in plan.decisions)
 
 
 def _replayed_usage(tl: Timeline, plan) -> list[int]:
@@ -199,7 +202,8 @@ def _replayed_usage(tl: Timeline, plan) -> list[int]:
                 recompute(s)
         assert not set(op.accesses) & dropped
         held.update(s for s in op.writes if not prog.slots[s].kind.persistent)
-        usage.append(persistent + sum(nbytes[s] for s in held))
+        workspaces = sum(d.workspace_nbytes for d in plan.decisions if d.b == k)   # the replays', counted at b
+        usage.append(persistent + sum(nbytes[s] for s in held) + workspaces)
         held.difference_update(prog.frees_after[q % n_ops])
         for s in drops.get(k, ()):
             held.remove(s)

@@ -13,6 +13,8 @@ block. ``peak_nbytes`` is the arena's high-water mark of allocated bytes; it can
 
 from __future__ import annotations
 
+import itertools
+
 import bisect
 
 from ..runtime.units import UNIT_NBYTES, round_up
@@ -103,16 +105,25 @@ class ArenaAllocator:
             offset, size = before_start, size + before
         self._add_free(offset, size)
 
-    def compact(self, movable) -> list[tuple[int, int, int]]:
+    def compact(self, movable, need_nbytes: int | None = None) -> list[tuple[int, int, int]]:
         """Slide the allocated blocks whose offsets are in ``movable`` toward offset 0, in address
         order, past no immovable block; returns the moves as ``(old, new, size)`` in the order they
         must be copied (each moves down, so copying in this order never overwrites bytes still to
-        be copied from). Free blocks are rebuilt; sizes and statistics are unchanged."""
+        be copied from). Free blocks are rebuilt; sizes and statistics are unchanged.
+
+        With ``need_nbytes``, only the run of consecutive movable blocks whose sliding opens one
+        free block of at least that many bytes at the least bytes moved (:meth:`_cheapest_run`)
+        slides, down to the end of the block below it; nothing moves if no run does."""
+        window = None
+        if need_nbytes is not None:
+            window = self._cheapest_run(movable, need_nbytes)
+            if window is None:
+                return []
         moves = []
         layout = {}
         cursor = 0
         for offset, size in sorted(self._used.items()):
-            if offset in movable:
+            if offset in movable and (window is None or window[0] <= offset <= window[1]):
                 if cursor != offset:
                     moves.append((offset, cursor, size))
                 layout[cursor] = size
@@ -123,6 +134,39 @@ class ArenaAllocator:
         if moves:
             self.relayout(layout)
         return moves
+
+    def _cheapest_run(self, movable, need_nbytes: int) -> tuple[int, int] | None:
+        """(first, last) offsets of the run of consecutive movable blocks that, slid down together,
+        leave a free block of at least ``need_nbytes`` above them at the least bytes moved. Blocks
+        ``lo`` to ``hi - 1`` slid down free the gaps below, between and above them; within each
+        maximal run of movable blocks, the least ``hi`` that frees enough never decreases as
+        ``lo`` grows (two pointers over prefix sums). None if no run frees enough."""
+        blocks = sorted(self._used.items())
+        ends = [0] + [o + size for o, size in blocks]
+        gaps = [o - ends[k] for k, (o, _) in enumerate(blocks)] + [self.capacity_nbytes - ends[-1]]
+        gap_sum = list(itertools.accumulate(gaps, initial=0))           # gap_sum[k]: gaps before k
+        size_sum = list(itertools.accumulate((size for _, size in blocks), initial=0))
+        best, best_cost = None, None
+        i = 0
+        while i < len(blocks):
+            if blocks[i][0] not in movable:
+                i += 1
+                continue
+            end = i
+            while end < len(blocks) and blocks[end][0] in movable:
+                end += 1                                               # the run is blocks[i:end]
+            hi = i + 1
+            for lo in range(i, end):
+                hi = max(hi, lo + 1)
+                while hi <= end and gap_sum[hi + 1] - gap_sum[lo] < need_nbytes:
+                    hi += 1
+                if hi > end:
+                    break
+                cost = size_sum[hi] - size_sum[lo]
+                if best_cost is None or cost < best_cost:
+                    best, best_cost = (blocks[lo][0], blocks[hi - 1][0]), cost
+            i = end
+        return best
 
     def relayout(self, used: dict[int, int]) -> None:
         """Replace the allocated blocks by ``used`` (offset -> size, bytes; sizes whole units,

@@ -87,9 +87,9 @@ class Eviction:
                 if offset is not None:
                     return offset
                 if allocator.free_nbytes >= size:
-                    if self.compact():          # around the blocks copies still use
+                    if self.compact(size):          # around the blocks copies still use
                         continue
-                    if mm.land_copies() and self.compact():   # now their blocks can move too
+                    if mm.land_copies() and self.compact(size):   # now their blocks can move too
                         continue
             if leaving:
                 mm.pool.disturb("swap-outs finished ahead of their planned release")
@@ -115,13 +115,15 @@ class Eviction:
                 return None
             mm.evict(max(clean, key=self.rank))
 
-    def compact(self) -> bool:
+    def compact(self, need_nbytes: int | None = None) -> bool:
         """Defragment: slide the blocks that may move (no op pins them, no copy reads them, not
         in the planned region, not :attr:`~tensile_db.memory.tensors.Tensor.fixed`) toward the
-        start of the arena. Returns whether anything moved."""
+        start of the arena; with ``need_nbytes``, only the run of them whose sliding opens a free
+        block that large at the least bytes moved (a full compaction moved tens of GB an
+        iteration on four ResNet-50 jobs). Returns whether anything moved."""
         return self.mm.compact([t for t in self.mm.tensors()
                                 if t.offset is not None and not t.pins and not t.planned and not t.fixed
-                                and (t.transfer is None or t.transfer.done())])
+                                and (t.transfer is None or t.transfer.done())], need_nbytes)
 
     def pack(self, working_set: list[Tensor], what: str) -> None:
         """Last resort when nothing is left to evict: let the copies in flight land (calling the

@@ -149,12 +149,13 @@ class Residencies:
                 t.transfer.wait()
         return bool(in_flight)
 
-    def compact(self, movable: list[Tensor]) -> bool:
+    def compact(self, movable: list[Tensor], need_nbytes: int | None = None) -> bool:
         """Slide the blocks of ``movable`` toward offset 0 past every other block
-        (:meth:`ArenaAllocator.compact`, device-to-device copies), so the free bytes coalesce.
-        Bytes in use do not change. Returns whether anything moved."""
+        (:meth:`ArenaAllocator.compact`, device-to-device copies), so the free bytes coalesce;
+        with ``need_nbytes``, only the cheapest run that opens a free block that large. Bytes in
+        use do not change. Returns whether anything moved."""
         by_offset = {t.offset: t for t in movable}
-        moves = self.allocator.compact(by_offset)
+        moves = self.allocator.compact(by_offset, need_nbytes)
         for old, new, size in moves:
             self.device.move_down(self.buffer, old, new, size)
             by_offset[old].offset = new

@@ -187,6 +187,12 @@ class Program:
         return {s for p in recipe for s in self.replay(p).reads
                 if s != name and self.slots[s].kind is not Kind.WORKSPACE}
 
+    def recipe_workspace_nbytes(self, recipe) -> int:
+        """Arena bytes (rounded) the replays of ``recipe`` allocate for workspaces at once, at
+        most: each replay takes its own and frees them when it ends."""
+        return max((sum(self.slots[s].arena_nbytes for s in self.replay(p).writes
+                        if self.slots[s].kind is Kind.WORKSPACE) for p in recipe), default=0)
+
     def working_set_nbytes(self, i: int) -> int:
         """Arena bytes (rounded) the op ``i`` needs resident at once: its reads and writes."""
         return sum(self.slots[s].arena_nbytes for s in self.ops[i].accesses)

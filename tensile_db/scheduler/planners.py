@@ -116,8 +116,8 @@ class _Gap:
     b: int                 # event of the access after it
     pa: int                # the same as period positions of the job
     pb: int
-    # (inputs, seconds) of recomputing the tensor at ``b``, if the program allows it there
-    recipe: tuple[tuple[str, ...], float] | None = field(default=None, compare=False)
+    # (inputs, seconds, workspace bytes) of recomputing the tensor at ``b``, if the program allows it there
+    recipe: tuple[tuple[str, ...], float, int] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -290,39 +290,40 @@ class _State:
             options, i = self.options([gap], k), 0
         return options.swap(i)
 
-    def _recipe(self, job_id: int, slot: str) -> tuple[int, tuple[str, ...], float] | None:
-        """(the recipe's last op, the slots it reads, its ops' measured seconds) of the slot, or
-        None if it is not recomputable (:meth:`Program.recipe`)."""
+    def _recipe(self, job_id: int, slot: str) -> tuple[int, tuple[str, ...], float, int] | None:
+        """(the recipe's last op, the slots it reads, its ops' measured seconds, its workspace
+        bytes) of the slot, or None if it is not recomputable (:meth:`Program.recipe`)."""
         key = (job_id, slot)
         if key not in self._recipes:
             prog = self.tl.program(job_id)
             recipe = prog.recipe(slot)
             times = self.tl.traces[job_id].sequence.times_s
             self._recipes[key] = None if recipe is None else (
-                recipe[-1], tuple(sorted(prog.recipe_inputs_of(recipe, slot))), float(sum(times[p] for p in recipe)))
+                recipe[-1], tuple(sorted(prog.recipe_inputs_of(recipe, slot))), float(sum(times[p] for p in recipe)),
+                prog.recipe_workspace_nbytes(recipe))
         return self._recipes[key]
 
-    def _recipe_at(self, t: TensorInfo, pa: int, pb: int) -> tuple[tuple[str, ...], float] | None:
-        """(inputs, seconds) of recomputing ``t`` at period position ``pb`` after its absence
+    def _recipe_at(self, t: TensorInfo, pa: int, pb: int) -> tuple[tuple[str, ...], float, int] | None:
+        """(inputs, seconds, workspace bytes) of recomputing ``t`` at period position ``pb`` after its absence
         from ``pa``, if the program allows it there: the recipe ran before the absence, which
         does not wrap."""
         recipe = self._recipe(t.job_id, t.slot)
         if recipe is None or pa % self.tl.n_program_ops(t.job_id) < recipe[0] or pb <= pa:
             return None
-        return recipe[1], recipe[2]
+        return recipe[1], recipe[2], recipe[3]
 
     def recompute(self, gap: _Gap) -> Decision | None:
         """The recompute of ``gap``'s tensor at its next access, if the program allows it there
         and the recipe's inputs are held at that event under the decisions so far."""
         if gap.recipe is None:
             return None
-        t, (inputs, seconds) = gap.tensor, gap.recipe
+        t, (inputs, seconds, workspace) = gap.tensor, gap.recipe
         for name in (t.slot, *inputs):
             for start, length in self._absent.get((t.job_id, name), ()):
                 if self.tl.cyclic(start, gap.b) < length:
                     return None
         return Decision(t.job_id, t.slot, t.nbytes, "recompute", gap.a, gap.b, (gap.a + 1) % self.tl.n,
-                        gap.b, seconds, inputs)
+                        gap.b, seconds, inputs, workspace)
 
     # --- decisions
 
@@ -336,7 +337,7 @@ class _State:
         self.decisions.append(d)
         self.taken.add((d.job_id, d.slot, d.a))
         window = d.window(self.tl.n)
-        self.tl.add_window(self.use, *window, -d.nbytes)
+        self.tl.add_decision(self.use, d)
         self._absent.setdefault((d.job_id, d.slot), []).append(window)
         touched = [d.slot]
         if d.method == "recompute":

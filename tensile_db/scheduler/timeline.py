@@ -122,7 +122,9 @@ class Decision:
     ``method`` is ``"swap"``: swapped out after event ``a``, its bytes freed before event ``free``
     and taken again before event ``back`` when the swap-in is issued (absent over
     ``[free, back)``); or ``"recompute"``: dropped after ``a`` and recomputed at ``b`` by the ops
-    ``recipe`` (absent over ``[a + 1, b)``). Event indices are cyclic over the period.
+    ``recipe`` (absent over ``[a + 1, b)``), whose replays take ``workspace_nbytes`` more arena
+    bytes during event ``b`` (a convolution's im2col matrix). Event indices are cyclic over the
+    period.
     """
 
     job_id: int
@@ -135,6 +137,7 @@ class Decision:
     back: int
     recipe_s: float = 0.0
     recipe_inputs: tuple[str, ...] = ()
+    workspace_nbytes: int = 0
 
     def window(self, n: int) -> tuple[int, int]:
         """(first absent event, number of absent events)."""
@@ -229,8 +232,14 @@ class Timeline:
         """(n,) int64: arena bytes held during each event under ``decisions`` (a new array)."""
         use = self._vanilla_usage.copy()
         for d in decisions:
-            self.add_window(use, *d.window(self.n), -d.nbytes)
+            self.add_decision(use, d)
         return use
+
+    def add_decision(self, use: np.ndarray, d: Decision) -> None:
+        """Apply ``d`` to ``use`` ((n,) bytes per event), in place: its absence, and the
+        workspaces of a recompute's replays during the event that needs the tensor."""
+        self.add_window(use, *d.window(self.n), -d.nbytes)
+        use[d.b] += d.workspace_nbytes
 
     def vanilla_peak_nbytes(self) -> int:
         """The combined peak with no plan: the most arena bytes any event holds."""
