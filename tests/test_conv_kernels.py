@@ -76,7 +76,7 @@ def test_conv_geometry_names_what_does_not_fit():
     with pytest.raises(ValueError, match=r"a \(5, 5\) kernel .* does not fit an input of 4x4"):
         ConvGeometry.of((1, 3, 4, 4), 4, 5)
     g = ConvGeometry.of((2, 3, 8, 8), 4, 3, padding=1)
-    assert g.workspace_nbytes(4) == 4 * (2 * 3 * 10 * 10 + 2 * 8 * 8 * 27 + 2 * 8 * 8 * 4)
+    assert g.workspace_nelems == 2 * 3 * 10 * 10 + 2 * 8 * 8 * 27 + 2 * 8 * 8 * 4
 
 
 @pytest.mark.parametrize("k, stride, padding", [(2, 2, 0), (3, 2, 1), (3, 1, 1), ((2, 3), (2, 1), (1, 1))])
@@ -229,3 +229,29 @@ def test_a_small_network_of_these_kernels_matches_torch_end_to_end(rng):
     K.conv2d_backward(x, w1, dc1, dx, dw1, db1, g1, *ws1)
     for name, grad in dict(x=dx, w1=dw1, b1=db1, gamma=dgamma, beta=dbeta, w2=dw2).items():
         assert_close(grad, t[name].grad)
+
+
+@pytest.mark.parametrize("groups, bias", [(1, True), (2, False)])
+def test_chunked_convolution_matches_torch_with_bounded_workspace(rng, groups, bias):
+    g = ConvGeometry.of((7, 2, 6, 6), 16, 3, 1, 1, 1, groups)
+    assert 1 < g.rows_per_chunk < g.batch and g.batch % g.rows_per_chunk       # a short last chunk
+    rows = [stop - start for start, stop, _ in g.chunks()]
+    assert sum(rows) == 7 and set(rows[:-1]) == {g.rows_per_chunk} and rows[-1] < g.rows_per_chunk
+    assert g.chunked_workspace_nelems < g.workspace_nelems
+    x, wt = rng.normal(size=(7, 2, 6, 6)), rng.normal(size=g.weight_shape)
+    bv = rng.normal(size=16) if bias else None
+    flat = empty(g.chunked_workspace_nelems)
+    out = empty(g.out_shape)
+    K.conv2d_forward_chunked(x, wt, bv, out, g, flat)
+    tx, tw, tb = tt(x, True), tt(wt, True), (tt(bv, True) if bias else None)
+    ref = F.conv2d(tx, tw, tb, padding=1, groups=groups)
+    assert_close(out, ref)
+    dy = rng.normal(size=g.out_shape)
+    ref.backward(tt(dy))
+    dx, dw = empty(x.shape), empty(wt.shape)
+    db = empty(16) if bias else None
+    K.conv2d_backward_chunked(x, wt, dy, dx, dw, db, g, empty(g.chunked_workspace_nelems))
+    assert_close(dx, tx.grad)
+    assert_close(dw, tw.grad)
+    if bias:
+        assert_close(db, tb.grad)

@@ -28,7 +28,7 @@ import math
 from . import conv_kernels as ck
 from . import kernels
 from .model import ModelSpec, TrainOptions
-from .network import INPUT, Node, conv_workspaces, pool_workspace
+from .network import INPUT, Node, pool_workspace
 from .program import Kind, Op, Program, Slot
 
 
@@ -143,8 +143,8 @@ class _Builder:
             w, bias = f"W{i}", f"b{i}" if f"b{i}" in node.params else None
             ws = self.workspace(f"ws{i}", node.workspace_nelems(b))
             self.op(f"conv{i}", (inp, w) + ((bias,) if bias else ()), (h, ws),
-                    lambda a, ctx: ck.conv2d_forward(a[inp], a[w], a[bias] if bias else None, a[h], g,
-                                                     *conv_workspaces(g, a[ws])),
+                    lambda a, ctx: ck.conv2d_forward_chunked(a[inp], a[w], a[bias] if bias else None, a[h], g,
+                                                             a[ws]),
                     flops=self.conv_flops(h, w), unit="conv")
         elif node.op == "batch_norm":
             self.params(node)
@@ -252,8 +252,8 @@ class _Builder:
             db = self.slot(f"db{i}", Kind.GRADIENT, self.slots[bias].shape) if bias else None
             ws = self.workspace(f"wsb{i}", node.workspace_nelems(b))
             self.op(f"conv{i}_backward", (inp, w, g), (dw,) + ((db,) if db else ()) + outs + (ws,),
-                    lambda a, ctx: ck.conv2d_backward(a[inp], a[w], a[g], a[dx] if dx else None, a[dw],
-                                                      a[db] if db else None, geo, *conv_workspaces(geo, a[ws])),
+                    lambda a, ctx: ck.conv2d_backward_chunked(a[inp], a[w], a[g], a[dx] if dx else None, a[dw],
+                                                              a[db] if db else None, geo, a[ws]),
                     flops=self.conv_flops(f"h{i}", w) * (1 + bool(dx)), unit="conv")
         elif node.op == "batch_norm":
             gamma, bm, bs = f"gamma{i}", f"bm{i}", f"bs{i}"

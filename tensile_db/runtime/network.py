@@ -348,21 +348,10 @@ class Node:
         """float32 elements of the forward pass's workspace at ``batch`` rows (0: none): the
         convolution's padded input, im2col matrix and product, or a pool's padded input."""
         if self.op == "conv":
-            return self.geometry(batch).workspace_nelems
+            return self.geometry(batch).chunked_workspace_nelems
         if self.op in ("max_pool", "avg_pool"):
             return math.prod(self.geometry(batch).padded_shape)
         return 0
-
-
-def conv_workspaces(geometry: ck.ConvGeometry, flat):
-    """The convolution workspaces (padded, cols, product) as views of one flat array."""
-    shapes = (geometry.padded_shape, geometry.cols_shape, geometry.product_shape)
-    views, start = [], 0
-    for s in shapes:
-        n = math.prod(s)
-        views.append(flat[start:start + n].reshape(s))
-        start += n
-    return views
 
 
 def pool_workspace(geometry: ck.ConvGeometry, flat):
@@ -465,7 +454,7 @@ def evaluate(node: Node, inputs: list, weights: dict, out, workspace) -> None:
         kernels.dense_forward(x.reshape(batch, -1), weights[f"W{i}"], weights[f"b{i}"], out)
     elif node.op == "conv":
         g = node.geometry(batch)
-        ck.conv2d_forward(x, weights[f"W{i}"], weights.get(f"b{i}"), out, g, *conv_workspaces(g, workspace))
+        ck.conv2d_forward_chunked(x, weights[f"W{i}"], weights.get(f"b{i}"), out, g, workspace)
     elif node.op == "batch_norm":
         xp = kernels.array_module(out)
         invstd = 1.0 / xp.sqrt(weights[f"var{i}"] + np.float32(node.layer.eps))
