@@ -9,9 +9,11 @@ print the same tables, byte for byte, except the last section (planner wall time
 Models (:mod:`tensile_db.runtime.zoo`): VGG-16, ResNet-50, Inception-V3 and DenseNet-121 at
 3x224x224, batch 16, 1000 classes, Adam. Workloads: one job of each model; 2, 3 and 4 identical
 ResNet-50 jobs; and the mixed arrival of the four models (TENSILE's setup), one job arriving
-every ``ARRIVAL_ITERATIONS`` solo iterations of the first. Budgets: 70%, 50% and 35% of the
-vanilla run's peak, and, per policy, the smallest budget of :data:`FLOOR_FRACTIONS` at which it
-still completes every job. Policies: vanilla (unlimited memory), reactive (farthest next use),
+every ``ARRIVAL_ITERATIONS`` solo iterations of the first (without ``--all``, only one and four
+ResNet-50 jobs and the mixed arrival). Budgets: 70%, 50% and 35% of the vanilla run's peak, and,
+with ``--all``, per policy, the smallest budget of :data:`FLOOR_FRACTIONS` at which it still
+completes every job. Runs go to ``--processes`` processes at once; each is deterministic, so the
+tables do not depend on how many. Policies: vanilla (unlimited memory), reactive (farthest next use),
 vdnn (vDNN, Rhu et al. 2016: every convolution's and dense layer's input swapped), swap_score
 (arXiv 1903.06631), capuchin (Peng et al., ASPLOS 2020), checkpoint (sqrt(n) segments, Chen et
 al., arXiv 1604.06174), tensile_published (TENSILE with each job planned alone, memory the sum of
@@ -31,14 +33,16 @@ time, of four ResNet-50 jobs at 50%) and ``paper_pool_resnet50.png`` (the planne
 of one ResNet-50 period).
 
     python bench/paper.py [--profile h100] [--seed 0] [--jitter 0.03] [--first-run-error 0.05]
-                          [--quick] [--out bench/out]
+                          [--all | --workloads ...] [--processes N] [--out bench/out]
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import math
+import os
 import statistics
 import sys
 import time
@@ -70,7 +74,9 @@ WORKLOADS = {
     "4x resnet50": ["resnet50"] * 4,
     "mixed": ["vgg16", "resnet50", "inception_v3", "densenet121"],
 }
-QUICK_WORKLOADS = ["1x resnet50", "4x resnet50", "mixed"]
+#: what runs without --all (about ten minutes on two cores): one and four ResNet-50 jobs, and the
+#: four models arriving one after another
+DEFAULT_WORKLOADS = ["1x resnet50", "4x resnet50", "mixed"]
 STAGGERED = {"mixed"}
 ARRIVAL_ITERATIONS = 1          # solo iterations of the first job between two arrivals
 POLICIES = ("reactive", "vdnn", "swap_score", "capuchin", "checkpoint", "tensile_published", "tensile")
@@ -201,6 +207,16 @@ def run(workload: str, policy: str, fraction: float | None, vanilla_peak: int | 
     return result
 
 
+def floor_runs(workload: str, policy: str, vanilla_peak: int, args) -> dict[float, Run]:
+    """Runs at the fractions of :data:`FLOOR_FRACTIONS`, from the largest, until one fails."""
+    out = {}
+    for fraction in FLOOR_FRACTIONS:
+        out[fraction] = r = run(workload, policy, fraction, vanilla_peak, args)
+        if not r.completed:
+            break
+    return out
+
+
 def measures(r: Run, vanilla: Run) -> tuple[float, float, float]:
     """(MSR, EOR, CBR) of ``r`` against ``vanilla``."""
     msr = 1.0 - r.peak_nbytes / vanilla.peak_nbytes
@@ -322,12 +338,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jitter", type=float, default=0.03)
     parser.add_argument("--first-run-error", type=float, default=0.05)
-    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_WORKLOADS)}, no budget floor")
+    parser.add_argument("--all", action="store_true",
+                        help=f"every workload and each policy's smallest budget (default: {', '.join(DEFAULT_WORKLOADS)})")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS))
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
+    parser.add_argument("--processes", type=int, default=os.cpu_count(),
+                        help="runs at once (each is deterministic: the tables do not depend on it)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    workloads = args.workloads or (QUICK_WORKLOADS if args.quick else list(WORKLOADS))
+    workloads = args.workloads or (list(WORKLOADS) if args.all else DEFAULT_WORKLOADS)
     device = SimDevice(args.profile)
     print(f"# Paper benchmark (simulated, {device.profile.description}; seed {args.seed}, jitter {args.jitter}, "
           f"first-run error {args.first_run_error:+})\n")
@@ -338,20 +357,21 @@ def main() -> None:
         started = time.perf_counter()
         vanilla = run(workload, "vanilla", None, None, args, sample=workload == "4x resnet50")
         runs = {"vanilla": vanilla}
-        for fraction in BUDGETS:
-            for policy in POLICIES:
-                sample = workload == "4x resnet50" and fraction == 0.50
-                runs[(policy, fraction)] = run(workload, policy, fraction, vanilla.peak_nbytes, args, sample)
-        floors = {}
-        if not args.quick:
-            for policy in POLICIES:
-                floors[policy] = next((f for f in BUDGETS[::-1] if runs[(policy, f)].completed), None)
-                if floors[policy] == BUDGETS[-1]:
-                    for fraction in FLOOR_FRACTIONS:
-                        runs[(policy, fraction)] = r = run(workload, policy, fraction, vanilla.peak_nbytes, args)
-                        if not r.completed:
-                            break
-                        floors[policy] = fraction
+        with concurrent.futures.ProcessPoolExecutor(args.processes) as pool:     # runs are independent
+            futures = {(p, f): pool.submit(run, workload, p, f, vanilla.peak_nbytes, args,
+                                           workload == "4x resnet50" and f == 0.50)
+                       for f in BUDGETS for p in POLICIES}
+            runs.update((key, future.result()) for key, future in futures.items())
+            floors = {p: next((f for f in BUDGETS[::-1] if runs[(p, f)].completed), None) for p in POLICIES}
+            if args.all:
+                lower = {p: pool.submit(floor_runs, workload, p, vanilla.peak_nbytes, args)
+                         for p in POLICIES if floors[p] == BUDGETS[-1]}
+                for p, future in lower.items():
+                    for fraction, r in future.result().items():
+                        runs[(p, fraction)] = r
+                        floors[p] = fraction if r.completed else floors[p]
+            else:
+                floors = {}
         results[workload] = runs
         table = [row(vanilla, vanilla)] + [row(runs[(p, f)], vanilla) for f in BUDGETS for p in POLICIES]
         largest = max(j.min_working_set_nbytes for j in make_jobs(workload, device))

@@ -422,3 +422,34 @@ def test_limit_evicts_early_but_a_lone_working_set_may_use_the_whole_budget():
     assert mm.in_use_nbytes == 7 * U                     # nothing left to evict: up to the budget
     assert all(t.residency is Residency.HOST for t in (a, b, c))
     mm.unpin([big])
+
+
+def test_order_moves_copies_device_to_device_where_safe_and_stages_only_cycles():
+    from types import SimpleNamespace
+    from tensile_db.memory.residency import order_moves
+
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        sizes = rng.integers(1, 5, size=8) * U
+        old = np.concatenate(([0], np.cumsum(sizes)[:-1])) + rng.integers(0, 3) * U
+        order = rng.permutation(8)
+        new = np.concatenate(([0], np.cumsum(sizes[order])[:-1]))[np.argsort(order)]     # a shuffled packing
+        blocks = [SimpleNamespace(offset=int(o), arena_nbytes=int(s)) for o, s in zip(old, sizes)]
+        memory = np.zeros(int(max((old + sizes).max(), (new + sizes).max())) + U, np.int64)
+        for i, b in enumerate(blocks):
+            memory[b.offset:b.offset + b.arena_nbytes] = i + 1
+        moves = [(b, int(n)) for b, n in zip(blocks, new) if n != b.offset]
+        direct, staged = order_moves(moves)
+        assert sorted(map(id, [b for b, _ in direct + staged])) == sorted(id(b) for b, _ in moves)
+        for b, n in direct:                                  # as the manager does: copy, then re-place
+            assert n < b.offset or b.offset + b.arena_nbytes <= n
+            memory[n:n + b.arena_nbytes] = memory[b.offset:b.offset + b.arena_nbytes].copy()
+            b.offset = n
+        held = [memory[b.offset:b.offset + b.arena_nbytes].copy() for b, _ in staged]
+        for (b, n), values in zip(staged, held):
+            memory[n:n + b.arena_nbytes] = values
+            b.offset = n
+        for i, b in enumerate(blocks):
+            assert (memory[b.offset:b.offset + b.arena_nbytes] == i + 1).all(), trial
+    swap = [SimpleNamespace(offset=0, arena_nbytes=U), SimpleNamespace(offset=U, arena_nbytes=U)]
+    assert order_moves([(swap[0], U), (swap[1], 0)]) == ([], [(swap[0], U), (swap[1], 0)])   # a cycle

@@ -22,6 +22,8 @@ interface" are what the policies call, with the lock held.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from .eviction import Fragmented
@@ -239,8 +241,11 @@ class Residencies:
         computes (:func:`~tensile_db.memory.planned.region_layout`), evict the cached blocks it
         leaves out and perform its moves. Returns the region's offset, or None (nothing changed).
 
-        The bytes move through host memory (each moving block is copied out, then all are copied
-        in), which is simple whatever the overlaps; it happens once per installed plan."""
+        A block moves device to device when its new place overlaps no block still to move
+        (:func:`order_moves`); the rest, blocks whose new places form
+        cycles with others', move through host memory (each copied out, then all copied in).
+        Through the host, every byte crossed the host link twice: on four models on the simulated
+        H100 that took a third of the time of the period after each install."""
         self.land_copies()
         layout = region_layout(plan, [t for t in self._tensors.values() if t.offset is not None],
                                live_keys, reserve_nbytes, self.budget_nbytes)
@@ -248,9 +253,16 @@ class Residencies:
             return None
         for t in layout.evicted:
             self.evict(t)
+        direct, pending = order_moves(layout.moves)
+        for t, new in direct:
+            if new < t.offset:
+                self.device.move_down(self.buffer, t.offset, new, t.arena_nbytes)
+            else:
+                self.device.copy_within(self.buffer, t.offset, new, t.arena_nbytes)
+            t.offset = new
         view = lambda t, offset: self.device.view(self.buffer, offset, (t.nbytes,), np.uint8)  # noqa: E731
-        staged = [self.device.to_host(view(t, t.offset)) for t, _ in layout.moves]
-        for (t, new), host in zip(layout.moves, staged):
+        staged = [self.device.to_host(view(t, t.offset)) for t, _ in pending]
+        for (t, new), host in zip(pending, staged):
             self.device.to_device(host, view(t, new))
             t.offset = new
         for t in layout.placed:
@@ -275,3 +287,33 @@ class Residencies:
             self._account(t, host=-t.nbytes)
         t.residency, t.offset, t.host, t.transfer = Residency.FREED, None, None, None
         self._tensors.pop(t.id, None)
+
+
+
+def order_moves(moves: list) -> tuple[list, list]:
+    """Split ``moves`` ((tensor, new offset) pairs; each tensor at its current ``offset``, of
+    ``arena_nbytes``; the new places disjoint) into (direct, staged): ``direct`` in an order in
+    which each can be copied device to device, since its new range overlaps no block still to
+    move (its own excepted when it moves down, which :meth:`Device.move_down` copies correctly),
+    and ``staged``, the rest (blocks whose new places form cycles with others'), to move through
+    host memory. Passes over the moves repeat while one finds a direct move; the pending blocks'
+    ranges are kept sorted, so each check is a bisection."""
+    pending = sorted((t.offset, t.offset + t.arena_nbytes, id(t)) for t, _ in moves)
+    starts = [p[0] for p in pending]
+    left, direct = list(moves), []
+    while True:
+        stuck = []
+        for t, new in left:
+            end, old = new + t.arena_nbytes, t.offset
+            first = max(bisect.bisect_right(starts, new) - 1, 0)
+            last = bisect.bisect_left(starts, end)
+            others = [p for p in pending[first:last] if p[1] > new and p[2] != id(t)]
+            if others or (old < new < old + t.arena_nbytes):
+                stuck.append((t, new))
+                continue
+            direct.append((t, new))
+            k = bisect.bisect_left(starts, old)
+            del pending[k], starts[k]
+        if len(stuck) == len(left):
+            return direct, stuck
+        left = stuck

@@ -111,6 +111,12 @@ class Device:
                 n = min(chunk, nbytes - i)
                 buffer[dst + i:dst + i + n] = buffer[src + i:src + i + n]
 
+    def copy_within(self, buffer, src: int, dst: int, nbytes: int) -> None:
+        """Copy ``buffer[src:src + nbytes]`` to ``buffer[dst:dst + nbytes]``; the ranges must not
+        overlap."""
+        assert src + nbytes <= dst or dst + nbytes <= src
+        buffer[dst:dst + nbytes] = buffer[src:src + nbytes]
+
     def uniform(self, seed: int, out) -> None:
         """Fill ``out`` (float32 or float64) with uniform draws in [0, 1) from a stream fixed by
         ``seed``, so that a recomputed dropout mask equals the first one."""

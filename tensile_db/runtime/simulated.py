@@ -271,6 +271,8 @@ class SimDevice(Device):
         """A device-to-device copy: reads and writes ``nbytes``."""
         self.clock.compute(2 * nbytes / (self.profile.memory_bytes_per_s * gpus.BANDWIDTH_EFFICIENCY) + gpus.LAUNCH_S)
 
+    copy_within = move_down
+
     def uniform(self, seed: int, out) -> None:
         pass
 
