@@ -120,14 +120,14 @@ class TrainingJob:
         seconds)`` after it, with the op's measured compute time in seconds. On completion
         ``self.result`` holds the trained weights and scaling on the host.
         """
-        if device.simulated:             # no values: the weights and state have shapes only
-            weights = {name: device.host_empty(shape, np.float32) for name, shape in self.spec.network.weight_shapes().items()}
-        else:
-            weights = models.init_weights(self.spec, self.options.seed)
+        weights = (self.spec.network.weight_shapes() if device.simulated
+                   else models.init_weights(self.spec, self.options.seed))
         for name, slot in self.program.slots.items():
             if slot.kind.persistent:
-                value = (weights[name] if name in weights else device.host_empty(slot.shape, slot.dtype)
-                         if device.simulated else np.zeros(slot.shape, slot.dtype))
+                if device.simulated:         # no values: shapes only
+                    value = device.host_empty(slot.shape, slot.dtype)
+                else:
+                    value = weights[name] if name in weights else np.zeros(slot.shape, slot.dtype)
                 self.tensors[name] = mm.adopt(self.id, name, slot.kind, value)
         rng = np.random.default_rng(self.options.seed)
         ctx = StepContext(device)

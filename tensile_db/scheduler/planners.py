@@ -401,7 +401,8 @@ def plan_tensile(timeline: Timeline, cost: CostModel, target_nbytes: int,
             useful = min(d.nbytes, need)
             extra_s = max(state.trial(d).extra_s - base_s, 0.0)
             key = (extra_s / useful, -useful)
-            if best is None or key[0] < best_key[0] - 1e-15 or (abs(key[0] - best_key[0]) <= 1e-15 and key[1] < best_key[1]):
+            tied = best is not None and abs(key[0] - best_key[0]) <= 1e-15
+            if best is None or (key[1] < best_key[1] if tied else key[0] < best_key[0]):
                 best, best_key = d, key
             tried[o % 2] += 1
         return best
