@@ -424,32 +424,36 @@ def test_limit_evicts_early_but_a_lone_working_set_may_use_the_whole_budget():
     mm.unpin([big])
 
 
-def test_order_moves_copies_device_to_device_where_safe_and_stages_only_cycles():
+def test_order_moves_copies_device_to_device_where_safe_and_parks_blocks_to_break_cycles():
     from types import SimpleNamespace
-    from tensile_db.memory.residency import order_moves
+    from tensile_db.memory.residency import free_in_both, order_moves
 
     rng = np.random.default_rng(3)
-    for trial in range(200):
+    for trial in range(300):
         sizes = rng.integers(1, 5, size=8) * U
         old = np.concatenate(([0], np.cumsum(sizes)[:-1])) + rng.integers(0, 3) * U
         order = rng.permutation(8)
         new = np.concatenate(([0], np.cumsum(sizes[order])[:-1]))[np.argsort(order)]     # a shuffled packing
         blocks = [SimpleNamespace(offset=int(o), arena_nbytes=int(s)) for o, s in zip(old, sizes)]
-        memory = np.zeros(int(max((old + sizes).max(), (new + sizes).max())) + U, np.int64)
+        capacity = int(max((old + sizes).max(), (new + sizes).max())) + int(rng.integers(0, 6)) * U
+        memory = np.zeros(capacity, np.int64)
         for i, b in enumerate(blocks):
             memory[b.offset:b.offset + b.arena_nbytes] = i + 1
+        scratch = free_in_both([(b.offset, b.arena_nbytes) for b in blocks],
+                               [(int(n), int(s)) for n, s in zip(new, sizes)], capacity)
         moves = [(b, int(n)) for b, n in zip(blocks, new) if n != b.offset]
-        direct, staged = order_moves(moves)
-        assert sorted(map(id, [b for b, _ in direct + staged])) == sorted(id(b) for b, _ in moves)
-        for b, n in direct:                                  # as the manager does: copy, then re-place
-            assert n < b.offset or b.offset + b.arena_nbytes <= n
-            memory[n:n + b.arena_nbytes] = memory[b.offset:b.offset + b.arena_nbytes].copy()
-            b.offset = n
+        copies, staged = order_moves(moves, scratch if trial % 2 else None)
+        for b, src, dst in copies:                           # as the manager does: copy, then re-place
+            assert dst < src or src + b.arena_nbytes <= dst
+            memory[dst:dst + b.arena_nbytes] = memory[src:src + b.arena_nbytes].copy()
+            b.offset = dst
         held = [memory[b.offset:b.offset + b.arena_nbytes].copy() for b, _ in staged]
         for (b, n), values in zip(staged, held):
             memory[n:n + b.arena_nbytes] = values
             b.offset = n
         for i, b in enumerate(blocks):
-            assert (memory[b.offset:b.offset + b.arena_nbytes] == i + 1).all(), trial
+            assert b.offset == new[i] and (memory[b.offset:b.offset + b.arena_nbytes] == i + 1).all(), trial
     swap = [SimpleNamespace(offset=0, arena_nbytes=U), SimpleNamespace(offset=U, arena_nbytes=U)]
-    assert order_moves([(swap[0], U), (swap[1], 0)]) == ([], [(swap[0], U), (swap[1], 0)])   # a cycle
+    moves = [(swap[0], U), (swap[1], 0)]
+    assert order_moves(moves) == ([], moves)                                   # a cycle, no room
+    assert order_moves(moves, [(2 * U, 3 * U)]) == ([(swap[0], 0, 2 * U), (swap[1], U, 0), (swap[0], 2 * U, U)], [])
