@@ -29,6 +29,11 @@ import numpy as np
 from .kernels import array_module
 
 
+#: Workspace elements a convolution may take without chunking its batch (16 MB of float32): below
+#: it, more and smaller products cost more in kernel calls than the memory they save.
+UNCHUNKED_NELEMS = 1 << 22
+
+
 def _pair(v) -> tuple[int, int]:
     return (int(v), int(v)) if np.isscalar(v) else (int(v[0]), int(v[1]))
 
@@ -113,13 +118,14 @@ class ConvGeometry:
     def rows_per_chunk(self) -> int:
         """Rows of the batch lowered at once by :func:`conv2d_forward_chunked` and
         :func:`conv2d_backward_chunked`: the most whose workspaces hold no more elements than the
-        layer's input and output for the whole batch (at least one row). Lowering a whole batch
+        layer's input and output for the whole batch, or than :data:`UNCHUNKED_NELEMS` (at least
+        one row). Lowering a whole batch
         at once made the columns of a 3x3 convolution nine times its input: VGG-16's first
         convolutions at 224x224, batch 16, took 2.2 GB of workspace beside 0.2 GB tensors, more
         than half the network's unscheduled peak, a floor no schedule could go below."""
         per_row = replace(self, batch=1).workspace_nelems
-        limit = self.batch * (self.channels * self.height * self.width
-                              + self.out_channels * self.out_height * self.out_width)
+        limit = max(self.batch * (self.channels * self.height * self.width
+                                  + self.out_channels * self.out_height * self.out_width), UNCHUNKED_NELEMS)
         return max(1, min(self.batch, limit // per_row))
 
     def chunks(self) -> list[tuple[int, int, "ConvGeometry"]]:
@@ -227,6 +233,9 @@ def conv2d_backward_chunked(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) 
     weight and bias gradients of the chunks added up; ``flat``: a workspace of
     ``geometry.chunked_workspace_nelems`` elements."""
     chunks = geometry.chunks()
+    if len(chunks) == 1:
+        conv2d_backward(x, w, dy, dx, dw, db, geometry, *conv_workspaces(geometry, flat))
+        return
     partial_at = chunks[0][2].workspace_nelems                 # after the first chunk's workspaces
     partial_dw = flat[partial_at:partial_at + dw.size].reshape(dw.shape)
     partial_db = None if db is None else flat[partial_at + dw.size:partial_at + dw.size + db.size]
