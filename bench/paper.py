@@ -321,7 +321,8 @@ def draw_memory(runs: list[Run], path: Path, title: str) -> None:
         ys = [np.array([b[k] for _, b in r.samples]) / GiB for k in labels]
         if ys:
             ax.stackplot(t, ys, labels=labels, step="post")
-        ax.axhline(r.budget_nbytes / GiB, color="crimson", linestyle="--", linewidth=1)
+        if r.fraction is not None:              # vanilla's budget is only "far above the peak"
+            ax.axhline(r.budget_nbytes / GiB, color="crimson", linestyle="--", linewidth=1)
         ax.set_ylabel("GiB")
         ax.set_title(f"{r.policy}", fontsize=9, loc="left")
     np.atleast_1d(axes)[-1].set_xlabel("virtual seconds")
