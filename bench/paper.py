@@ -349,7 +349,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     workloads = args.workloads or (list(WORKLOADS) if args.all else DEFAULT_WORKLOADS)
     device = SimDevice(args.profile)
-    print(f"# Paper benchmark (simulated, {device.profile.description}; seed {args.seed}, jitter {args.jitter}, "
+    print(f"# Paper benchmark ({device.describe()}; seed {args.seed}, jitter {args.jitter}, "
           f"first-run error {args.first_run_error:+})\n")
     print(f"Batch {BATCH} at {'x'.join(map(str, IMAGE))}, Adam; EOR in the steady state after {WARMUP} iterations.\n")
     wall = []
@@ -390,7 +390,7 @@ def main() -> None:
         sys.stdout.flush()
         if workload == "4x resnet50":
             draw_memory([vanilla] + [runs[(p, 0.50)] for p in POLICIES], args.out / "paper_memory.png",
-                        f"four ResNet-50 jobs at 50% (simulated, {device.profile.description})")
+                        f"four ResNet-50 jobs at 50% ({device.describe()})")
     print("## Who wins (least EOR among the policies that complete)\n")
     print(tabulate([w for f in BUDGETS for w in winners(results, f)], ["workload", "budget", "policy", "EOR"],
                    tablefmt="github"))
@@ -407,7 +407,7 @@ def main() -> None:
         from pool import draw_arena
         allocs, plan = resnet["vanilla"].pool_history[-1]
         draw_arena(allocs, plan, args.out / "paper_pool_resnet50.png",
-                   f"planned pool, one ResNet-50 period (simulated, {device.profile.description})")
+                   f"planned pool, one ResNet-50 period ({device.describe()})")
     print("\n## Wall clock of this machine (not simulated; varies from run to run)\n")
     print(tabulate(wall, ["workload", "bench s"] + [f"{p} plan s" for p in POLICIES], tablefmt="github"))
 

@@ -238,6 +238,13 @@ def test_compact_slides_movable_blocks_down_past_no_fixed_block():
     assert a.allocate(6 * U) == fixed + 4 * U
 
 
+def _check_blocks(a: ArenaAllocator, live: list[int]) -> None:
+    """The allocated blocks are exactly ``live`` (offsets) and no two overlap."""
+    blocks = a.blocks()
+    assert sorted(live) == [o for o, _ in blocks]
+    assert all(o1 + s1 <= o2 for (o1, s1), (o2, _) in zip(blocks, blocks[1:]))
+
+
 def test_compact_then_random_work_keeps_the_invariants():
     rng = np.random.default_rng(5)
     a = ArenaAllocator(256 * U)
@@ -253,10 +260,8 @@ def test_compact_then_random_work_keeps_the_invariants():
             keep = set(live[::2])
             moved = dict((old, new) for old, new, _ in a.compact(keep))
             live = [moved.get(o, o) for o in live]
-        blocks = a.blocks()
-        assert sorted(live) == [o for o, _ in blocks]
-        assert all(o1 + s1 <= o2 for (o1, s1), (o2, _) in zip(blocks, blocks[1:]))
-        assert a.in_use_nbytes == sum(s for _, s in blocks) <= a.capacity_nbytes
+        _check_blocks(a, live)
+        assert a.in_use_nbytes == sum(s for _, s in a.blocks()) <= a.capacity_nbytes
         assert a.in_use_nbytes + sum(s for s, _ in a._free_by_size) == a.capacity_nbytes
 
 
@@ -298,6 +303,4 @@ def test_compact_for_a_block_then_random_work_keeps_the_invariants():
                 assert (off is not None) == bool(moved)      # a run that slid opened the block
             if off is not None:
                 live.append(off)
-        blocks = a.blocks()
-        assert sorted(live) == [o for o, _ in blocks]
-        assert all(o1 + s1 <= o2 for (o1, s1), (o2, _) in zip(blocks, blocks[1:]))
+        _check_blocks(a, live)

@@ -43,11 +43,9 @@ class TransferEngine:
     def __init__(self, device):
         self.device = device
         self.duplex = device.name != "cpu"     # copies device -> host and host -> device overlap
-        if device.simulated:
-            pass
-        elif device.name == "cpu":
+        if device.name == "cpu":
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-copy")
-        else:  # pragma: no cover - cuda only
+        elif device.name == "cuda":  # pragma: no cover - cuda only
             import cupy
             self._cupy = cupy
             self._streams = {"d2h": cupy.cuda.Stream(non_blocking=True), "h2d": cupy.cuda.Stream(non_blocking=True)}
