@@ -18,7 +18,7 @@ import math
 import queue
 import threading
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import InvalidArgument, TensileError
 from ..memory.manager import JobMemory, MemoryManager, Residency, Tensor
 from ..runtime import model as models
+from ..runtime import preprocess
 from ..runtime.builder import build_training_program
 from ..runtime.program import Program, StepContext
 from .reports import JobRow
@@ -67,10 +68,14 @@ class TrainingJob:
     """
 
     def __init__(self, info: JobInfo, spec: models.ModelSpec, options: models.TrainOptions,
-                 x: np.ndarray, y: np.ndarray):
+                 x: np.ndarray, y: np.ndarray, x_val: np.ndarray | None = None, y_val: np.ndarray | None = None,
+                 scale_modes: list[str] | None = None):
         if x.ndim != 2 or x.shape[1] != spec.n_features or len(y) != len(x) or len(x) == 0:
             raise InvalidArgument(f"training data of shape {x.shape} / {y.shape} does not match "
                                   f"{spec.n_features} features")
+        if x_val is not None and (y_val is None or x_val.ndim != 2 or x_val.shape[1] != x.shape[1]
+                                  or len(y_val) != len(x_val)):
+            raise InvalidArgument(f"held-out data of shape {x_val.shape} does not match {spec.n_features} features")
         self.id = next(_job_ids)
         self.info = info
         self.spec = spec
@@ -92,7 +97,19 @@ class TrainingJob:
         self.result: dict[str, np.ndarray] | None = None
         self.events: queue.Queue = queue.Queue()
         self.cancel_requested = threading.Event()
-        self.x, self.y, self.scaling = _standardize(spec, options, x, y)
+        self.x, self.y, self.scaling = _standardize(spec, options, x, y, scale_modes)
+        # Held-out rows, scaled as the training rows are: the loss on them after every epoch
+        # (``history``), early stopping (``options.patience``) and a search's halving.
+        self.x_val, self.y_val = (None, None) if x_val is None or len(x_val) == 0 else \
+            _scaled(self.scaling, x_val, y_val, spec.task)
+        self.history: list[dict] = []            # per epoch: epoch, loss, and val_loss with held-out rows
+        self.best_epoch: int | None = None       # the epoch of the lowest held-out loss
+        self.stopped: str | None = None          # why training ended before options.epochs: patience | halving
+        # Set by a search: end after the current epoch with the weights that training keeps; or
+        # asked at the end of each epoch, on the executor's thread, with the epoch and its
+        # held-out loss (a search's successive halving): False ends the training there.
+        self.stop_requested = threading.Event()
+        self.keep_going: Callable[[int, float], bool] | None = None
         self.tensors: dict[str, Tensor] = {}
         self.memory: JobMemory | None = None     # the job's memory counters, once finished
         self.next_position = 0                   # index of the op the next ``next()`` runs
@@ -155,14 +172,45 @@ class TrainingJob:
             if not math.isfinite(self.loss):
                 raise InvalidArgument(f"training diverged at epoch {epoch} (loss {self.loss}); "
                                       f"lower options.lr (now {self.options.learning_rate})")
+            record = {"epoch": epoch, "loss": self.loss}
+            if self.x_val is not None and not device.simulated:
+                current = {name: mm.to_host(self.tensors[name]) for name in weights}
+                record["val_loss"] = self.validation_loss(current)
+                if self.best_epoch is None or record["val_loss"] < self.history[self.best_epoch - 1]["val_loss"]:
+                    self.best_epoch, best = epoch, current
+            self.history.append(record)
             mem = mm.jobs[self.id]
             self.events.put(("progress", {
-                "epoch": epoch, "epochs": self.options.epochs, "loss": self.loss,
+                **record, "epochs": self.options.epochs,
                 "device_nbytes": mem.device_nbytes, "peak_nbytes": mem.peak_nbytes,
                 "swapped_out_nbytes": mem.swapped_out_nbytes}))
-        result = {name: mm.to_host(self.tensors[name]) for name in weights}
+            patience = self.options.patience
+            if epoch == self.options.epochs:
+                pass
+            elif patience is not None and self.best_epoch is not None and epoch - self.best_epoch >= patience:
+                self.stopped = "patience"
+            elif self.stop_requested.is_set() or (self.keep_going is not None and "val_loss" in record
+                                                  and not self.keep_going(epoch, record["val_loss"])):
+                self.stopped = "halving"
+            if self.stopped:
+                break
+        if self.options.patience is not None and self.best_epoch is not None:
+            result = best                         # early stopping keeps the best epoch's weights
+        else:
+            result = {name: mm.to_host(self.tensors[name]) for name in weights}
         result.update(self.scaling)
         self.result = result
+
+    def validation_loss(self, weights: dict[str, np.ndarray]) -> float:
+        """The training loss on the held-out rows under ``weights`` (computed on the host): mean
+        softmax cross-entropy for classification, mean squared error of the scaled target for
+        regression."""
+        out = self.spec.network.forward(weights, self.x_val).astype(np.float64)
+        if self.spec.task == "classification":
+            top = out.max(axis=1, keepdims=True)
+            log_z = top[:, 0] + np.log(np.exp(out - top).sum(axis=1))
+            return float(np.mean(log_z - out[np.arange(len(out)), self.y_val]))
+        return float(np.mean((out - self.y_val) ** 2))
 
     def _run_op(self, mm: MemoryManager, position: int, op, ctx: StepContext) -> tuple[float | None, float]:
         """Run op ``position``; returns (the loss if the op computes it, the op's seconds)."""
@@ -235,16 +283,19 @@ class TrainingJob:
             created_at=self.created_at, started_at=self.started_at)
 
 
-def _standardize(spec, options, x, y):
-    """Float32 training arrays and the scaling stored with the model (mean/std per feature, and
-    of the target for regression); constant columns get std 1."""
+def _standardize(spec, options, x, y, scale_modes=None):
+    """Float32 training arrays and the scaling stored with the model: per input column
+    ``x_mean`` / ``x_std`` from ``scale_modes`` (:func:`..runtime.preprocess.fit_scaling`;
+    None: every column standardised when ``options.standardize``), and for regression the
+    target's mean and standard deviation when ``options.standardize``."""
     x = np.asarray(x, dtype=np.float32)
     scaling: dict[str, np.ndarray] = {}
-    if options.standardize:
-        mean = x.mean(axis=0, dtype=np.float64)
-        std = x.std(axis=0, dtype=np.float64)
-        std[std == 0] = 1.0
-        scaling["x_mean"], scaling["x_std"] = mean.astype(np.float32), std.astype(np.float32)
+    if scale_modes is None:
+        scale_modes = ["standardize" if options.standardize else "none"] * x.shape[1]
+    if len(scale_modes) != x.shape[1]:
+        raise InvalidArgument(f"{len(scale_modes)} scale modes for {x.shape[1]} input columns")
+    if any(m != "none" for m in scale_modes):
+        scaling["x_mean"], scaling["x_std"] = preprocess.fit_scaling(x, scale_modes)
         x = ((x - scaling["x_mean"]) / scaling["x_std"]).astype(np.float32)
     if spec.task == "classification":
         y = np.asarray(y, dtype=np.int32).reshape(-1)
@@ -256,3 +307,17 @@ def _standardize(spec, options, x, y):
             scaling["y_std"] = np.array([std], dtype=np.float32)
             y = ((y - scaling["y_mean"]) / scaling["y_std"]).astype(np.float32)
     return np.ascontiguousarray(x), np.ascontiguousarray(y), scaling
+
+
+def _scaled(scaling: dict, x: np.ndarray, y: np.ndarray, task: str) -> tuple[np.ndarray, np.ndarray]:
+    """Held-out rows scaled with the training rows' ``scaling``: x (N, F) float32, y (N,) int32
+    class indices or (N, 1) float32 scaled targets."""
+    x = np.asarray(x, np.float32)
+    if "x_mean" in scaling:
+        x = ((x - scaling["x_mean"]) / scaling["x_std"]).astype(np.float32)
+    if task == "classification":
+        return np.ascontiguousarray(x), np.asarray(y, np.int32).reshape(-1)
+    y = np.asarray(y, np.float32).reshape(-1, 1)
+    if "y_mean" in scaling:
+        y = ((y - scaling["y_mean"]) / scaling["y_std"]).astype(np.float32)
+    return np.ascontiguousarray(x), y

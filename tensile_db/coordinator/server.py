@@ -10,9 +10,10 @@ before anything is built for them.
 Given the postmaster's pid file, it polls the postmaster's pid twice a second and exits when the
 server has gone, taking every job with it.
 
-Requests (``type`` in the header): ``ping``, ``jobs``, ``memory``, ``train`` (features ``x`` and
-labels ``y`` as arrays; answered by ``accepted``, ``progress`` per epoch, then ``result`` with the
-weights as arrays, or ``error``; a ``cancel`` message or a closed connection cancels the job),
+Requests (``type`` in the header): ``ping``, ``jobs``, ``memory``, ``train`` and ``search``
+(:mod:`.training`: features and labels as arrays; answered by ``accepted``, ``progress`` per
+epoch, a ``trial`` message per trial of a search, then ``result``, or ``error``; a ``cancel``
+message or a closed connection cancels the job or every trial),
 ``predict`` (features ``x`` and the registry row's id, version and architecture; answered by
 ``need_weights`` when this coordinator does not hold that version — the backend then sends
 ``weights`` — then ``accepted`` and ``result`` with the ``outputs`` array, or ``error``; a
@@ -24,7 +25,6 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import queue
 import threading
 import time
 from multiprocessing.connection import Listener
@@ -40,12 +40,10 @@ from ..runtime.device import Device
 from . import protocol, reports
 from .address import LOCK_NAME, SOCKET_NAME, secure_dir, socket_address
 from .executor import Executor
-from .jobs import JobInfo, TrainingJob
+from .training import TrainingService
 
 log = logging.getLogger(__name__)
 
-#: How often a training connection looks for a cancel while waiting for progress, seconds.
-POLL_S = 0.05
 #: Connections the listener queues before the coordinator accepts them.
 BACKLOG = 128
 
@@ -75,6 +73,7 @@ class Coordinator:
         self.manager: MemoryManager | None = None
         self.executor: Executor | None = None
         self.inference: InferenceService | None = None
+        self.training: TrainingService | None = None
         self._lock_fd: int | None = None
 
     @property
@@ -99,6 +98,8 @@ class Coordinator:
         self.executor = Executor(self.manager, self.max_active_jobs, policy=self.policy)
         self.executor.start()
         self.inference = InferenceService(self.manager)
+        self.training = TrainingService(self.executor, self.limits, lambda: {
+            "device": self.device_name, "budget_nbytes": self.manager.budget_nbytes, "policy": self.policy})
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)          # stale: we hold the lock, nobody serves it
         with socket_address(self.socket_dir) as address:
@@ -141,7 +142,9 @@ class Coordinator:
                 kind = header["type"]
                 try:
                     if kind == "train":
-                        self._train(conn, header, arrays)
+                        self.training.train(conn, header, arrays)
+                    elif kind == "search":
+                        self.training.search(conn, header, arrays)
                     elif kind == "predict":
                         self._predict(conn, header, arrays)
                     elif kind == "ping":
@@ -178,33 +181,6 @@ class Coordinator:
             **snap, **self.executor.describe(), **self.inference.describe(), per_job=per_job,
             started_at=self.started_at, running_jobs=sum(j.state.value == "running" for j in jobs.values()),
             queued_jobs=sum(j.state.value == "queued" for j in jobs.values()))
-
-    def _train(self, conn, header: dict, arrays: dict) -> None:
-        try:
-            x, y = arrays["x"], arrays["y"]
-            if x.ndim != 2:
-                raise ProtocolError(f"train request with features of shape {x.shape}")
-            spec = models.ModelSpec.parse(header["architecture"], x.shape[1], header["n_outputs"], header["task"])
-            options = models.parse_options(header.get("options"))
-            info = JobInfo(int(header.get("backend_pid", 0)), str(header.get("role", "")),
-                           str(header.get("model_name", "")))
-        except KeyError as exc:
-            raise ProtocolError(f"train request without {exc}") from None
-        self.limits.check(spec, info.model_name)
-        job = TrainingJob(info, spec, options, x, y)
-        self.limits.check_job(job.vanilla_peak_nbytes, job.batch, info.model_name)
-        self.executor.submit(job)
-        try:
-            protocol.send(conn, {"type": "accepted", "job_id": job.id, "vanilla_peak_nbytes": job.vanilla_peak_nbytes,
-                                 "min_working_set_nbytes": job.min_working_set_nbytes,
-                                 "budget_nbytes": self.manager.budget_nbytes})
-            self._relay(conn, job)
-        except BaseException:
-            self.executor.cancel(job)            # the backend has gone or broke the protocol: free the job
-            raise
-        if job.error is not None:
-            raise job.error if isinstance(job.error, TensileError) else TensileError(f"training failed: {job.error!r}")
-        protocol.send(conn, {"type": "result", "metrics": self._metrics(job, x, y)}, job.result)
 
     def _predict(self, conn, header: dict, arrays: dict) -> None:
         """One ``predict`` call, run on this connection's thread (see the module docstring)."""
@@ -244,37 +220,3 @@ class Coordinator:
             log.info("predict call on model %r cancelled by its backend", name)
             raise
         protocol.send(conn, {"type": "result", "stats": stats.to_json()}, {"outputs": outputs})
-
-    def _relay(self, conn, job: TrainingJob) -> None:
-        """Forward the job's progress until it ends; act on a cancel from the backend."""
-        while True:
-            try:
-                kind, payload = job.events.get(timeout=POLL_S)
-            except queue.Empty:
-                if conn.poll(0):
-                    header, _ = protocol.recv(conn)
-                    if header["type"] == "cancel":
-                        self.executor.cancel(job)
-                continue
-            if kind == "progress":
-                protocol.send(conn, {"type": "progress", **payload})
-            else:
-                return
-
-    def _metrics(self, job: TrainingJob, x: np.ndarray, y: np.ndarray) -> dict:
-        out = models.forward(job.spec, job.result, x)
-        if job.spec.task == "classification":
-            fit = {"train_accuracy": float((out.argmax(axis=1) == y.reshape(-1)).mean())}
-        else:      # in float64: labels near float32's limit square beyond it
-            error = out.reshape(-1).astype(np.float64) - y.reshape(-1).astype(np.float64)
-            fit = {"train_rmse": float(np.sqrt(np.mean(error ** 2)))}
-        m = job.memory
-        return dict(fit, train_loss=job.loss, epochs=job.epoch, samples=len(x), batch_size=job.batch,
-                    train_time_s=job.finished_at - job.started_at, queued_s=job.started_at - job.created_at,
-                    device=self.device_name, budget_nbytes=self.manager.budget_nbytes,
-                    peak_device_nbytes=m.peak_nbytes, vanilla_peak_nbytes=job.vanilla_peak_nbytes,
-                    min_working_set_nbytes=job.min_working_set_nbytes,
-                    swapped_out_nbytes=m.swapped_out_nbytes, swapped_in_nbytes=m.swapped_in_nbytes,
-                    swap_outs=m.swap_outs, swap_ins=m.swap_ins, policy=self.policy,
-                    planned_swap_ins=m.planned_swap_ins, passive_swap_ins=m.passive_swap_ins,
-                    recomputes=m.recomputes, n_parameters=job.spec.n_parameters())

@@ -76,8 +76,26 @@ class TrainOptions:
     weight_decay: float = 0.0
     seed: int = 0
     standardize: bool = True         # scale features (and regression targets) to mean 0, std 1
-    replace: bool = False            # replace an existing model of the same name
+    replace: bool = False            # delete every earlier version of the model first
     skip_nulls: bool = False         # drop rows with a NULL feature or label instead of failing
+    test_size: float = 0.2           # fraction of the rows held out for evaluation; 0: none
+    test_sampling: str | None = None  # random | stratified | last; None: stratified (classification), random
+    patience: int | None = None      # stop after this many epochs without a better held-out loss; None: never
+    deploy: str = "auto"             # auto (if at least as good as the deployed version) | always | never
+    # Preprocessing defaults for every feature column (per column: ``preprocess``; see
+    # :mod:`.preprocess`). ``impute`` is a name of IMPUTE or {"constant": value}.
+    impute: object = "error"
+    encode: str = "one_hot"          # categorical columns: one_hot | ordinal
+    scale: str | None = None         # numeric columns: standardize | minmax | none; None: standardize
+    max_categories: int = 100        # one-hot columns per categorical column; the rarer ones are "other"
+    unseen: str = "other"            # a category never seen in training, at prediction: other | error
+    preprocess: dict | None = None   # column -> {"impute", "encode", "scale"} overriding the defaults
+    search: dict | None = None       # hyperparameter search (:mod:`.search`); None: one model
+
+    def sampling(self, task: str) -> str:
+        """The held-out sampling in effect for ``task``: ``test_sampling``, or stratified for
+        classification and random for regression."""
+        return self.test_sampling or ("stratified" if task == "classification" else "random")
 
     @property
     def learning_rate(self) -> float:
@@ -107,13 +125,15 @@ class ModelSpec:
         return self.network.n_parameters()
 
     @classmethod
-    def of_row(cls, architecture, feature_names, n_outputs: int, task: str) -> "ModelSpec":
+    def of_row(cls, architecture, feature_names, n_outputs: int, task: str, n_inputs: int | None = None) -> "ModelSpec":
         """The spec of a registry row: its architecture (JSON text or a dict), its feature
-        columns, its outputs and task. The row's values per row are its input shape's, when the
-        architecture gives one (a model trained on one array column stores that column's name
-        once), else one per feature column. Raises InvalidArgument as :meth:`parse`."""
+        columns, its outputs and task, and its network inputs per row (``n_inputs``, from its
+        preprocessing, :attr:`.preprocess.Preprocessor.width`). Without ``n_inputs``, the values
+        per row are the input shape's when the architecture gives one (a model trained on one
+        array column stores that column's name once), else one per feature column. Raises
+        InvalidArgument as :meth:`parse`."""
         arch = parse_architecture(architecture)
-        return cls.parse(arch, arch.n_features or len(feature_names), n_outputs, task)
+        return cls.parse(arch, arch.n_features or n_inputs or len(feature_names), n_outputs, task)
 
     @classmethod
     def parse(cls, architecture, n_features: int, n_outputs: int, task: str) -> "ModelSpec":
@@ -244,7 +264,16 @@ _OPTION_TYPES = {
     "task": (str, type(None)), "epochs": int, "batch_size": int, "optimizer": str,
     "lr": (int, float, type(None)), "momentum": (int, float), "weight_decay": (int, float),
     "seed": int, "standardize": bool, "replace": bool, "skip_nulls": bool,
+    "test_size": (int, float), "test_sampling": (str, type(None)), "patience": (int, type(None)),
+    "deploy": str, "impute": (str, dict, int, float), "encode": str, "scale": (str, type(None)),
+    "max_categories": int, "unseen": str, "preprocess": (dict, type(None)), "search": (dict, type(None)),
 }
+TEST_SAMPLINGS = ("random", "stratified", "last")
+DEPLOY_MODES = ("auto", "always", "never")
+#: Largest fraction of the rows held out.
+MAX_TEST_SIZE = 0.9
+#: Most one-hot columns one categorical column may have.
+MAX_CATEGORIES = 1000
 
 
 def parse_options(value) -> TrainOptions:
@@ -274,7 +303,33 @@ def parse_options(value) -> TrainOptions:
         raise InvalidArgument(f"options.momentum must be in [0, 1), got {opts.momentum}")
     if not (math.isfinite(opts.weight_decay) and opts.weight_decay >= 0):
         raise InvalidArgument(f"options.weight_decay must be a non-negative number, got {opts.weight_decay}")
+    if not 0 <= opts.test_size <= MAX_TEST_SIZE:
+        raise InvalidArgument(f"options.test_size must be from 0 (no held-out rows) to {MAX_TEST_SIZE}, "
+                              f"got {_shown(opts.test_size)}")
+    _check_choice("test_sampling", opts.test_sampling, TEST_SAMPLINGS, none_ok=True)
+    if opts.test_sampling == "stratified" and opts.task == "regression":
+        raise InvalidArgument('options.test_sampling "stratified" needs classes; use "random" or "last" for '
+                              "regression")
+    if opts.patience is not None and not 1 <= opts.patience <= 100_000:
+        raise InvalidArgument(f"options.patience must be from 1 to 100000 epochs (or null), got {_shown(opts.patience)}")
+    if opts.patience is not None and opts.test_size == 0:
+        raise InvalidArgument("options.patience stops on the held-out loss, but options.test_size is 0; "
+                              "hold out rows (test_size 0.2) or leave patience out")
+    _check_choice("deploy", opts.deploy, DEPLOY_MODES)
+    if not 1 <= opts.max_categories <= MAX_CATEGORIES:
+        raise InvalidArgument(f"options.max_categories must be from 1 to {MAX_CATEGORIES}, got "
+                              f"{_shown(opts.max_categories)}")
+    from . import preprocess, search       # validated where they are defined
+
+    preprocess.check_options(opts)
+    if opts.search is not None:
+        search.parse(opts.search)
     return opts
+
+
+def _check_choice(key: str, value, allowed, none_ok: bool = False) -> None:
+    if not (value in allowed or (none_ok and value is None)):
+        raise InvalidArgument(f"options.{key} must be one of {', '.join(allowed)}, got {_shown(value)}")
 
 
 # --- weights ------------------------------------------------------------------------------------

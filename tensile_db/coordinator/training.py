@@ -1,0 +1,223 @@
+"""Training requests on the coordinator: one model (``train``) or a hyperparameter search whose
+trials train at the same time (``search``), and the metrics each trained model is stored with.
+
+``train``: header ``model_name``, ``role``, ``backend_pid``, ``architecture``, ``options``,
+``task``, ``n_outputs``, optionally ``scale`` (each input column's scaling,
+:func:`~tensile_db.runtime.preprocess.fit_scaling`) and ``classes`` (the class labels, for the
+per-class metrics); arrays ``x`` (N, F) float32 and ``y`` (N,) int32 class indices or (N, 1)
+float32 targets, and optionally the held-out ``x_test`` / ``y_test`` of the same kinds.
+Answered by ``accepted``, a ``progress`` message per epoch (with the held-out ``val_loss``),
+then ``result`` with the metrics and the weights as arrays, or ``error``.
+
+``search``: the same, with ``trials`` (each ``{"architecture", "options", "params"}``, built by
+the backend from :mod:`tensile_db.runtime.search`), ``parallel`` and ``halving``. At most
+``parallel`` trials run at once as jobs of the executor, sharing the device budget with every
+other job; the others wait here. Answered by ``accepted`` (the trials' job ids as they are
+submitted arrive in ``progress``), ``progress`` per epoch of any trial (with ``trial``), a
+``trial`` message as each trial ends (its metrics and weights, or its error), then ``result``.
+A trial whose held-out loss at a rung is in the worse half stops there when ``halving``
+(:class:`~tensile_db.runtime.search.Halving`). A ``cancel`` message or a closed connection
+cancels every trial, running or waiting, and frees their device memory.
+
+Every trial is checked against the limits before any is submitted, so a search either starts
+whole or not at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InvalidArgument, JobCancelled, ProtocolError, TensileError
+from ..runtime import metrics as heldout
+from ..runtime import model as models
+from ..runtime.search import MAX_TRIALS, Halving
+from . import protocol
+from .jobs import JobInfo, JobState, TrainingJob
+
+log = logging.getLogger(__name__)
+
+#: How often a training connection looks for a cancel while waiting for progress, seconds.
+POLL_S = 0.05
+
+
+@dataclass
+class _Data:
+    x: np.ndarray
+    y: np.ndarray
+    x_test: np.ndarray | None
+    y_test: np.ndarray | None
+    scale: list[str] | None
+    classes: list | None
+
+
+def _data(header: dict, arrays: dict) -> _Data:
+    try:
+        x, y = arrays["x"], arrays["y"]
+    except KeyError as exc:
+        raise ProtocolError(f"train request without {exc}") from None
+    if x.ndim != 2:
+        raise ProtocolError(f"train request with features of shape {x.shape}")
+    x_test, y_test = arrays.get("x_test"), arrays.get("y_test")
+    if (x_test is None) != (y_test is None) or (x_test is not None and (x_test.ndim != 2 or x_test.shape[1] != x.shape[1])):
+        raise ProtocolError("train request with held-out rows that do not match its training rows")
+    scale = header.get("scale")
+    if scale is not None and (not isinstance(scale, list) or len(scale) != x.shape[1]):
+        raise ProtocolError(f"train request with {len(scale) if isinstance(scale, list) else scale!r} scale modes "
+                            f"for {x.shape[1]} input columns")
+    classes = header.get("classes")
+    return _Data(x, y, x_test, y_test, scale, classes if isinstance(classes, list) else None)
+
+
+class TrainingService:
+    """Serves ``train`` and ``search`` requests with ``executor`` under ``limits``; ``describe``
+    gives the figures every model's metrics carry (device, budget, policy)."""
+
+    def __init__(self, executor, limits: models.Limits, describe):
+        self.executor = executor
+        self.limits = limits
+        self.describe = describe
+
+    def _job(self, header: dict, data: _Data, architecture, options, name: str) -> TrainingJob:
+        """A job for one model, checked against the limits. Raises InvalidArgument or ProtocolError."""
+        try:
+            spec = models.ModelSpec.parse(architecture, data.x.shape[1], header["n_outputs"], header["task"])
+            info = JobInfo(int(header.get("backend_pid", 0)), str(header.get("role", "")), name)
+        except KeyError as exc:
+            raise ProtocolError(f"train request without {exc}") from None
+        opts = models.parse_options(options)
+        self.limits.check(spec, name)
+        job = TrainingJob(info, spec, opts, data.x, data.y, data.x_test, data.y_test, data.scale)
+        self.limits.check_job(job.vanilla_peak_nbytes, job.batch, name)
+        return job
+
+    def train(self, conn, header: dict, arrays: dict) -> None:
+        data = _data(header, arrays)
+        job = self._job(header, data, header.get("architecture"), header.get("options"),
+                        str(header.get("model_name", "")))
+        self.executor.submit(job)
+        try:
+            protocol.send(conn, {"type": "accepted", "job_id": job.id, "vanilla_peak_nbytes": job.vanilla_peak_nbytes,
+                                 "min_working_set_nbytes": job.min_working_set_nbytes,
+                                 "budget_nbytes": self.executor.manager.budget_nbytes})
+            self._relay(conn, {job.id: job})
+        except BaseException:
+            self.executor.cancel(job)            # the backend has gone or broke the protocol: free the job
+            raise
+        if job.error is not None:
+            raise job.error if isinstance(job.error, TensileError) else TensileError(f"training failed: {job.error!r}")
+        protocol.send(conn, {"type": "result", "metrics": self.metrics(job, data)}, job.result)
+
+    def search(self, conn, header: dict, arrays: dict) -> None:
+        data = _data(header, arrays)
+        trials, parallel = header.get("trials"), header.get("parallel")
+        if not isinstance(trials, list) or not 1 <= len(trials) <= MAX_TRIALS or not isinstance(parallel, int) \
+                or parallel < 1:
+            raise ProtocolError("search request without 1 to 64 trials and a parallel count")
+        name = str(header.get("model_name", ""))
+        jobs = [self._job(header, data, t.get("architecture"), t.get("options"), f"{name} trial {i + 1}")
+                for i, t in enumerate(trials)]
+        for job in jobs:                           # admission: each must fit the budget alone
+            need = job.min_working_set_nbytes
+            if need > self.executor.manager.budget_nbytes:
+                self.executor.submit(job)          # raises DeviceOutOfMemory naming the trial
+        if header.get("halving"):              # decided at each epoch's end, on the executor's one thread
+            halving = Halving(min(j.options.epochs for j in jobs))
+            for job in jobs:
+                job.keep_going = halving.keeps
+        trial_of = {j.id: i for i, j in enumerate(jobs)}
+        protocol.send(conn, {"type": "accepted", "job_ids": [j.id for j in jobs],
+                             "vanilla_peak_nbytes": [j.vanilla_peak_nbytes for j in jobs],
+                             "budget_nbytes": self.executor.manager.budget_nbytes})
+        waiting, running = list(jobs), {}
+        started = time.monotonic()
+        try:
+            while waiting or running:
+                while waiting and len(running) < parallel:
+                    job = waiting.pop(0)
+                    self.executor.submit(job)
+                    running[job.id] = job
+                for job in self._relay(conn, running, trial_of):
+                    del running[job.id]
+                    self._send_trial(conn, job, trial_of[job.id], data)
+        except BaseException:
+            for job in jobs:
+                self.executor.cancel(job)          # running or still waiting here: none is left
+            raise
+        protocol.send(conn, {"type": "result", "wall_s": time.monotonic() - started, "trials": len(jobs)})
+
+    def _send_trial(self, conn, job: TrainingJob, trial: int, data: _Data) -> None:
+        if job.error is not None:
+            protocol.send(conn, {"type": "trial", "trial": trial, "error": str(job.error),
+                                 "error_class": type(job.error).__name__})
+            return
+        protocol.send(conn, {"type": "trial", "trial": trial, "metrics": self.metrics(job, data)}, job.result)
+
+    def _relay(self, conn, jobs: dict[int, TrainingJob], trial_of: dict[int, int] | None = None) -> list[TrainingJob]:
+        """Forward the jobs' progress until one or more end; return those. Acts on a ``cancel``
+        from the backend (raises JobCancelled for a search, cancels a single job)."""
+        while True:
+            ended = []
+            idle = True
+            for job in list(jobs.values()):
+                try:
+                    kind, payload = job.events.get_nowait()
+                except queue.Empty:
+                    continue
+                idle = False
+                if kind != "progress":
+                    ended.append(job)
+                    continue
+                message = {"type": "progress", **payload}
+                if trial_of is not None:
+                    message.update(trial=trial_of[job.id], job_id=job.id)
+                protocol.send(conn, message)
+            if ended:
+                return ended
+            if idle:
+                if conn.poll(POLL_S):
+                    header, _ = protocol.recv(conn)
+                    if header["type"] == "cancel":
+                        if trial_of is not None:
+                            raise JobCancelled("the search was cancelled by its backend")
+                        for job in jobs.values():
+                            self.executor.cancel(job)
+
+    def metrics(self, job: TrainingJob, data: _Data) -> dict:
+        """The metrics a trained model is stored with: held-out metrics when there are held-out
+        rows (:mod:`tensile_db.runtime.metrics`; ``score`` and ``score_name``), the fit on the
+        training rows, the per-epoch ``history``, and the job's memory and scheduling figures."""
+        fit = _fit(job, data.x, data.y)
+        test = {}
+        if data.x_test is not None and len(data.x_test):
+            out = models.forward(job.spec, job.result, data.x_test)
+            if job.spec.task == "classification":
+                classes = data.classes or list(range(job.spec.n_outputs))
+                test = heldout.classification_metrics(np.asarray(data.y_test).reshape(-1), out, classes)
+            else:
+                test = heldout.regression_metrics(np.asarray(data.y_test, np.float64).reshape(-1),
+                                                  out.reshape(-1).astype(np.float64))
+            test["test_samples"] = test.pop("n", len(data.x_test))
+        m = job.memory
+        return dict(test, **fit, train_loss=job.loss, epochs=job.epoch, samples=len(data.x), batch_size=job.batch,
+                    history=job.history, best_epoch=job.best_epoch, stopped=job.stopped,
+                    train_time_s=job.finished_at - job.started_at, queued_s=job.started_at - job.created_at,
+                    **self.describe(), peak_device_nbytes=m.peak_nbytes, vanilla_peak_nbytes=job.vanilla_peak_nbytes,
+                    min_working_set_nbytes=job.min_working_set_nbytes,
+                    swapped_out_nbytes=m.swapped_out_nbytes, swapped_in_nbytes=m.swapped_in_nbytes,
+                    swap_outs=m.swap_outs, swap_ins=m.swap_ins,
+                    planned_swap_ins=m.planned_swap_ins, passive_swap_ins=m.passive_swap_ins,
+                    recomputes=m.recomputes, n_parameters=job.spec.n_parameters())
+
+
+def _fit(job: TrainingJob, x: np.ndarray, y: np.ndarray) -> dict:
+    """Accuracy (classification) or RMSE (regression) on the training rows."""
+    out = models.forward(job.spec, job.result, x)
+    if job.spec.task == "classification":
+        return {"train_accuracy": float((out.argmax(axis=1) == y.reshape(-1)).mean())}
+    error = out.reshape(-1).astype(np.float64) - y.reshape(-1).astype(np.float64)   # float64: labels near float32's limit
+    return {"train_rmse": float(np.sqrt(np.mean(error ** 2)))}

@@ -1,0 +1,384 @@
+"""Preprocessing: how a source's raw columns become the network's input, fitted on the training
+rows and stored with the model, so that every prediction path applies exactly the same steps.
+
+A feature column is one of three kinds:
+
+- **numeric** (smallint, integer, bigint, real, double precision, numeric): read as float32, a
+  NULL (or NaN) as NaN; one input value.
+- **categorical** (text, varchar, char, enum, boolean, and domains over them): read as text, a
+  NULL as None. ``one_hot`` (default) gives one input per category kept: the
+  ``max_categories`` most frequent in the training rows (ties by value), plus an "other" input
+  when the training rows hold more, which every rarer value maps to. ``ordinal`` gives one input,
+  the category's 1-based position in the given order (``{"ordinal": ["low", "mid", "high"]}``)
+  or in sorted order of the values, 0 for other.
+- **array**: one numeric array column holding all of a row's values (an image); no missing
+  values are imputed in it.
+
+Missing values (``impute``, per column or for all): ``error`` (default; the call names the column
+and the count), ``mean``, ``median`` (numeric only), ``mode`` (the most frequent value; ties: the
+smallest), or ``{"constant": value}`` (a number for numeric, a string for categorical columns).
+A category never seen in training (``unseen``): ``other`` (default) treats it as the "other"
+category — the other input when the model has one, else no input set (one-hot) or 0 (ordinal) —
+and ``error`` refuses the row, naming the column and the value. A column that kept only its
+``max_categories`` most frequent values has an "other" category already, which every value
+beyond those is, seen in training or not: ``error`` refuses nothing there.
+
+Scaling is the last step, fitted on the training rows by the training job (``x_mean`` /
+``x_std`` with the weights, :mod:`.model`): each input column has a mode from :meth:`Preprocessor.scale_modes`,
+``standardize`` (mean 0, standard deviation 1), ``minmax`` (0 to 1) or ``none``; one-hot inputs
+are never scaled.
+
+A model stored without a preprocessing record (trained before it existed) reads every feature as
+numeric and refuses NULLs: :meth:`Preprocessor.numeric_only`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..errors import InvalidArgument
+
+IMPUTE = ("error", "mean", "median", "mode")
+ENCODINGS = ("one_hot", "ordinal")
+SCALES = ("standardize", "minmax", "none")
+UNSEEN = ("other", "error")
+KINDS = ("numeric", "categorical", "array")
+#: Keys of one column's entry in options.preprocess.
+COLUMN_KEYS = ("impute", "encode", "scale")
+#: Longest category value kept, characters; longer values are refused by name.
+MAX_CATEGORY_CHARS = 1000
+
+
+def _shown(value) -> str:
+    from .network import _shown as shown
+
+    return shown(value)
+
+
+def _check_impute(value, where: str) -> None:
+    if value in IMPUTE:
+        return
+    if isinstance(value, dict) and set(value) == {"constant"}:
+        constant = value["constant"]
+        if isinstance(constant, str) or (isinstance(constant, (int, float)) and not isinstance(constant, bool)
+                                          and math.isfinite(constant)):
+            return
+    raise InvalidArgument(f"{where} must be one of {', '.join(IMPUTE)} or {{\"constant\": value}} (a finite number "
+                          f"or a string), got {_shown(value)}")
+
+
+def _check_encode(value, where: str) -> None:
+    if value in ENCODINGS:
+        return
+    if (isinstance(value, dict) and set(value) == {"ordinal"} and isinstance(value["ordinal"], list)
+            and value["ordinal"] and all(isinstance(v, str) for v in value["ordinal"])
+            and len(set(value["ordinal"])) == len(value["ordinal"])):
+        return
+    raise InvalidArgument(f"{where} must be one of {', '.join(ENCODINGS)} or {{\"ordinal\": [distinct strings, in "
+                          f"order]}}, got {_shown(value)}")
+
+
+def _check_scale(value, where: str) -> None:
+    if value not in SCALES:
+        raise InvalidArgument(f"{where} must be one of {', '.join(SCALES)}, got {_shown(value)}")
+
+
+def check_options(opts) -> None:
+    """Validate the preprocessing options of :class:`.model.TrainOptions` ``opts``: ``impute``,
+    ``encode``, ``scale``, ``unseen`` and each column's entry of ``preprocess``. Raises
+    InvalidArgument naming the key and the value."""
+    _check_impute(opts.impute, "options.impute")
+    _check_encode(opts.encode, "options.encode")
+    if opts.scale is not None:
+        _check_scale(opts.scale, "options.scale")
+    if opts.unseen not in UNSEEN:
+        raise InvalidArgument(f"options.unseen must be one of {', '.join(UNSEEN)}, got {_shown(opts.unseen)}")
+    for column, rule in (opts.preprocess or {}).items():
+        where = f'options.preprocess."{column}"'
+        if not isinstance(rule, dict):
+            raise InvalidArgument(f'{where} must be an object such as {{"impute": "mean", "scale": "minmax"}}, '
+                                  f"got {_shown(rule)}")
+        for key in rule:
+            if key not in COLUMN_KEYS:
+                raise InvalidArgument(f"{where}: unknown key {key!r}; allowed keys: {', '.join(COLUMN_KEYS)}")
+        if "impute" in rule:
+            _check_impute(rule["impute"], f"{where}.impute")
+        if "encode" in rule:
+            _check_encode(rule["encode"], f"{where}.encode")
+        if "scale" in rule:
+            _check_scale(rule["scale"], f"{where}.scale")
+
+
+def imputes(opts, column: str) -> bool:
+    """Whether the options fill a missing value of ``column`` (rather than refuse it)."""
+    return _rule(opts, column)["impute"] != "error"
+
+
+def _rule(opts, column: str) -> dict:
+    """The effective impute / encode / scale of ``column`` under ``opts``."""
+    default_scale = opts.scale or ("standardize" if opts.standardize else "none")
+    rule = {"impute": opts.impute, "encode": opts.encode, "scale": default_scale}
+    rule.update((opts.preprocess or {}).get(column, {}))
+    return rule
+
+
+@dataclass
+class Column:
+    """One fitted feature column. ``fill``: the value a missing one becomes (None: refused);
+    ``categories``: the categories kept, in input order (categorical only); ``other``: whether a
+    one-hot column has an "other" input; ``width``: inputs (an array column: values per row)."""
+
+    name: str
+    kind: str
+    impute: str = "error"
+    fill: float | str | None = None
+    encode: str | None = None
+    categories: list[str] = field(default_factory=list)
+    other: bool = False
+    scale: str = "standardize"
+    width: int = 1
+
+    def input_names(self) -> list[str]:
+        if self.kind == "categorical" and self.encode == "one_hot":
+            return [f"{self.name}={c}" for c in self.categories] + ([f"{self.name}=(other)"] if self.other else [])
+        if self.kind == "array":
+            return [f"{self.name}[{i + 1}]" for i in range(self.width)]
+        return [self.name]
+
+
+def _mode(values: np.ndarray):
+    """The most frequent of ``values`` (ties: the smallest), or None for none."""
+    if len(values) == 0:
+        return None
+    uniq, counts = np.unique(values, return_counts=True)
+    return uniq[int(np.argmax(counts))]          # np.unique sorts, argmax takes the first maximum
+
+
+def _fit_numeric(name: str, values: np.ndarray, rule: dict) -> Column:
+    present = values[~np.isnan(values)]
+    impute, fill = rule["impute"], None
+    if isinstance(impute, dict):
+        if isinstance(impute["constant"], str):
+            raise InvalidArgument(f'column "{name}" is numeric; its impute constant must be a number, got '
+                                  f"{_shown(impute['constant'])}")
+        impute, fill = "constant", float(impute["constant"])
+    elif impute != "error":
+        if len(present) == 0:
+            raise InvalidArgument(f'column "{name}" has no value in the training rows to impute its {impute} from; '
+                                  'give it {"constant": value} or leave the column out')
+        fill = float({"mean": np.mean, "median": np.median, "mode": _mode}[impute](present.astype(np.float64)))
+    return Column(name, "numeric", impute, fill, scale=rule["scale"])
+
+
+def _fit_categorical(name: str, values: np.ndarray, rule: dict, max_categories: int) -> Column:
+    present = np.array([v for v in values if v is not None], dtype=object)
+    impute, fill = rule["impute"], None
+    if isinstance(impute, dict):
+        if not isinstance(impute["constant"], str):
+            raise InvalidArgument(f'column "{name}" is categorical; its impute constant must be a string, got '
+                                  f"{_shown(impute['constant'])}")
+        impute, fill = "constant", impute["constant"]
+    elif impute in ("mean", "median"):
+        raise InvalidArgument(f'column "{name}" is categorical: impute {impute} needs numbers; use "mode" or '
+                              '{"constant": "..."}')
+    elif impute == "mode":
+        fill = _mode(present)
+        if fill is None:
+            raise InvalidArgument(f'column "{name}" has no value in the training rows to impute its mode from; '
+                                  'give it {"constant": "..."} or leave the column out')
+    too_long = next((v for v in present if len(v) > MAX_CATEGORY_CHARS), None)
+    if too_long is not None:
+        raise InvalidArgument(f'column "{name}" holds a value of {len(too_long):,} characters; a category may have at '
+                              f"most {MAX_CATEGORY_CHARS:,}: leave such free text out of the features")
+    encode = rule["encode"]
+    if isinstance(encode, dict):                     # ordinal in the order given
+        return Column(name, "categorical", impute, fill, "ordinal", list(encode["ordinal"]), scale=rule["scale"])
+    # Categories are counted on the values as the model reads them: a filled NULL is its fill
+    # (so a constant such as "missing" becomes a category of its own, not an unseen value).
+    n_missing = len(values) - len(present)
+    read = np.concatenate([present, np.full(n_missing, fill, object)]) if fill is not None and n_missing else present
+    uniq, counts = np.unique(read, return_counts=True) if len(read) else (np.array([], object), np.array([]))
+    order = sorted(range(len(uniq)), key=lambda i: (-counts[i], uniq[i]))
+    kept = [str(uniq[i]) for i in order[:max_categories]]
+    if encode == "ordinal":
+        return Column(name, "categorical", impute, fill, "ordinal", sorted(kept), other=len(uniq) > len(kept),
+                      scale=rule["scale"])
+    return Column(name, "categorical", impute, fill, "one_hot", kept, other=len(uniq) > len(kept), scale="none",
+                  width=len(kept) + (len(uniq) > len(kept)))
+
+
+@dataclass
+class Preprocessor:
+    """The fitted preprocessing of a model: its feature columns in the order they are read, and
+    the rule for unseen categories. JSON form: :meth:`to_json` / :meth:`from_json`."""
+
+    columns: list[Column]
+    unseen: str = "other"
+
+    @property
+    def width(self) -> int:
+        """Network inputs per row."""
+        return sum(c.width for c in self.columns)
+
+    @property
+    def names(self) -> list[str]:
+        """The feature columns, in the order they are read."""
+        return [c.name for c in self.columns]
+
+    @property
+    def kinds(self) -> dict[str, str]:
+        return {c.name: c.kind for c in self.columns}
+
+    def nullable(self, name: str) -> bool:
+        """Whether a missing value of column ``name`` is filled (so the scan may read NULLs)."""
+        return next(c for c in self.columns if c.name == name).fill is not None
+
+    @property
+    def categorical(self) -> bool:
+        return any(c.kind == "categorical" for c in self.columns)
+
+    def scale_modes(self) -> list[str]:
+        """The scaling of each network input (``width`` entries): see the module docstring."""
+        return [c.scale for c in self.columns for _ in range(c.width)]
+
+    def input_names(self) -> list[str]:
+        return [n for c in self.columns for n in c.input_names()]
+
+    @classmethod
+    def numeric_only(cls, feature_names: list[str], width: int) -> "Preprocessor":
+        """The preprocessing of a model stored without a record: every feature numeric (one
+        array column when ``width`` exceeds the names), NULLs refused, standardised."""
+        if len(feature_names) == 1 and width > 1:
+            return cls([Column(feature_names[0], "array", width=width)])
+        return cls([Column(n, "numeric") for n in feature_names])
+
+    def to_json(self) -> dict:
+        return {"columns": [asdict(c) for c in self.columns], "unseen": self.unseen}
+
+    @classmethod
+    def from_json(cls, obj: dict | None, feature_names: list[str], width: int) -> "Preprocessor":
+        """The stored record (None: :meth:`numeric_only`). Raises InvalidArgument for a record
+        that does not describe ``feature_names``."""
+        if obj is None:
+            return cls.numeric_only(feature_names, width)
+        try:
+            pre = cls([Column(**c) for c in obj["columns"]], obj.get("unseen", "other"))
+        except (KeyError, TypeError) as exc:
+            raise InvalidArgument(f"the model's preprocessing record is malformed ({exc!r}); train it again") from None
+        if pre.names != list(feature_names) or any(c.kind not in KINDS for c in pre.columns):
+            raise InvalidArgument("the model's preprocessing record does not match its feature columns; train it again")
+        return pre
+
+    def transform(self, raw: dict[str, np.ndarray]) -> np.ndarray:
+        """Raw columns -> network inputs (N, width) float32, before scaling.
+
+        ``raw[name]``: numeric (N,) float32 with NaN for missing; categorical (N,) object of
+        str or None; array (N, width) float32. Raises InvalidArgument naming the column for a
+        missing value the model does not impute (with the count), and for an unseen category when
+        ``unseen`` is ``error`` (with the value and the count)."""
+        n = len(next(iter(raw.values()))) if raw else 0
+        parts = []
+        for c in self.columns:
+            values = raw[c.name]
+            if c.kind == "array":
+                parts.append(np.asarray(values, np.float32).reshape(n, c.width))
+                continue
+            missing = np.isnan(values) if c.kind == "numeric" else np.array([v is None for v in values], bool)
+            if missing.any():
+                if c.fill is None:
+                    count = int(missing.sum())
+                    raise InvalidArgument(f'column "{c.name}" has {count:,} NULL{"s" if count > 1 else ""} (of {n:,} '
+                                          "rows) and the model does not impute it; filter them in the source, pass "
+                                          "skip_nulls, or train with an impute rule for the column")
+                values = np.where(missing, c.fill, values) if c.kind == "numeric" else \
+                    np.array([c.fill if m else v for v, m in zip(values, missing)], dtype=object)
+            if c.kind == "numeric":
+                parts.append(np.asarray(values, np.float32).reshape(n, 1))
+                continue
+            index = self._positions(c, values)
+            if c.encode == "ordinal":
+                parts.append((index + 1).astype(np.float32).reshape(n, 1))      # other: 0
+            else:
+                onehot = np.zeros((n, c.width), np.float32)
+                rows = np.flatnonzero(index >= 0)
+                onehot[rows, index[rows]] = 1.0
+                if c.other:
+                    onehot[index < 0, len(c.categories)] = 1.0
+                parts.append(onehot)
+        return np.hstack(parts) if parts else np.empty((n, 0), np.float32)
+
+    def _positions(self, c: Column, values: np.ndarray) -> np.ndarray:
+        """(N,) int64: each value's index in ``c.categories``, -1 for other. Raises InvalidArgument
+        for a value never seen in training when ``unseen`` is ``error`` and the column has no
+        "other" category."""
+        lookup = {v: i for i, v in enumerate(c.categories)}
+        index = np.fromiter((lookup.get(v, -1) for v in values), dtype=np.int64, count=len(values))
+        if self.unseen == "error" and not c.other and (index < 0).any():
+            first = values[int(np.flatnonzero(index < 0)[0])]
+            count = int((index < 0).sum())
+            raise InvalidArgument(f'column "{c.name}" has {count:,} value{"s" if count > 1 else ""} never seen in '
+                                  f"training (the first: {_shown(first)}); the model was trained with unseen "
+                                  '"error": filter such rows, or train with options.unseen "other"')
+        return index
+
+
+def of_row(record, feature_names: list[str], architecture) -> Preprocessor:
+    """The preprocessing of a registry row: its ``preprocess`` record (JSON text, a dict, or
+    None for a model stored without one), its feature columns and its architecture (JSON text or
+    a dict; its input shape gives an array column's width). Raises InvalidArgument for a record
+    that does not fit."""
+    import json
+
+    from .model import parse_architecture
+
+    if isinstance(record, str):
+        record = json.loads(record)
+    n_values = parse_architecture(architecture).n_features
+    return Preprocessor.from_json(record, list(feature_names), n_values or len(feature_names))
+
+
+def fit(raw: dict[str, np.ndarray], kinds: dict[str, str], train_index: np.ndarray, opts,
+        array_width: int | None = None) -> Preprocessor:
+    """Fit the preprocessing of the columns ``kinds`` (name -> kind, in read order) on the rows
+    ``train_index`` of ``raw`` (as :meth:`Preprocessor.transform` takes it) under the options
+    ``opts`` (:class:`.model.TrainOptions`). Raises InvalidArgument for a rule that does not suit
+    its column (mean of a categorical column, a string constant for a numeric one), a column
+    option naming no feature column, and a column with nothing to impute from."""
+    unknown = sorted(set(opts.preprocess or {}) - set(kinds))
+    if unknown:
+        raise InvalidArgument(f'options.preprocess names "{unknown[0]}", which is not a feature column; the feature '
+                              f"columns are: {', '.join(kinds)}")
+    columns = []
+    for name, kind in kinds.items():
+        rule = _rule(opts, name)
+        if kind == "array":
+            columns.append(Column(name, "array", scale=rule["scale"], width=int(array_width)))
+        elif kind == "numeric":
+            if name in (opts.preprocess or {}) and "encode" in opts.preprocess[name]:
+                raise InvalidArgument(f'options.preprocess."{name}".encode: column "{name}" is numeric; encode '
+                                      "applies to categorical (text, enum, boolean) columns")
+            columns.append(_fit_numeric(name, raw[name][train_index].astype(np.float32), rule))
+        else:
+            columns.append(_fit_categorical(name, raw[name][train_index], rule, opts.max_categories))
+    return Preprocessor(columns, opts.unseen)
+
+
+def fit_scaling(x: np.ndarray, modes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The affine scaling of inputs x (N, F) float32 by column ``modes`` (:data:`SCALES`):
+    ``(center, spread)``, each (F,) float32, so that the network reads ``(x - center) / spread``.
+    A constant column gets spread 1. Computed in float64."""
+    x64 = np.asarray(x, np.float64)
+    center, spread = np.zeros(x.shape[1]), np.ones(x.shape[1])
+    modes = np.asarray(modes)
+    std = modes == "standardize"
+    if std.any() and len(x):
+        center[std], spread[std] = x64[:, std].mean(axis=0), x64[:, std].std(axis=0)
+    mm = modes == "minmax"
+    if mm.any() and len(x):
+        low = x64[:, mm].min(axis=0)
+        center[mm], spread[mm] = low, x64[:, mm].max(axis=0) - low
+    spread[spread == 0] = 1.0
+    return center.astype(np.float32), spread.astype(np.float32)
