@@ -195,8 +195,9 @@ def concurrency_table(args) -> None:
             for k in range(args.calls):
                 _, weights = make_model(args.model_layers, args.width, args.features, 10, seed=k)
                 conn.execute(
-                    "INSERT INTO tensile.models (name, task, architecture, options, feature_names, label_name, "
-                    "label_classes, metrics, weights) VALUES (%s, 'classification', %s, '{}', %s, 'label', %s, '{}', %s)",
+                    "INSERT INTO tensile.models (name, version, deployed, task, architecture, options, feature_names, "
+                    "label_name, label_classes, metrics, weights) "
+                    "VALUES (%s, 1, true, 'classification', %s, '{}', %s, 'label', %s, '{}', %s)",
                     (f"bench_{k}", psycopg.types.json.Jsonb(spec.architecture.to_json()),
                      [f"f{i}" for i in range(args.features)], [float(c) for c in range(10)],
                      serialize_weights(weights)))

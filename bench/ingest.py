@@ -39,7 +39,7 @@ def main() -> None:
         conn.execute(f"CREATE TABLE ingest AS SELECT {cols}, (g % 2) AS label FROM generate_series(1, {args.rows}) g")
         fill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        _, metrics = conn.execute(
+        _, metrics, _, _ = conn.execute(
             "CALL tensile.train_model('ingest_bench', 'ingest', 'label', NULL, '{\"layers\": [{\"dense\": 8}]}', "
             "'{\"epochs\": 1, \"batch_size\": 4096, \"replace\": true}')").fetchone()
         call_s = time.perf_counter() - t0

@@ -147,7 +147,7 @@ class Trainings:
     def train(self, conn: psycopg.Connection, name: str) -> None:
         t0 = time.perf_counter()
         try:
-            _, metrics = conn.execute(
+            _, metrics, _, _ = conn.execute(
                 "CALL tensile.train_model(%s, 'digits_train', 'label', NULL, %s::jsonb, %s::jsonb)",
                 (name, json.dumps(ARCHITECTURE), self.options)).fetchone()
         except BaseException as exc:   # counted

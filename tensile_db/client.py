@@ -7,6 +7,7 @@
     tc.train("digits_mlp", "SELECT * FROM digits_train", "label",
              architecture={"layers": [{"dense": 256}]}, options={"epochs": 20})
     tc.predict("digits_mlp", [0.0] * 64)
+    tc.deploy("digits_mlp", "rollback")          # or a version number, "best_score", "most_recent"
 
 Every method runs the extension's SQL on a connection of the engine; nothing here trains or
 predicts by itself. Errors are the database's (``sqlalchemy.exc.DBAPIError`` wrapping psycopg's).
@@ -29,7 +30,8 @@ class TensileClient:
     def train(self, model_name: str, source: str, label: str, *, features: list[str] | None = None,
               architecture: dict | None = None, options: dict | None = None,
               on_notice: Callable[[str], None] | None = None) -> dict:
-        """``CALL tensile.train_model(...)`` in its own transaction; returns ``{"task", "metrics"}``.
+        """``CALL tensile.train_model(...)`` in its own transaction; returns ``{"task", "metrics",
+        "version", "deployed"}``: the version it stored and whether predictions now use it.
         ``on_notice`` receives each progress NOTICE as it arrives."""
         with self.engine.connect() as conn:
             raw = conn.connection.driver_connection
@@ -48,7 +50,7 @@ class TensileClient:
             finally:
                 if handler:
                     raw.remove_notice_handler(handler)
-        return {"task": row["task"], "metrics": row["metrics"]}
+        return {"task": row["task"], "metrics": row["metrics"], "version": row["version"], "deployed": row["deployed"]}
 
     def predict(self, model_name: str, features: list[float]) -> float:
         """``tensile.predict``: the class label or value for one row of features."""
@@ -71,10 +73,22 @@ class TensileClient:
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(text(sql)).mappings()]
 
+    def deploy(self, model_name: str, version_or_strategy: int | str) -> int:
+        """``tensile.deploy``: make a version (a number, or the one ``"best_score"``,
+        ``"most_recent"`` or ``"rollback"`` picks) the one predictions use; returns it."""
+        kind = "integer" if isinstance(version_or_strategy, int) else "pg_catalog.text"
+        with self.engine.begin() as conn:
+            return conn.execute(text(f"SELECT tensile.deploy(:m, CAST(:v AS {kind}))"),
+                                {"m": model_name, "v": version_or_strategy}).scalar_one()
+
     def models(self) -> list[dict]:
-        """Rows of ``tensile.models`` without the weights."""
-        return self._rows("SELECT id, name, owner, task, architecture, options, feature_names, label_name, "
-                          "label_classes, metrics, created_at FROM tensile.models ORDER BY name")
+        """Every version of every model the role sees, by name and version, without the weights:
+        ``version``, ``deployed`` and ``score`` (``metrics->'score'``, None without one) next to
+        the other columns of ``tensile.models``."""
+        return self._rows(
+            "SELECT id, name, version, deployed, (metrics OPERATOR(pg_catalog.->>) 'score')::pg_catalog.float8 AS score, "
+            "owner, task, architecture, options, feature_names, label_name, label_classes, label_names, metrics, "
+            "created_at FROM tensile.models ORDER BY name, version")
 
     def jobs(self) -> list[dict]:
         """Rows of ``tensile.jobs``: the live jobs of every backend."""

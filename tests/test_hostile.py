@@ -205,7 +205,7 @@ def test_an_installation_upgraded_from_0_1_0_equals_a_fresh_one(cluster, conn):
             if db == "tensile_up":
                 assert c.execute("SELECT has_table_privilege('public', 'tensile.models', 'INSERT')").fetchone()[0]
                 c.execute("ALTER EXTENSION tensile_db UPDATE")
-            assert c.execute("SELECT extversion FROM pg_extension WHERE extname = 'tensile_db'").fetchone()[0] == "0.2.0"
+            assert c.execute("SELECT extversion FROM pg_extension WHERE extname = 'tensile_db'").fetchone()[0] == "0.3.0"
             assert not c.execute("SELECT has_table_privilege('public', 'tensile.models', 'INSERT')").fetchone()[0]
             catalogs[db] = c.execute(CATALOG).fetchall()
         conn.execute(f"DROP DATABASE {db}")
@@ -219,9 +219,9 @@ def test_an_installation_upgraded_from_0_1_0_equals_a_fresh_one(cluster, conn):
 def _model_row(conn, name: str, weights: bytes) -> None:
     """A row written by a superuser with the given weights, copying a real model's other columns."""
     conn.execute("DELETE FROM tensile.models WHERE name = %s", (name,))
-    conn.execute("""INSERT INTO tensile.models (name, task, architecture, options, feature_names, label_name,
-                                                label_classes, metrics, weights)
-                    SELECT %s, task, architecture, options, feature_names, label_name, label_classes, metrics, %s
+    conn.execute("""INSERT INTO tensile.models (name, version, deployed, task, architecture, options, feature_names,
+                                                label_name, label_classes, metrics, weights)
+                    SELECT %s, 1, true, task, architecture, options, feature_names, label_name, label_classes, metrics, %s
                     FROM tensile.models WHERE name = 't_real'""", (name, weights))
 
 
@@ -437,7 +437,7 @@ def test_labels_near_and_beyond_float32s_range(conn):
     conn.execute("DROP TABLE IF EXISTS huge; CREATE TABLE huge AS "
                  "SELECT g::real AS a, (g * 1e29)::float8 AS near, (g * 1e38)::float8 AS beyond "
                  "FROM generate_series(1, 64) g")
-    _, metrics = train(conn, "t_near", source="SELECT a, near FROM huge", label="near",
+    _, metrics, _, _ = train(conn, "t_near", source="SELECT a, near FROM huge", label="near",
                        options='{"epochs": 30, "lr": 0.01}')
     assert 0 < metrics["train_rmse"] < 1e31
     value = conn.execute("SELECT tensile.predict('t_near', ARRAY[32]::real[])").fetchone()[0]

@@ -37,9 +37,11 @@ import numpy as np
 
 from ..errors import InvalidArgument, ModelNotFound, ProtocolError
 from ..runtime import model as models
+from ..runtime import preprocess
+from ..runtime.preprocess import Preprocessor
 from ..runtime.weights import load_weights
 from ..settings import MAX_PREDICT_BATCH_ROWS
-from . import session
+from . import registry, session
 from .data import is_table_name, read_features
 from .train import check_model_name
 
@@ -90,6 +92,7 @@ class ModelRow:
     architecture: dict
     feature_names: list[str]
     classes: list[float] | None
+    pre: Preprocessor                       # how the raw columns become the network's inputs
 
 
 def parse_options(value) -> BatchOptions:
@@ -112,19 +115,22 @@ def read_model(plpy, GD, name, limits: models.Limits) -> ModelRow:
         SELECT id, d.oid AS database,
                pg_catalog.concat_ws('/', d.oid, owner, pg_catalog.to_char(created_at AT TIME ZONE 'UTC',
                                                                          'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')) AS version,
-               task, architecture::pg_catalog.text AS architecture, feature_names, label_classes
+               task, architecture::pg_catalog.text AS architecture, feature_names, label_classes,
+               preprocess::pg_catalog.text AS preprocess
         FROM tensile.models, (SELECT oid FROM pg_catalog.pg_database
                               WHERE datname OPERATOR(pg_catalog.=) pg_catalog.current_database()) d
-        WHERE name OPERATOR(pg_catalog.=) $1""", ["pg_catalog.text"]), [name])
+        WHERE name OPERATOR(pg_catalog.=) $1 AND deployed""", ["pg_catalog.text"]), [name])
     if not rows:
-        raise ModelNotFound(f'model "{name}" does not exist; SELECT name FROM tensile.models lists the models')
+        raise registry.not_deployed(plpy, GD, name)
     row = rows[0]
     architecture = json.loads(row["architecture"])
     classes = list(row["label_classes"]) if row["label_classes"] else None
-    spec = models.ModelSpec.of_row(architecture, row["feature_names"], len(classes) if classes else 1, row["task"])
+    pre = preprocess.of_row(row["preprocess"], row["feature_names"], architecture)
+    spec = models.ModelSpec.of_row(architecture, row["feature_names"], len(classes) if classes else 1, row["task"],
+                                   pre.width)
     limits.check(spec, name)
     return ModelRow(row["id"], row["database"], row["version"], name, spec, architecture, list(row["feature_names"]),
-                    classes)
+                    classes, pre)
 
 
 def _weights(plpy, GD, model: ModelRow) -> dict[str, np.ndarray]:
@@ -180,10 +186,10 @@ def _predict(plpy, GD, model_name, source, key, options) -> tuple[ModelRow, np.n
     window = opts.window if opts.window is not None else session.prefetch_window(plpy, GD)
     layers = len(model.spec.network.layered)
     window = layers if isinstance(window, str) else min(window, layers)
-    data = read_features(plpy, source, model.feature_names, key, opts.skip_nulls, model.spec.architecture.input_shape)
+    data = read_features(plpy, source, model.pre, key, opts.skip_nulls, model.spec.architecture.input_shape)
     if len(data.ids) == 0:
         return model, data.ids, np.empty((0, model.spec.n_outputs), dtype=np.float32)
-    return model, data.ids, _infer(plpy, GD, s, model, data.x, window, opts)
+    return model, data.ids, _infer(plpy, GD, s, model, model.pre.transform(data.raw), window, opts)
 
 
 def _predictions(model: ModelRow, outputs: np.ndarray) -> np.ndarray:

@@ -1,14 +1,21 @@
 """Reading rows through SPI, as the calling role: training data and the features to predict.
 
 All columns are read in one scan of the source with one aggregate per column:
-``string_agg(float4send(col::real), '')`` for features, ``float8send`` for a label and
-``int8send`` for an integer key, decoded with ``numpy.frombuffer``. Every aggregate of one Agg
-node sees the rows in the same order, so the columns stay aligned; ``string_agg`` skips NULLs, so
-NULLs are counted first (``count(col)`` against ``count(*)`` in the same scan) and either
-reported, naming the column and the count, or — with ``skip_nulls`` — every aggregate is filtered
-to the rows without any NULL (and, where rows are named by their ordinal, one byte a row says
-which were kept). Parallel aggregation is switched off for the scan so that no partial aggregates
-are combined.
+``string_agg(float4send(col::real), '')`` for numeric features, ``float8send`` for a numeric label
+and ``int8send`` for an integer key, decoded with ``numpy.frombuffer``; a categorical column
+(text, varchar, char, enum, boolean and domains over them: type categories S, E, B) as each
+value's UTF-8 bytes after its int4 length (-1 for NULL), decoded into Python strings. Which
+columns are which is :func:`_kinds`; any other type (json, geometry, dates, ...) is refused by
+name, never skipped (:mod:`tensile_db.runtime.preprocess` turns the raw columns into the
+network's inputs). Every aggregate of one Agg node sees the rows in the same order, so the
+columns stay aligned; ``string_agg`` skips NULLs, so NULLs are counted first (``count(col)``
+against ``count(*)`` in the same scan) and either reported, naming the column and the count, or
+— with ``skip_nulls`` — every aggregate is filtered to the rows without any NULL (and, where rows
+are named by their ordinal, one byte a row says which were kept). A column whose missing values
+the model imputes keeps its NULLs instead: a numeric one reads them as NaN
+(``COALESCE(col::real, 'NaN')``, so a NaN stored in it is a missing value too), a categorical one
+as None. Parallel aggregation is switched off for the scan so that no partial aggregates are
+combined.
 
 A row's features may instead be one numeric array column (``real[]``, ``double precision[]``,
 ``smallint[]``, ``integer[]``, ``bigint[]``, ``numeric[]``) holding the row's values — an image
@@ -75,26 +82,32 @@ MAX_VALUE_NBYTES = (1 << 30) - 1
 
 @dataclass
 class TrainingData:
-    """x: (N, F) float32 features; y: (N,) float64 label values; row counts before and after
-    dropping rows with NULLs."""
+    """raw: each feature column's values as read (:meth:`~tensile_db.runtime.preprocess.Preprocessor.transform`
+    takes them: numeric (N,) float32 with NaN for a NULL kept for imputation, categorical (N,)
+    object of str or None, array (N, width) float32); kinds: feature column -> kind, in order; y:
+    (N,) label values, float64 (numeric) or object str (categorical); row counts before and after
+    dropping rows with NULLs; array_width: values per row of an array column (None: none)."""
 
-    x: np.ndarray
+    raw: dict[str, np.ndarray]
+    kinds: dict[str, str]
     y: np.ndarray
     feature_names: list[str]
     label: str
+    label_kind: str
     label_is_integer: bool
     rows: int
     skipped_rows: int
+    array_width: int | None = None
 
 
 @dataclass
 class Features:
-    """x: (N, F) float32 raw features of the rows kept, in the source's order; ids: (N,) int64,
-    the key column's values or the rows' 1-based ordinals in the source (skipped rows counted, so
-    an ordinal always names the same source row); rows: rows in the source; skipped_rows: rows
-    left out for a NULL."""
+    """raw: the model's raw feature columns of the rows kept, in the source's order (as
+    :class:`TrainingData`); ids: (N,) int64, the key column's values or the rows' 1-based
+    ordinals in the source (skipped rows counted, so an ordinal always names the same source
+    row); rows: rows in the source; skipped_rows: rows left out for a NULL."""
 
-    x: np.ndarray
+    raw: dict[str, np.ndarray]
     ids: np.ndarray
     rows: int
     skipped_rows: int
@@ -222,6 +235,22 @@ def _decode_arrays(data: bytes, rows: int, width: int, column: str) -> np.ndarra
     return np.frombuffer(data, dtype=">f4").reshape(rows, stride)[:, header + 1::2].astype(np.float32)
 
 
+def _decode_texts(data: bytes, rows: int) -> np.ndarray:
+    """``rows`` values as the scan's ``text`` aggregate wrote them — each a big-endian int4 UTF-8
+    length (-1 for NULL) and the bytes — -> (rows,) object array of str, None for NULL."""
+    out = np.empty(rows, dtype=object)
+    view, pos = memoryview(data), 0
+    for i in range(rows):
+        length = int.from_bytes(view[pos:pos + 4], "big", signed=True)
+        pos += 4
+        if length >= 0:
+            out[i] = str(view[pos:pos + length], "utf-8")
+            pos += length
+    if pos != len(data):
+        raise RuntimeError(f"the text aggregate wrote {len(data):,} bytes for {rows:,} values, {pos:,} read")
+    return out
+
+
 def _too_large(columns: list[tuple[str, str]], width: int | None) -> InvalidArgument:
     """The error of a scan whose column outgrew PostgreSQL's largest value."""
     arrays = [c for c, t in columns if t == "real[]"]
@@ -235,11 +264,13 @@ def _too_large(columns: list[tuple[str, str]], width: int | None) -> InvalidArgu
 
 
 def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]], skip_nulls: bool,
-          want_kept: bool = False, input_shape: tuple[int, ...] | None = None) -> _Scan:
+          want_kept: bool = False, input_shape: tuple[int, ...] | None = None,
+          nullable: frozenset[str] = frozenset()) -> _Scan:
     """Read ``columns`` — ``(name, SQL type)`` pairs, the type a key of ``_ENCODINGS`` — of every
     row of ``query`` in one scan. Raises InvalidArgument naming each column with NULLs (or arrays
-    with NULL elements) and their count unless ``skip_nulls``. ``want_kept`` asks for the mask of
-    kept rows when rows are skipped. A ``real[]`` column's arrays must each hold
+    with NULL elements) and their count unless ``skip_nulls``; the columns in ``nullable`` keep
+    their NULLs instead (a ``real`` one as NaN, a ``text`` one as None), for imputation. ``want_kept``
+    asks for the mask of kept rows when rows are skipped. A ``real[]`` column's arrays must each hold
     ``prod(input_shape)`` values (None: as many as each other), else InvalidArgument names the
     rows that differ. A column beyond PostgreSQL's largest value (SQLSTATE 54000 from string_agg)
     is InvalidArgument too."""
@@ -247,7 +278,15 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
         return plpy.quote_ident(c)
 
     def value(c, sql_type):
-        return f"{ident(c)}::int::{sql_type}" if types[c] == 16 else f"{ident(c)}::{sql_type}"
+        if sql_type == "text":       # each value's UTF-8 length (-1: NULL) and bytes
+            utf8 = f"pg_catalog.convert_to({ident(c)}::pg_catalog.text, 'UTF8')"
+            return (f"CASE WHEN {ident(c)} IS NULL THEN '\\xffffffff'::pg_catalog.bytea ELSE "
+                    f"pg_catalog.int4send(pg_catalog.octet_length({utf8})) OPERATOR(pg_catalog.||) {utf8} END")
+        cast = f"{ident(c)}::int::{sql_type}" if types[c] == 16 else f"{ident(c)}::{sql_type}"
+        return f"COALESCE({cast}, 'NaN'::{sql_type})" if c in nullable else cast
+
+    def encoded(c, sql_type):
+        return value(c, sql_type) if sql_type == "text" else f"pg_catalog.{_ENCODINGS[sql_type][0]}({value(c, sql_type)})"
 
     def no_null_element(c):
         return f"pg_catalog.num_nulls(VARIADIC {ident(c)}) OPERATOR(pg_catalog.=) 0"
@@ -258,8 +297,8 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
     width = math.prod(input_shape) if input_shape else None
     arrays = [(i, c) for i, (c, t) in enumerate(columns) if t == "real[]"]
     names = list(dict.fromkeys(c for c, _ in columns))
-    complete = " AND ".join([f"{ident(c)} IS NOT NULL" for c in names]
-                            + [no_null_element(c) for _, c in arrays if skip_nulls])
+    complete = " AND ".join([f"{ident(c)} IS NOT NULL" for c in names if c not in nullable]
+                            + [no_null_element(c) for _, c in arrays if skip_nulls]) or "true"
     aggregates = [f"pg_catalog.count({ident(c)}) AS nn{i}" for i, c in enumerate(names)]
     for i, c in arrays:
         aggregates += [f"pg_catalog.count(*) FILTER (WHERE pg_catalog.num_nulls(VARIADIC {ident(c)}) "
@@ -274,7 +313,7 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
         sized = t == "real[]" and width is not None
         return f"{complete} AND {cardinality(c)} OPERATOR(pg_catalog.=) {int(width)}" if sized else complete
 
-    aggregates += [f"pg_catalog.string_agg(pg_catalog.{_ENCODINGS[t][0]}({value(c, t)}), ''::pg_catalog.bytea) "
+    aggregates += [f"pg_catalog.string_agg({encoded(c, t)}, ''::pg_catalog.bytea) "
                    f"FILTER (WHERE {read_when(c, t)}) AS c{i}" for i, (c, t) in enumerate(columns)]
     if want_kept and skip_nulls:
         aggregates.append(f"pg_catalog.string_agg(pg_catalog.boolsend({complete}), ''::pg_catalog.bytea) AS kept")
@@ -289,7 +328,7 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
     plpy.execute("SELECT pg_catalog.set_config('max_parallel_workers_per_gather', "
                  f"{plpy.quote_literal(parallel)}, true)")
     n = row["n"]
-    nulls = {c: n - row[f"nn{i}"] for i, c in enumerate(names) if row[f"nn{i}"] < n}
+    nulls = {c: n - row[f"nn{i}"] for i, c in enumerate(names) if row[f"nn{i}"] < n and c not in nullable}
     holes = {c: row[f"holes{i}"] for i, c in arrays if row[f"holes{i}"]}
     if (nulls or holes) and not skip_nulls:
         listed = ", ".join([f'column "{c}" has {k:,} NULL{"s" if k > 1 else ""}' for c, k in nulls.items()]
@@ -311,101 +350,169 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
                                   "source")
         widths[c] = width if width is not None else (high or 0)
     decoded = [_decode_arrays(row[f"c{i}"] or b"", row["complete"], widths[c], c) if t == "real[]"
+               else _decode_texts(row[f"c{i}"] or b"", row["complete"]) if t == "text"
                else np.frombuffer(row[f"c{i}"] or b"", dtype=_ENCODINGS[t][1]) for i, (c, t) in enumerate(columns)]
     kept_mask = np.frombuffer(row["kept"], dtype=np.bool_) if row.get("kept") and row["complete"] < n else None
     return _Scan(decoded, n, row["complete"], kept_mask)
 
 
-def _matrix(columns: list[np.ndarray]) -> np.ndarray:
-    """Feature columns, each (N,), or one array column (N, F), as x (N, F) float32."""
-    return np.column_stack(columns).astype(np.float32, copy=False)
+def _kinds(plpy, types: dict[str, int]) -> dict[str, str | None]:
+    """Each column's kind as a feature: ``numeric``, ``categorical`` (text, varchar, char, enum,
+    boolean and domains over them: the catalog's type categories S, E and B), ``array`` (a
+    numeric array), or None (a type that cannot be used)."""
+    kinds = {c: "numeric" if t in NUMERIC_TYPES and t != 16 else "array" if t in ARRAY_TYPES else None
+             for c, t in types.items()}
+    others = sorted({t for c, t in types.items() if kinds[c] is None})
+    if others:
+        rows = plpy.execute(plpy.prepare("""
+            SELECT oid::pg_catalog.int8 AS oid FROM pg_catalog.pg_type
+            WHERE oid OPERATOR(pg_catalog.=) ANY ($1) AND typcategory OPERATOR(pg_catalog.=) ANY ('{S,E,B}')""",
+            ["pg_catalog.oid[]"]), [others])
+        categorical = {r["oid"] for r in rows}
+        kinds.update((c, "categorical") for c, t in types.items() if t in categorical)
+    return kinds
 
 
-def _check_finite(x: np.ndarray, features: list[str]) -> None:
-    """Raise InvalidArgument naming the first feature column with NaN or infinite values (one
-    array column: all of x)."""
-    bad = (~np.isfinite(x)).sum(axis=0)
-    for name, count in zip(features, bad if len(features) == x.shape[1] else [bad.sum()]):
-        if count:
-            raise InvalidArgument(f'feature column "{name}" has {int(count):,} NaN or infinite values '
-                                  f'(after conversion to real); filter or clip them in the source')
+def _refuse_unusable(plpy, types: dict[str, int], kinds: dict, columns: list[str], chosen: bool) -> None:
+    """Raise InvalidArgument naming the first of ``columns`` whose type cannot be a feature;
+    ``chosen``: the caller named the features (else they were every column but the label)."""
+    for c in columns:
+        if kinds[c] is None:
+            how = ("" if chosen else f"; pass features => ARRAY[...] naming the columns to use, without \"{c}\"")
+            raise InvalidArgument(f'feature column "{c}" has type {_type_name(plpy, types[c])}, which cannot be a '
+                                  f"feature: features are numeric ({', '.join(NUMERIC_TYPES.values())}), "
+                                  f"categorical (text, varchar, char, enum, boolean) or one numeric array column "
+                                  f"(an image){how}; or convert it in the source (e.g. extract(epoch FROM ts))")
 
 
-def read_training_data(plpy, source: str, label: str, features: list[str] | None,
-                       skip_nulls: bool, input_shape: tuple[int, ...] | None = None) -> TrainingData:
-    """Read features and label from ``source`` with the caller's privileges.
+def _read_as(kind: str) -> str:
+    """The scan's encoding of a feature column of ``kind``."""
+    return {"numeric": "real", "categorical": "text", "array": "real[]"}[kind]
 
-    ``features`` None means every numeric (or numeric array) column but the label. An array
-    column is read as the row's values, flattened; it must be the only feature and hold
+
+def _check_finite(raw: dict[str, np.ndarray], kinds: dict[str, str], nullable: frozenset[str]) -> None:
+    """Raise InvalidArgument naming the first numeric or array column with NaN or infinite
+    values (in a ``nullable`` column NaN is a missing value: only infinities count)."""
+    for name, kind in kinds.items():
+        if kind == "categorical":
+            continue
+        values = raw[name]
+        bad = int(np.isinf(values).sum() if name in nullable else (~np.isfinite(values)).sum())
+        if bad:
+            raise InvalidArgument(f'feature column "{name}" has {bad:,} NaN or infinite values '
+                                  f"(after conversion to real); filter or clip them in the source")
+
+
+def read_training_data(plpy, source: str, label: str, features: list[str] | None, skip_nulls: bool,
+                       input_shape: tuple[int, ...] | None = None, imputed=lambda column: False,
+                       configured=()) -> TrainingData:
+    """Read the raw feature columns and the label from ``source`` with the caller's privileges.
+
+    ``features`` None means every column but the label; each must be numeric, categorical or
+    one numeric array column (:func:`_kinds`), else InvalidArgument names it. An array column is
+    read as the row's values, flattened; it must be the only feature and hold
     ``prod(input_shape)`` values in every row (``input_shape``: the architecture's, required for
-    an array column). Raises InvalidArgument for a missing or non-numeric column, an array column
-    with others or without an input shape, arrays of another size or with NULL elements, NULLs
-    (unless ``skip_nulls``), no rows, or non-finite values; errors of the query itself (unknown
+    an array column). ``imputed(column)`` says whether a NULL in a column is kept for imputation
+    rather than refused; ``configured`` names the columns the options configure, each of which
+    must be a feature. The label is numeric, or categorical (then class names). Raises
+    InvalidArgument for a missing or unusable column, an array column with others or without an
+    input shape, arrays of another size or with NULL elements, NULLs (unless ``skip_nulls``;
+    a NULL label always), no rows, or non-finite values; errors of the query itself (unknown
     table, permission denied) come from PostgreSQL.
     """
     query, types = _source(plpy, source)
     if not label:
         raise InvalidArgument("label is empty; name the column to predict")
     _check_present(types, [label], "label")
+    kinds = _kinds(plpy, types)
+    chosen = features is not None
     if features is None:
-        features = [c for c, t in types.items() if c != label and (t in NUMERIC_TYPES or t in ARRAY_TYPES)]
+        features = [c for c in types if c != label]
         if not features:
-            raise InvalidArgument(f"the source has no numeric column besides the label \"{label}\"; "
-                                  f"its columns are: {', '.join(types)}")
+            raise InvalidArgument(f'the source has no column besides the label "{label}"; its columns are: '
+                                  f"{', '.join(types)}")
     else:
         if not features:
-            raise InvalidArgument("features is an empty array; pass NULL to use every numeric column but the label")
+            raise InvalidArgument("features is an empty array; pass NULL to use every column but the label")
         _check_present(types, features, "feature")
         if label in features:
             raise InvalidArgument(f'column "{label}" is both the label and a feature')
         if len(set(features)) != len(features):
             raise InvalidArgument(f"features name a column twice: {features}")
-    _check_numeric(plpy, types, features, "feature", arrays=True)
-    _check_numeric(plpy, types, [label], "label")
+    _refuse_unusable(plpy, types, kinds, features, chosen)
+    unknown = [c for c in configured if c not in features]
+    if unknown:       # before the scan: a misspelt column is named before its NULLs would be
+        raise InvalidArgument(f'options.preprocess names "{unknown[0]}", which is not a feature column; the feature '
+                              f"columns are: {', '.join(features)}")
+    label_kind = "numeric" if types[label] in NUMERIC_TYPES else "categorical" if kinds[label] == "categorical" else None
+    if label_kind is None:
+        raise InvalidArgument(f'label column "{label}" has type {_type_name(plpy, types[label])}; the label must be '
+                              f"numeric or categorical (text, varchar, enum)")
     array = _array_column(types, features, "; pass features => ARRAY['{array}'] to train on it alone")
     if array is not None and input_shape is None:
         raise InvalidArgument(f'feature column "{array}" is an array ({ARRAY_TYPES[types[array]]}); give the shape of '
                               'the values it holds in the architecture: "input": {"shape": [C, H, W]} for images, '
                               'or {"shape": [F]} for vectors of F values')
-    columns = [(c, "real[]" if c == array else "real") for c in features] + [(label, "double precision")]
-    scan = _scan(plpy, query, types, columns, skip_nulls, input_shape=input_shape)
+    nullable = frozenset(c for c in features if kinds[c] != "array" and imputed(c))
+    columns = [(c, _read_as(kinds[c])) for c in features]
+    columns.append((label, "double precision" if label_kind == "numeric" else "text"))
+    scan = _scan(plpy, query, types, columns, skip_nulls, input_shape=input_shape, nullable=nullable)
     if scan.rows == 0:
         raise InvalidArgument("the source returned no rows; check its query or WHERE clause")
     if scan.kept_rows == 0:
         raise InvalidArgument(f"all {scan.rows:,} rows of the source have a NULL in a feature or the label")
-    x = _matrix(scan.columns[:-1])
-    y = scan.columns[-1].astype(np.float64)
-    _check_finite(x, features)
-    if not np.isfinite(y).all():
-        raise InvalidArgument(f'label column "{label}" has NaN or infinite values; filter them in the source')
-    return TrainingData(x, y, list(features), label, types[label] in INTEGER_TYPES, scan.rows,
-                        scan.rows - scan.kept_rows)
+    raw = dict(zip(features, scan.columns[:-1]))
+    y = scan.columns[-1]
+    feature_kinds = {c: kinds[c] for c in features}
+    _check_finite(raw, feature_kinds, nullable)
+    if label_kind == "numeric":
+        y = y.astype(np.float64)
+        if not np.isfinite(y).all():
+            raise InvalidArgument(f'label column "{label}" has NaN or infinite values; filter them in the source')
+    return TrainingData(raw, feature_kinds, y, list(features), label, label_kind,
+                        types[label] in INTEGER_TYPES, scan.rows, scan.rows - scan.kept_rows,
+                        math.prod(input_shape) if array is not None else None)
 
 
-def read_features(plpy, source: str, features: list[str], key: str | None, skip_nulls: bool,
+def read_features(plpy, source: str, pre, key: str | None, skip_nulls: bool,
                   input_shape: tuple[int, ...] | None = None) -> Features:
-    """Read a model's ``features`` (in order) and the optional integer ``key`` column from
-    ``source`` with the caller's privileges. ``input_shape`` is the model's (None: it has
-    none); a model whose one feature is an array column reads each row's array flattened, of
-    ``prod(input_shape)`` values (without an input shape: as many as every row holds).
+    """Read a model's raw feature columns (``pre``: its
+    :class:`~tensile_db.runtime.preprocess.Preprocessor`, which names them, their kinds and which
+    keep NULLs for imputation) and the optional integer ``key`` column from ``source`` with the
+    caller's privileges. ``input_shape`` is the model's (None: it has none); a model whose one
+    feature is an array column reads each row's array flattened, of ``prod(input_shape)`` values
+    (without an input shape: as many as every row holds).
 
-    An empty source gives zero rows, not an error. Raises InvalidArgument for a missing or
-    non-numeric feature column, an array column among others or of other sizes, a scalar column
-    where the model reads an array, a missing key column or one that is not smallint / integer /
-    bigint, NULLs or NULL elements (unless ``skip_nulls``: those rows are left out) or non-finite
-    features; errors of the query itself (unknown table, permission denied) come from PostgreSQL.
+    An empty source gives zero rows, not an error. Raises InvalidArgument for a missing column,
+    a numeric or array column of another type, an array column among others or of other sizes, a
+    scalar column where the model reads an array, a missing key column or one that is not smallint
+    / integer / bigint, NULLs or NULL elements the model does not impute (unless ``skip_nulls``:
+    those rows are left out) or non-finite features; errors of the query itself (unknown table,
+    permission denied) come from PostgreSQL.
     """
     query, types = _source(plpy, source)
+    features = pre.names
     _check_present(types, features, "feature")
-    _check_numeric(plpy, types, features, "feature", arrays=True)
-    array = _array_column(types, features)
+    source_kinds = _kinds(plpy, types)
+    for c, kind in pre.kinds.items():
+        if kind == "categorical" and source_kinds[c] in ("numeric", "categorical"):
+            continue                     # any scalar reads as text: a code stored as a number is a category too
+        if kind == "numeric" and types[c] not in NUMERIC_TYPES:
+            raise InvalidArgument(f'feature column "{c}" has type {_type_name(plpy, types[c])}; the model reads it as '
+                                  f"a number ({', '.join(NUMERIC_TYPES.values())}): cast it in the source")
+        if kind == "categorical":
+            raise InvalidArgument(f'feature column "{c}" has type {_type_name(plpy, types[c])}; the model reads it as '
+                                  "a category (text, varchar, enum, boolean): cast it in the source")
+    _check_numeric(plpy, types, [c for c, k in pre.kinds.items() if k != "categorical"], "feature", arrays=True)
+    array = _array_column(types, [c for c, k in pre.kinds.items() if k != "categorical"])
     width = math.prod(input_shape) if input_shape else len(features)
     if array is None and len(features) == 1 and width > 1:       # the model was trained on an array column
         raise InvalidArgument(f"the model takes {width:,} values per row, as architecture.input.shape "
                               f'{list(input_shape)} says, from the array column "{features[0]}", but the source\'s '
                               f'"{features[0]}" has type {_type_name(plpy, types[features[0]])}; give the source that '
                               f"column as an array of {width:,} numbers")
-    columns = [(c, "real[]" if c == array else "real") for c in features]
+    nullable = frozenset(c for c in features if pre.kinds[c] != "array" and pre.nullable(c))
+    columns = [(c, "real[]" if c == array else _read_as(pre.kinds[c])) for c in features]
     if key is not None:
         _check_present(types, [key], "key")
         if types[key] not in KEY_TYPES:
@@ -413,35 +520,47 @@ def read_features(plpy, source: str, features: list[str], key: str | None, skip_
                                   f'integer column ({", ".join(KEY_TYPES.values())}), or pass key => NULL to '
                                   f"number the rows 1, 2, ...")
         columns.append((key, "bigint"))
-    scan = _scan(plpy, query, types, columns, skip_nulls, want_kept=key is None, input_shape=input_shape)
-    x = _matrix(scan.columns[:len(features)])
+    scan = _scan(plpy, query, types, columns, skip_nulls, want_kept=key is None, input_shape=input_shape,
+                 nullable=nullable)
+    raw = dict(zip(features, scan.columns[:len(features)]))
     if key is not None:
         ids = scan.columns[-1].astype(np.int64)
     elif scan.kept is not None:
         ids = np.flatnonzero(scan.kept).astype(np.int64) + 1
     else:
         ids = np.arange(1, scan.kept_rows + 1, dtype=np.int64)
-    _check_finite(x, features)
-    return Features(x, ids, scan.rows, scan.rows - scan.kept_rows)
+    _check_finite(raw, pre.kinds, nullable)
+    return Features(raw, ids, scan.rows, scan.rows - scan.kept_rows)
 
 
-def encode_labels(data: TrainingData, task: str) -> tuple[np.ndarray, list[float] | None]:
-    """Targets for the coordinator: class indices (N,) int32 and the class values in index order
-    for classification; (N, 1) float32 and None for regression."""
+def encode_labels(data: TrainingData, task: str) -> tuple[np.ndarray, list[float] | None, list[str] | None]:
+    """Targets for the coordinator: for classification, class indices (N,) int32, the class
+    values in index order (for a categorical label 0..C-1) and the class names of a categorical
+    label (sorted; None for a numeric one); for regression (N, 1) float32, None, None."""
+    if data.label_kind == "categorical":
+        if task == "regression":
+            raise InvalidArgument(f'label column "{data.label}" holds text; regression needs a numeric label: use '
+                                  f'classification, or convert the label in the source')
+        names, index = np.unique(data.y.astype(str), return_inverse=True)
+        _check_classes(data.label, len(names), names[0] if len(names) else None)
+        return index.astype(np.int32), [float(i) for i in range(len(names))], [str(n) for n in names]
     if task == "regression":
         beyond = int((np.abs(data.y) > FLOAT32_MAX).sum())
         if beyond:
             raise InvalidArgument(f'label column "{data.label}" has {beyond:,} values beyond the range of real '
                                   f"(float32, about 3.4e38), where the device computes; scale the label in the source")
-        return data.y.astype(np.float32).reshape(-1, 1), None
+        return data.y.astype(np.float32).reshape(-1, 1), None, None
     classes, index = np.unique(data.y, return_inverse=True)
     if not np.all(classes == np.round(classes)):
         raise InvalidArgument(f'label column "{data.label}" has non-integer values; classification needs '
                               f'integer class labels, or use options => \'{{"task": "regression"}}\'')
-    if len(classes) < 2:
-        raise InvalidArgument(f'label column "{data.label}" has a single class ({classes[0]:g}); '
-                              f"classification needs at least two")
-    if len(classes) > MAX_CLASSES:
-        raise InvalidArgument(f'label column "{data.label}" has {len(classes):,} distinct values, more than '
+    _check_classes(data.label, len(classes), f"{classes[0]:g}")
+    return index.astype(np.int32), [float(c) for c in classes], None
+
+
+def _check_classes(label: str, count: int, first) -> None:
+    if count < 2:
+        raise InvalidArgument(f'label column "{label}" has a single class ({first}); classification needs at least two')
+    if count > MAX_CLASSES:
+        raise InvalidArgument(f'label column "{label}" has {count:,} distinct values, more than '
                               f'{MAX_CLASSES:,} classes; use options => \'{{"task": "regression"}}\'')
-    return index.astype(np.int32), [float(c) for c in classes]

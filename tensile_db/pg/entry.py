@@ -58,11 +58,13 @@ def _sql_errors(fn):
 train_model = _sql_errors(_train.train_model)
 predict = _sql_errors(_predict.predict)
 predict_proba = _sql_errors(_predict.predict_proba)
+predict_label = _sql_errors(_predict.predict_label)
 predict_batch = _sql_errors(_batch.predict_batch)
 predict_into = _sql_errors(_batch.predict_into)
 
 
 write_model = _sql_errors(registry.write_model)
+deploy = _sql_errors(registry.deploy)
 drop_model = _sql_errors(registry.drop)
 
 

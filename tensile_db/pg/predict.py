@@ -15,14 +15,18 @@ that many values, flattened in row-major order (an image as ``real[]`` of 8x8 or
 from __future__ import annotations
 
 import collections
+import json
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InvalidArgument, ModelNotFound
+from ..errors import InvalidArgument
 from ..runtime import model as models
+from ..runtime import preprocess
+from ..runtime.preprocess import Preprocessor
 from ..runtime.weights import load_weights
-from . import session
+from . import registry, session
 
 #: Models a session keeps loaded, least recently used dropped first (each up to tensile.max_parameters).
 MAX_CACHED_MODELS = 8
@@ -35,28 +39,34 @@ class CachedModel:
     weights: dict
     classes: list[float] | None
     feature_names: list[str]
+    pre: Preprocessor
+    label_names: list[str] | None
 
 
 def load(plpy, GD, name: str) -> CachedModel:
-    """The model ``name`` as the calling role sees it, cached for the session. Raises
-    ModelNotFound, InvalidArgument (a model larger than the limits) or CorruptModel."""
+    """The deployed version of model ``name`` as the calling role sees it, cached for the
+    session. Raises ModelNotFound, InvalidArgument (a model larger than the limits) or
+    CorruptModel."""
     cache = GD.setdefault("tensile_models", collections.OrderedDict())
-    rows = plpy.execute(session.plan(plpy, GD, "SELECT id FROM tensile.models WHERE name OPERATOR(pg_catalog.=) $1",
+    rows = plpy.execute(session.plan(plpy, GD, """
+        SELECT id FROM tensile.models WHERE name OPERATOR(pg_catalog.=) $1 AND deployed""",
                                      ["pg_catalog.text"]), [name])
     if not rows:
         cache.pop(name, None)
-        raise ModelNotFound(f'model "{name}" does not exist; SELECT name FROM tensile.models lists the models')
+        raise registry.not_deployed(plpy, GD, name)
     cached = cache.get(name)
     if cached is None or cached.id != rows[0]["id"]:
         row = plpy.execute(session.plan(plpy, GD, """
-            SELECT id, task, architecture::pg_catalog.text AS architecture, feature_names, label_classes, weights
+            SELECT id, task, architecture::pg_catalog.text AS architecture, feature_names, label_classes, weights,
+                   preprocess::pg_catalog.text AS preprocess, label_names
             FROM tensile.models WHERE id OPERATOR(pg_catalog.=) $1""", ["pg_catalog.int8"]), [rows[0]["id"]])[0]
         classes = list(row["label_classes"]) if row["label_classes"] else None
+        pre = preprocess.of_row(row["preprocess"], row["feature_names"], row["architecture"])
         spec = models.ModelSpec.of_row(row["architecture"], row["feature_names"],
-                                      len(classes) if classes else 1, row["task"])
+                                      len(classes) if classes else 1, row["task"], pre.width)
         session.limits(plpy, GD, session.settings(plpy, GD)).check(spec, name)
         cached = CachedModel(row["id"], spec, load_weights(row["weights"], spec, name), classes,
-                             list(row["feature_names"]))
+                             list(row["feature_names"]), pre, list(row["label_names"]) if row["label_names"] else None)
         cache[name] = cached
         while len(cache) > MAX_CACHED_MODELS:
             cache.popitem(last=False)
@@ -67,9 +77,9 @@ def load(plpy, GD, name: str) -> CachedModel:
 def _expected(m: CachedModel) -> str:
     """What a model's features are, for messages: its columns, or its input shape and array column."""
     shape = m.spec.architecture.input_shape
-    if len(m.feature_names) < m.spec.n_features:
+    if len(m.feature_names) < m.spec.n_features and not m.pre.categorical:
         return f"{m.spec.n_features} values (input shape {list(shape)}, as in column {m.feature_names[0]})"
-    return f"{m.spec.n_features} features ({', '.join(m.feature_names)})"
+    return f"{len(m.feature_names)} features ({', '.join(m.feature_names)})"
 
 
 def _position(m: CachedModel, i: int) -> str:
@@ -84,8 +94,13 @@ def _flattened(values: list) -> list:
     return values
 
 
-def _outputs(plpy, GD, name: str, features) -> tuple[CachedModel, np.ndarray]:
-    m = load(plpy, GD, name)
+def _from_array(m: CachedModel, name: str, features: list) -> dict[str, np.ndarray]:
+    """A row given as an array of numbers -> the model's raw columns (one row)."""
+    if m.pre.categorical:
+        categorical = [c.name for c in m.pre.columns if c.kind == "categorical"]
+        raise InvalidArgument(f'model "{name}" has categorical feature columns ({", ".join(categorical)}); pass the '
+                              f"row instead of an array: tensile.predict('{name}', t) FROM t, or a jsonb object of "
+                              "column -> value")
     if any(isinstance(v, list) for v in features):
         if m.spec.architecture.input_shape is None:
             raise InvalidArgument(f"features must be a one-dimensional array of {m.spec.n_features} numbers, got a "
@@ -93,21 +108,81 @@ def _outputs(plpy, GD, name: str, features) -> tuple[CachedModel, np.ndarray]:
         features = _flattened(features)
     if len(features) != m.spec.n_features:
         raise InvalidArgument(f'model "{name}" expects {_expected(m)}, got {len(features)}')
-    if any(v is None for v in features):
-        raise InvalidArgument(f"features[{[v is None for v in features].index(True) + 1}] is NULL; "
-                              f'model "{name}" needs a value for every feature')
-    x = np.asarray(features, dtype=np.float32).reshape(1, -1)
-    bad = np.flatnonzero(~np.isfinite(x[0]))
+    missing = [i for i, v in enumerate(features) if v is None]
+    if missing and (m.pre.columns[0].kind == "array" or not m.pre.nullable(m.feature_names[missing[0]])):
+        raise InvalidArgument(f"features[{missing[0] + 1}] is NULL; model \"{name}\" needs a value for every feature")
+    x = np.asarray([np.nan if v is None else v for v in features], dtype=np.float32)
+    bad = np.flatnonzero(np.isinf(x) | (np.isnan(x) & np.array([v is not None for v in features])))
     if len(bad):
-        raise InvalidArgument(f"features[{bad[0] + 1}] ({_position(m, bad[0])}) is {x[0, bad[0]]}; "
+        raise InvalidArgument(f"features[{bad[0] + 1}] ({_position(m, bad[0])}) is {x[bad[0]]}; "
                               f'model "{name}" needs finite numbers: filter or clip such rows')
+    if m.pre.columns[0].kind == "array":
+        return {m.feature_names[0]: x.reshape(1, -1)}
+    return {c: x[i:i + 1] for i, c in enumerate(m.feature_names)}
+
+
+def _from_row(m: CachedModel, name: str, row: dict) -> dict[str, np.ndarray]:
+    """A row given by column name (a JSON object; a missing key is a NULL) -> the model's raw
+    columns (one row). Columns the model does not read are ignored."""
+    raw = {}
+    for c in m.pre.columns:
+        value = row.get(c.name)
+        if c.kind == "categorical":
+            text = None if value is None else ("true" if value is True else "false" if value is False else str(value))
+            raw[c.name] = np.array([text], dtype=object)
+            continue
+        if c.kind == "array":
+            if not isinstance(value, list):
+                raise InvalidArgument(f'column "{c.name}" must be an array of {c.width} numbers, got {_shown(value)}')
+            raw[c.name] = np.asarray(_from_array(m, name, value)[c.name], np.float32)
+            continue
+        if value is not None and (isinstance(value, (bool, str, list, dict))):
+            raise InvalidArgument(f'column "{c.name}" is numeric in model "{name}"; got {_shown(value)}')
+        number = np.nan if value is None else float(value)
+        if not math.isnan(number) and not math.isfinite(number):
+            raise InvalidArgument(f'column "{c.name}" is {number}; model "{name}" needs finite numbers')
+        raw[c.name] = np.array([number], dtype=np.float32)
+    return raw
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _outputs(plpy, GD, name: str, features) -> tuple[CachedModel, np.ndarray]:
+    """The model's outputs for one row: ``features`` an array (PL/Python list) or a jsonb object
+    (text; a table row arrives as ``to_jsonb(row)``)."""
+    m = load(plpy, GD, name)
+    if isinstance(features, str):
+        try:
+            features = json.loads(features)
+        except json.JSONDecodeError as exc:       # jsonb text is valid JSON; guard anyway
+            raise InvalidArgument(f"features is not valid JSON: {exc}") from None
+        if not isinstance(features, dict):
+            raise InvalidArgument(f"a jsonb row must be an object of column -> value, got {_shown(features)}")
+        raw = _from_row(m, name, features)
+    else:
+        raw = _from_array(m, name, list(features))
+    x = m.pre.transform(raw)
     return m, models.forward(m.spec, m.weights, x)[0]
 
 
 def predict(plpy, GD, name: str, features) -> float:
-    """The predicted class label (classification) or value (regression) for one row."""
+    """The predicted class label (classification; for a text label, the class's index in
+    ``label_names``) or value (regression) for one row."""
     m, out = _outputs(plpy, GD, name, features)
     return m.classes[int(out.argmax())] if m.classes else float(out[0])
+
+
+def predict_label(plpy, GD, name: str, features) -> str:
+    """The predicted class as text: its name for a text label, the number for a numeric one.
+    Raises InvalidArgument for a regression model."""
+    m, out = _outputs(plpy, GD, name, features)
+    if not m.classes:
+        raise InvalidArgument(f'model "{name}" is a regression model; predict_label needs a classifier')
+    index = int(out.argmax())
+    return m.label_names[index] if m.label_names else f"{m.classes[index]:g}"
 
 
 def predict_proba(plpy, GD, name: str, features) -> list[float]:

@@ -23,9 +23,12 @@ import time
 
 from ..errors import InvalidArgument
 from ..runtime import model as models
+from ..runtime import preprocess
 from ..runtime.weights import check_weights, serialize_weights
 from . import registry, session
-from .data import encode_labels, read_training_data
+from . import search as searching
+from .data import read_training_data
+from .prepare import prepare
 
 MAX_NAME_LENGTH = 63
 #: First key of the advisory locks that hold a model name while it trains ("tens").
@@ -75,45 +78,84 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
         SELECT owner, owner OPERATOR(pg_catalog.=) current_user AS own
         FROM tensile._model_owner($1) AS owner WHERE owner IS NOT NULL""", ["pg_catalog.text"]), [model_name])
     any_owner = registry.may_replace_any(plpy, GD)
-    if existing and opts.replace and not (existing[0]["own"] or any_owner):
-        raise InvalidArgument(f'model "{model_name}" is owned by role {existing[0]["owner"]}; only its owner can '
-                              f"replace it — choose another model_name")
-    if existing and not opts.replace:
-        raise InvalidArgument(
-            f'model "{model_name}" already exists (owner {existing[0]["owner"]}); pass options => '
-            f"'{{\"replace\": true}}' to replace it, or drop it with tensile.drop_model('{model_name}')")
+    registry.check_may_add(model_name, existing[0]["owner"] if existing else None, s["role"], any_owner, opts.replace)
     started = time.perf_counter()
-    data = read_training_data(plpy, source, label, features, opts.skip_nulls, arch.input_shape)
+    data = read_training_data(plpy, source, label, features, opts.skip_nulls, arch.input_shape,
+                              imputed=lambda column: preprocess.imputes(opts, column),
+                              configured=list(opts.preprocess or {}))
     read_s = time.perf_counter() - started
-    task = opts.task or ("classification" if data.label_is_integer else "regression")
-    y, classes = encode_labels(data, task)
+    prepared = prepare(data, opts)
+    task, classes = prepared.task, prepared.classes
     n_outputs = len(classes) if classes else 1
-    spec = models.ModelSpec(arch, data.x.shape[1], n_outputs, task)   # an array column: one name, many values
+    spec = models.ModelSpec(arch, prepared.pre.width, n_outputs, task)   # an array column: one name, many values
     limits.check(spec, model_name)             # and the input shape against the columns, before any job
-    skipped = f", {data.skipped_rows:,} rows with NULLs skipped" if data.skipped_rows else ""
-    array = f" of array column {data.feature_names[0]!r}" if len(data.feature_names) < spec.n_features else ""
-    plpy.notice(f"tensile: training {model_name!r} ({task}) on {len(y):,} rows, {spec.n_features} features{array}"
-                f"{', ' + str(n_outputs) + ' classes' if classes else ''}{skipped}")
+    _notice_start(plpy, model_name, data, prepared, spec)
+    header = {"model_name": model_name, "role": s["role"], "backend_pid": s["pid"], **prepared.header()}
     client, _ = session.connect(plpy, GD, s=s)
-    header = {"type": "train", "model_name": model_name, "role": s["role"], "backend_pid": s["pid"],
-              "architecture": arch.to_json(), "options": opts.to_json(), "task": task, "n_outputs": n_outputs}
-    with client:
-        started = time.perf_counter()
-        reply, _ = session.request(plpy, GD, client, header, {"x": data.x, "y": y}, doing="the start of training")
-        transfer_s = time.perf_counter() - started
-        plpy.notice(f"tensile: job {reply['job_id']} accepted; unscheduled peak {reply['vanilla_peak_nbytes']:,} bytes, "
-                    f"device budget {reply['budget_nbytes']:,} bytes")
-        result, weights = session.await_result(plpy, GD, client, "training", functools.partial(_relay_progress, plpy))
-    metrics = _finite_metrics(plpy, dict(result["metrics"], read_s=read_s, transfer_s=transfer_s))
+    if opts.search is not None:
+        found, trials = searching.plan(arch, opts, limits, prepared.pre.width, n_outputs, task, model_name)
+        with client:
+            wall_s = searching.run(plpy, GD, client, header, prepared.arrays(), found, trials, model_name)
+        search_id = searching.new_id()
+        done = [t for t in trials if t.metrics is not None]
+        if not done:
+            raise InvalidArgument(f"every trial of the search failed; the first: {trials[0].error}")
+        versions = [_version(plpy, models.parse_architecture(t.architecture),
+                             models.parse_options(t.options), prepared, data, label, model_name,
+                             dict(t.metrics, read_s=read_s, search_wall_s=wall_s), t.weights,
+                             t.record(search_id)) for t in done]
+    else:
+        with client:
+            started = time.perf_counter()
+            reply, _ = session.request(plpy, GD, client, dict(header, type="train", architecture=arch.to_json(),
+                                                              options=opts.to_json()),
+                                       prepared.arrays(), doing="the start of training")
+            transfer_s = time.perf_counter() - started
+            plpy.notice(f"tensile: job {reply['job_id']} accepted; unscheduled peak "
+                        f"{reply['vanilla_peak_nbytes']:,} bytes, device budget {reply['budget_nbytes']:,} bytes")
+            result, weights = session.await_result(plpy, GD, client, "training",
+                                                   functools.partial(_relay_progress, plpy))
+        versions = [_version(plpy, arch, opts, prepared, data, label, model_name,
+                             dict(result["metrics"], read_s=read_s, transfer_s=transfer_s), weights, None)]
+    added = registry.add_versions(plpy, GD, model_name, s["role"], any_owner, [v for v, _ in versions], opts.deploy,
+                                  opts.replace)
+    plpy.notice(f"tensile: {added.message}")
+    # The CALL reports the deployed one of the new versions, else the best of them.
+    best = max(range(len(versions)), key=lambda i: (_score_of(versions[i][1]), -i))
+    if added.deployed in added.versions:
+        best = added.versions.index(added.deployed)
+    return {"model_name": model_name, "task": task, "metrics": json.dumps(versions[best][1]),
+            "version": added.versions[best], "deployed": added.deployed == added.versions[best]}
+
+
+def _score_of(metrics: dict) -> float:
+    score = metrics.get("score")
+    return score if isinstance(score, (int, float)) else -math.inf
+
+
+def _version(plpy, arch, opts, prepared, data, label, model_name, metrics, weights, search) -> tuple:
+    """One new version of the model, and its metrics as stored."""
+    metrics = _finite_metrics(plpy, metrics)
+    spec = models.ModelSpec(arch, prepared.pre.width, len(prepared.classes) if prepared.classes else 1, prepared.task)
     weights = check_weights(spec, weights, model_name)
-    row = (task, registry.jsonb(arch.to_json()), registry.jsonb(opts.to_json()), data.feature_names, label, classes,
-           registry.jsonb(metrics), serialize_weights(weights))
-    registry.apply(plpy, GD, registry.Write(model_name, s["role"], any_owner, delete=opts.replace, row=row))
-    return {"model_name": model_name, "task": task, "metrics": json.dumps(metrics)}
+    return registry.NewVersion(
+        prepared.task, registry.jsonb(arch.to_json()), registry.jsonb(opts.to_json()), data.feature_names, label,
+        prepared.classes, prepared.label_names, registry.jsonb(metrics), serialize_weights(weights),
+        registry.jsonb(prepared.pre.to_json()), None if search is None else registry.jsonb(search)), metrics
+
+
+def _notice_start(plpy, model_name: str, data, prepared, spec) -> None:
+    skipped = f", {data.skipped_rows:,} rows with NULLs skipped" if data.skipped_rows else ""
+    inputs = f" ({spec.n_features} inputs)" if spec.n_features != len(data.feature_names) else ""
+    held = f", {len(prepared.x_test):,} held out" if len(prepared.x_test) else ""
+    classes = f", {len(prepared.classes)} classes" if prepared.classes else ""
+    plpy.notice(f"tensile: training {model_name!r} ({prepared.task}) on {len(prepared.x):,} rows{held}, "
+                f"{len(data.feature_names)} feature columns{inputs}{classes}{skipped}")
 
 
 def _relay_progress(plpy, header: dict, arrays: dict) -> None:
     if header["type"] == "progress":
-        plpy.notice(f"tensile: epoch {header['epoch']}/{header['epochs']}: loss {header['loss']:.4f}, "
+        held = f", held-out loss {header['val_loss']:.4f}" if "val_loss" in header else ""
+        plpy.notice(f"tensile: epoch {header['epoch']}/{header['epochs']}: loss {header['loss']:.4f}{held}, "
                     f"device {header['device_nbytes']:,} bytes (peak {header['peak_nbytes']:,}), "
                     f"swapped out {header['swapped_out_nbytes']:,} bytes")

@@ -1,0 +1,181 @@
+-- tensile_db 0.2.0 -> 0.3.0: model versions and their deployment (see the install script's notes).
+\echo Use "ALTER EXTENSION tensile_db UPDATE TO '0.3.0'" to load this file. \quit
+
+-- tensile.models holds versions: a name no longer unique, the new columns added last (as the
+-- install script declares them). Every model stored before becomes version 1 of its name, deployed.
+ALTER TABLE tensile.models DROP CONSTRAINT models_name_key;
+ALTER TABLE tensile.models
+    ADD COLUMN version integer NOT NULL DEFAULT 1 CHECK (version >= 1),
+    ADD COLUMN deployed boolean NOT NULL DEFAULT true,
+    ADD COLUMN preprocess jsonb,
+    ADD COLUMN label_names text[],
+    ADD COLUMN search jsonb,
+    ADD UNIQUE (name, version);
+ALTER TABLE tensile.models ALTER COLUMN version DROP DEFAULT, ALTER COLUMN deployed SET DEFAULT false;
+CREATE UNIQUE INDEX models_one_deployed ON tensile.models (name) WHERE deployed;
+COMMENT ON TABLE tensile.models IS
+'Trained models, one row per version: architecture, options, features, classes, metrics and weights; '
+'predictions use the deployed version of a name';
+COMMENT ON COLUMN tensile.models.id IS 'The row of one version; predictions of a session notice a new id';
+COMMENT ON COLUMN tensile.models.version IS 'The version number within the name: 1, 2, ... in training order';
+COMMENT ON COLUMN tensile.models.deployed IS
+'Whether predictions use this version; at most one version of a name (tensile.deploy changes it)';
+COMMENT ON COLUMN tensile.models.label_classes IS
+'Classification: the class of each output, in order (0 .. C-1 when label_names names them)';
+COMMENT ON COLUMN tensile.models.label_names IS
+'The class names of a text or boolean label, in label_classes order; NULL for a numeric label';
+COMMENT ON COLUMN tensile.models.preprocess IS
+'How the raw feature columns become the network''s input; NULL for models trained before 0.3.0 (every feature numeric)';
+COMMENT ON COLUMN tensile.models.search IS
+'For a trial of a hyperparameter search: {"search": its id, "trial": its number, "params": the values tried}; NULL otherwise';
+COMMENT ON COLUMN tensile.models.metrics IS
+'Training metrics; "score" (higher is better) and "score_name" rank versions for deployment';
+
+-- Which version of a name was deployed when, and how: the history tensile.deploy(name, 'rollback')
+-- goes back through. A version's rows go with it.
+CREATE TABLE tensile.deployments (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    name        text NOT NULL,
+    owner       name NOT NULL DEFAULT current_user,               -- the model's owner
+    model_id    bigint NOT NULL REFERENCES tensile.models (id) ON DELETE CASCADE,
+    version     integer NOT NULL,
+    strategy    text NOT NULL CHECK (strategy IN ('train', 'version', 'best_score', 'most_recent', 'rollback')),
+    deployed_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX deployments_name ON tensile.deployments (name, id);
+CREATE INDEX deployments_model_id ON tensile.deployments (model_id);
+COMMENT ON TABLE tensile.deployments IS
+'Deployments of model versions, latest last: by training (train), by number (version), or by a strategy '
+'(best_score, most_recent, rollback)';
+SELECT pg_catalog.pg_extension_config_dump('tensile.deployments', '');
+SELECT pg_catalog.pg_extension_config_dump('tensile.deployments_id_seq', '');
+
+ALTER TABLE tensile.deployments ENABLE ROW LEVEL SECURITY;
+CREATE POLICY deployments_visible ON tensile.deployments FOR SELECT USING (
+    owner OPERATOR(pg_catalog.=) current_user
+    OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
+               WHERE r.rolname OPERATOR(pg_catalog.=) owner AND pg_catalog.pg_has_role(current_user, r.oid, 'MEMBER')));
+CREATE POLICY deployments_owned ON tensile.deployments FOR ALL
+    USING (owner OPERATOR(pg_catalog.=) current_user) WITH CHECK (owner OPERATOR(pg_catalog.=) current_user);
+REVOKE ALL ON tensile.deployments FROM PUBLIC;
+GRANT SELECT ON tensile.deployments TO PUBLIC;
+
+-- The models stored before were deployed by their training.
+INSERT INTO tensile.deployments (name, owner, model_id, version, strategy, deployed_at)
+SELECT name, owner, id, version, 'train', created_at FROM tensile.models ORDER BY id;
+
+CREATE OR REPLACE FUNCTION tensile._model_owner(model_name text) RETURNS name
+LANGUAGE sql STABLE STRICT PARALLEL SAFE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT owner FROM tensile.models WHERE name OPERATOR(pg_catalog.=) model_name LIMIT 1
+$$;
+
+COMMENT ON FUNCTION tensile._write_model() IS
+'Applies the registry write staged by train_model, deploy or drop_model in this session; returns the '
+'number of model versions it added, deployed or deleted (internal)';
+
+-- train_model returns the version it stored and whether it deployed it: its signature changes.
+DROP PROCEDURE tensile.train_model(text, text, text, text[], jsonb, jsonb, text, jsonb);
+CREATE PROCEDURE tensile.train_model(
+    model_name   text,
+    source       text,
+    label        text,
+    features     text[] DEFAULT NULL,
+    architecture jsonb DEFAULT '{"layers": [{"dense": 64, "activation": "relu"}]}',
+    options      jsonb DEFAULT '{}',
+    INOUT task   text DEFAULT NULL,
+    INOUT metrics jsonb DEFAULT NULL,
+    INOUT version integer DEFAULT NULL,
+    INOUT deployed boolean DEFAULT NULL)
+LANGUAGE plpython3u AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].train_model(plpy, GD, model_name, source, label, features, architecture, options)
+$$;
+COMMENT ON PROCEDURE tensile.train_model(text, text, text, text[], jsonb, jsonb, text, jsonb, integer, boolean) IS
+'Trains a model on the rows of source (a query or table name) to predict label from features '
+'(default: every other numeric column), on the shared coordinator, and stores it in tensile.models as '
+'the next version of model_name; returns task, metrics, the version and whether it was deployed '
+'(options.deploy: auto, the default, deploys it when its score is at least the deployed version''s; '
+'always; never)';
+
+COMMENT ON FUNCTION tensile.drop_model(text) IS
+'Deletes every version of a model the current role owns, and their deployments';
+
+CREATE FUNCTION tensile.predict(model_name text, features jsonb) RETURNS double precision
+LANGUAGE plpython3u STABLE STRICT PARALLEL UNSAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].predict(plpy, GD, model_name, features)
+$$;
+COMMENT ON FUNCTION tensile.predict(text, jsonb) IS
+'Predicts one row given as a JSON object of its column values, on the CPU of this backend: the class '
+'label (classification) or the value (regression)';
+
+CREATE FUNCTION tensile.predict_proba(model_name text, features jsonb) RETURNS real[]
+LANGUAGE plpython3u STABLE STRICT PARALLEL UNSAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].predict_proba(plpy, GD, model_name, features)
+$$;
+COMMENT ON FUNCTION tensile.predict_proba(text, jsonb) IS
+'Class probabilities of one row given as a JSON object of its column values, in the order of '
+'tensile.models.label_classes';
+
+CREATE FUNCTION tensile.predict_label(model_name text, features real[]) RETURNS text
+LANGUAGE plpython3u STABLE STRICT PARALLEL UNSAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].predict_label(plpy, GD, model_name, features)
+$$;
+COMMENT ON FUNCTION tensile.predict_label(text, real[]) IS
+'The predicted class of one row by its name: the label''s value as the training data had it '
+'(tensile.models.label_names for a text or boolean label)';
+
+CREATE FUNCTION tensile.predict_label(model_name text, features jsonb) RETURNS text
+LANGUAGE plpython3u STABLE STRICT PARALLEL UNSAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].predict_label(plpy, GD, model_name, features)
+$$;
+COMMENT ON FUNCTION tensile.predict_label(text, jsonb) IS
+'The predicted class of one row given as a JSON object of its column values, by its name: the label''s '
+'value as the training data had it (tensile.models.label_names for a text or boolean label)';
+
+-- A table row itself (tensile.predict('m', t) FROM t): PL/Python refuses arguments of type record,
+-- so these PL/pgSQL wrappers pass the row on as to_jsonb(row).
+CREATE FUNCTION tensile.predict(model_name text, features record) RETURNS double precision
+LANGUAGE plpgsql STABLE STRICT PARALLEL UNSAFE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN RETURN tensile.predict(model_name, pg_catalog.to_jsonb(features)); END
+$$;
+COMMENT ON FUNCTION tensile.predict(text, record) IS
+'Predicts one table row (tensile.predict(''m'', t) FROM t), read by column name and preprocessed as in '
+'training: the class label (classification) or the value (regression)';
+
+CREATE FUNCTION tensile.predict_proba(model_name text, features record) RETURNS real[]
+LANGUAGE plpgsql STABLE STRICT PARALLEL UNSAFE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN RETURN tensile.predict_proba(model_name, pg_catalog.to_jsonb(features)); END
+$$;
+COMMENT ON FUNCTION tensile.predict_proba(text, record) IS
+'Class probabilities of one table row, in the order of tensile.models.label_classes';
+
+CREATE FUNCTION tensile.predict_label(model_name text, features record) RETURNS text
+LANGUAGE plpgsql STABLE STRICT PARALLEL UNSAFE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN RETURN tensile.predict_label(model_name, pg_catalog.to_jsonb(features)); END
+$$;
+COMMENT ON FUNCTION tensile.predict_label(text, record) IS
+'The predicted class of one table row by its name (tensile.models.label_names for a text label)';
+
+CREATE FUNCTION tensile.deploy(model_name text, version integer) RETURNS integer
+LANGUAGE plpython3u VOLATILE STRICT PARALLEL UNSAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].deploy(plpy, GD, model_name, version)
+$$;
+COMMENT ON FUNCTION tensile.deploy(text, integer) IS
+'Deploys a version of a model the current role owns: predictions of model_name use it from then on; '
+'records it in tensile.deployments and returns the version';
+
+CREATE FUNCTION tensile.deploy(model_name text, strategy text) RETURNS integer
+LANGUAGE plpython3u VOLATILE STRICT PARALLEL UNSAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].deploy(plpy, GD, model_name, strategy)
+$$;
+COMMENT ON FUNCTION tensile.deploy(text, text) IS
+'Deploys the version of a model the current role owns that strategy picks: best_score (the highest '
+'metrics score, the higher version on a tie, versions without a score last), most_recent (the highest '
+'version) or rollback (the version of the latest earlier deployment); records it in tensile.deployments '
+'and returns the version';

@@ -1,0 +1,59 @@
+"""From the rows read for training to what the coordinator trains on: the task, the encoded
+label, the held-out split (:func:`tensile_db.runtime.metrics.split_rows`) and the preprocessing
+fitted on the training rows only (:func:`tensile_db.runtime.preprocess.fit`), so that no
+statistic of a held-out row (a mean, a mode, a category's frequency) reaches the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..runtime import metrics as heldout
+from ..runtime import model as models
+from ..runtime import preprocess
+from .data import TrainingData, encode_labels
+
+
+@dataclass
+class Prepared:
+    """task; classes: the class values in output order (None for regression); label_names: a
+    text label's class names (else None); pre: the fitted preprocessing; x / x_test: network
+    inputs (N, F) float32 of the training and held-out rows, before scaling; y / y_test: class
+    indices (N,) int32 or targets (N, 1) float32."""
+
+    task: str
+    classes: list[float] | None
+    label_names: list[str] | None
+    pre: preprocess.Preprocessor
+    x: np.ndarray
+    y: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays of a ``train`` or ``search`` request."""
+        held = {"x_test": self.x_test, "y_test": self.y_test} if len(self.x_test) else {}
+        return {"x": self.x, "y": self.y, **held}
+
+    def header(self) -> dict:
+        """The header fields of a ``train`` or ``search`` request besides the model's."""
+        return {"task": self.task, "n_outputs": len(self.classes) if self.classes else 1,
+                "scale": self.pre.scale_modes(),
+                "classes": self.label_names or ([f"{c:g}" for c in self.classes] if self.classes else None)}
+
+
+def prepare(data: TrainingData, opts: models.TrainOptions) -> Prepared:
+    """Split ``data`` and fit its preprocessing under ``opts``. Raises InvalidArgument (a label
+    that does not suit the task, too few rows to hold out ``test_size``, a preprocessing rule that
+    does not suit its column, a missing value that is not imputed)."""
+    task = opts.task or ("classification" if data.label_kind == "categorical" or data.label_is_integer
+                         else "regression")
+    y, classes, label_names = encode_labels(data, task)
+    train, test = heldout.split_rows(len(y), opts.test_size, opts.sampling(task), opts.seed,
+                                     y if task == "classification" else None)
+    pre = preprocess.fit(data.raw, data.kinds, train, opts, data.array_width)
+    x = pre.transform({c: v[train] for c, v in data.raw.items()})
+    # A held-out row may hold a category no training row has: it is "other" to the model.
+    x_test = replace(pre, unseen="other").transform({c: v[test] for c, v in data.raw.items()})
+    return Prepared(task, classes, label_names, pre, x, y[train], x_test, y[test])
