@@ -38,6 +38,8 @@ bench: $(VENV)/.bench-deps package extension
 	$(PY) bench/inference.py
 	$(PY) bench/fairness.py
 	$(PY) bench/load.py
+	$(PY) bench/accuracy.py
+	$(PY) bench/search.py
 
 system-deps:
 	@dpkg -s $(APT_PACKAGES) $(APT_TOOLS) >/dev/null 2>&1 || { \
