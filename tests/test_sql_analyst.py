@@ -120,6 +120,14 @@ def test_unseen_categories_go_to_other_or_raise(conn, shop):
     assert 'column "region" has 2 values never seen in training' in message
 
 
+def test_a_call_wide_mean_imputes_categories_by_their_mode(conn, shop):
+    train(conn, "a_mean", "SELECT region, spend, label FROM shop", options={"epochs": 1, "impute": "mean"})
+    region, spend = conn.execute("SELECT preprocess FROM tensile.models WHERE name = 'a_mean'").fetchone()[0]["columns"]
+    assert (region["impute"], spend["impute"]) == ("mode", "mean")
+    counts = conn.execute("SELECT region, count(*) FROM shop WHERE id % 5 <> 0 GROUP BY 1").fetchall()
+    assert region["fill"] in {r for r, _ in counts if r is not None}
+
+
 def test_ordinal_encoding_in_the_given_order(conn, shop):
     train(conn, "a_ordinal", "SELECT tier, spend, label FROM shop WHERE spend IS NOT NULL",
           options={"epochs": 2, "preprocess": {"tier": {"encode": {"ordinal": ["bronze", "silver", "gold"]}}}})
@@ -138,8 +146,9 @@ def test_ordinal_encoding_in_the_given_order(conn, shop):
     (dict(source="SELECT spend, CASE WHEN id = 3 THEN NULL ELSE label END AS label FROM shop",
           options={"epochs": 1, "impute": "mean"}),
      'column "label" has 1 NULL (of 600 rows)'),
-    (dict(source="SELECT region, spend, label FROM shop", options={"epochs": 1, "impute": "mean"}),
-     'column "region" is categorical: impute mean needs numbers'),
+    (dict(source="SELECT region, spend, label FROM shop",
+          options={"epochs": 1, "impute": "mean", "preprocess": {"region": {"impute": "median"}}}),
+     'column "region" is categorical: impute median needs numbers'),
     (dict(source="SELECT region, spend, label FROM shop", options={"epochs": 1, "preprocess": {"nope": {}}}),
      'options.preprocess names "nope", which is not a feature column'),
     (dict(source="SELECT spend, label FROM shop", options={"epochs": 1, "impute": "average"}),

@@ -75,3 +75,14 @@ def coordinator_state(socket_dir: str) -> str:
     except (OSError, IndexError):
         return f"pid {pid}, not running"
     return f"pid {pid}, {_PROCESS_STATES.get(letter, 'state ' + letter)}"
+
+
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie, exited but not yet reaped by
+    its parent, has)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            letter = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError, ValueError):
+        return False
+    return letter not in ("Z", "X")

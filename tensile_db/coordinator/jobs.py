@@ -62,14 +62,17 @@ class JobInfo:
 
 class TrainingJob:
     """One training run. ``x``: (N, F) float32 features; ``y``: (N,) int32 class indices for
-    classification or (N, 1) float32 targets for regression.
+    classification or (N, 1) float32 targets for regression; ``x_val`` / ``y_val`` the held-out
+    rows of the same kinds; ``scale_modes`` each input column's scaling
+    (:func:`~tensile_db.runtime.preprocess.fit_scaling`). ``data_of``: another job on the same
+    rows with the same scaling (a search's first trial), whose scaled arrays this one shares.
 
     Raises InvalidArgument (from the constructor) when the data does not fit the spec.
     """
 
     def __init__(self, info: JobInfo, spec: models.ModelSpec, options: models.TrainOptions,
                  x: np.ndarray, y: np.ndarray, x_val: np.ndarray | None = None, y_val: np.ndarray | None = None,
-                 scale_modes: list[str] | None = None):
+                 scale_modes: list[str] | None = None, data_of: "TrainingJob | None" = None):
         if x.ndim != 2 or x.shape[1] != spec.n_features or len(y) != len(x) or len(x) == 0:
             raise InvalidArgument(f"training data of shape {x.shape} / {y.shape} does not match "
                                   f"{spec.n_features} features")
@@ -97,11 +100,15 @@ class TrainingJob:
         self.result: dict[str, np.ndarray] | None = None
         self.events: queue.Queue = queue.Queue()
         self.cancel_requested = threading.Event()
-        self.x, self.y, self.scaling = _standardize(spec, options, x, y, scale_modes)
-        # Held-out rows, scaled as the training rows are: the loss on them after every epoch
-        # (``history``), early stopping (``options.patience``) and a search's halving.
-        self.x_val, self.y_val = (None, None) if x_val is None or len(x_val) == 0 else \
-            _scaled(self.scaling, x_val, y_val, spec.task)
+        if data_of is not None:        # another trial of one search: the same rows, scaled once
+            self.x, self.y, self.scaling = data_of.x, data_of.y, data_of.scaling
+            self.x_val, self.y_val = data_of.x_val, data_of.y_val
+        else:
+            self.x, self.y, self.scaling = _standardize(spec, options, x, y, scale_modes)
+            # Held-out rows, scaled as the training rows are: the loss on them after every epoch
+            # (``history``), early stopping (``options.patience``) and a search's halving.
+            self.x_val, self.y_val = (None, None) if x_val is None or len(x_val) == 0 else \
+                _scaled(self.scaling, x_val, y_val, spec.task)
         self.history: list[dict] = []            # per epoch: epoch, loss, and val_loss with held-out rows
         self.best_epoch: int | None = None       # the epoch of the lowest held-out loss
         self.stopped: str | None = None          # why training ended before options.epochs: patience | halving

@@ -156,7 +156,7 @@ class Coordinator:
                     elif kind == "memory":
                         protocol.send(conn, dict(reports.as_dict(self.memory_report()), type="memory"))
                     elif kind == "shutdown":
-                        protocol.send(conn, {"type": "ok"})
+                        protocol.send(conn, {"type": "ok", "pid": os.getpid()})
                         self._exit("asked to shut down")
                     else:
                         raise ProtocolError(f"unknown request type {kind!r}")

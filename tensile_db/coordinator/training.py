@@ -82,7 +82,8 @@ class TrainingService:
         self.limits = limits
         self.describe = describe
 
-    def _job(self, header: dict, data: _Data, architecture, options, name: str) -> TrainingJob:
+    def _job(self, header: dict, data: _Data, architecture, options, name: str,
+             data_of: TrainingJob | None = None) -> TrainingJob:
         """A job for one model, checked against the limits. Raises InvalidArgument or ProtocolError."""
         try:
             spec = models.ModelSpec.parse(architecture, data.x.shape[1], header["n_outputs"], header["task"])
@@ -91,7 +92,9 @@ class TrainingService:
             raise ProtocolError(f"train request without {exc}") from None
         opts = models.parse_options(options)
         self.limits.check(spec, name)
-        job = TrainingJob(info, spec, opts, data.x, data.y, data.x_test, data.y_test, data.scale)
+        if data_of is not None and opts.standardize != data_of.options.standardize:
+            data_of = None
+        job = TrainingJob(info, spec, opts, data.x, data.y, data.x_test, data.y_test, data.scale, data_of)
         self.limits.check_job(job.vanilla_peak_nbytes, job.batch, name)
         return job
 
@@ -119,8 +122,10 @@ class TrainingService:
                 or parallel < 1:
             raise ProtocolError("search request without 1 to 64 trials and a parallel count")
         name = str(header.get("model_name", ""))
-        jobs = [self._job(header, data, t.get("architecture"), t.get("options"), f"{name} trial {i + 1}")
-                for i, t in enumerate(trials)]
+        jobs: list[TrainingJob] = []
+        for i, t in enumerate(trials):       # the trials share one scaled copy of the rows
+            jobs.append(self._job(header, data, t.get("architecture"), t.get("options"), f"{name} trial {i + 1}",
+                                  jobs[0] if jobs else None))
         for job in jobs:                           # admission: each must fit the budget alone
             need = job.min_working_set_nbytes
             if need > self.executor.manager.budget_nbytes:

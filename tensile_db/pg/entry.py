@@ -12,10 +12,11 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import time
 
 from ..errors import (CoordinatorNotRunning, CoordinatorUnavailable, CorruptModel, DeviceOutOfMemory,
                       InvalidArgument, JobCancelled, ModelNotFound, ProtocolError, TensileError)
-from ..coordinator import reports
+from ..coordinator import address, reports
 from . import batch as _batch
 from . import predict as _predict
 from . import registry, session
@@ -133,4 +134,13 @@ def start_coordinator(plpy, GD) -> int:
 
 @_sql_errors
 def stop_coordinator(plpy, GD) -> bool:
-    return _ask(plpy, GD, "shutdown") is not None
+    """Stop the coordinator and wait (in slices, up to tensile.coordinator_timeout) until its
+    process has exited, so that a call right after starts a new one instead of reaching the old
+    one's closing socket. False when none was running."""
+    reply = _ask(plpy, GD, "shutdown")
+    if reply is None:
+        return False
+    deadline = time.monotonic() + session.coordinator_timeout(plpy, GD)
+    while reply.get("pid") and address.process_running(reply["pid"]) and time.monotonic() < deadline:
+        session.pause(plpy, GD, 0.02)
+    return True

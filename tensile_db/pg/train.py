@@ -3,10 +3,14 @@
 Validates the arguments (the model's size against ``tensile.max_layers`` /
 ``tensile.max_parameters`` too, and its layers against the architecture's input shape, before any
 row is read), refuses a second training of a name that another session is training right now,
-reads the rows as the calling role, ships them to the coordinator, waits in slices so that
+reads the rows as the calling role, holds out ``test_size`` of them and fits the preprocessing on
+the rest (:mod:`.prepare`), ships them to the coordinator, waits in slices so that
 ``pg_cancel_backend``, ``statement_timeout`` and termination reach the backend
-(:func:`.session.exchange`; the coordinator then cancels the job), relays progress as NOTICE, and
-stores the model through :mod:`.registry` in the caller's transaction. The stored metrics add the
+(:func:`.session.exchange`; the coordinator then cancels the job), relays progress as NOTICE
+(with the held-out loss), and stores the model as a new version through :mod:`.registry` in the
+caller's transaction, deployed by ``options.deploy``. With ``options.search`` the trials train at
+once and each becomes a version (:mod:`.search`); the CALL reports the deployed one, else the
+best. The stored metrics add the
 data path's timings: ``read_s`` (the SPI scan) and ``transfer_s`` (until the coordinator has the
 arrays and has accepted the job). A metric that is not a finite number (a regression whose error
 overflows) is stored as null, with a WARNING naming it. A model trained on one array column
@@ -43,7 +47,7 @@ def check_model_name(name) -> str:
 
 def _hold_name(plpy, GD, name: str) -> None:
     """Take a transaction-scoped advisory lock on the name, so that two sessions cannot train the
-    same name at once (the second would train in full, then fail to store). Raises
+    same name at once (each would add a version, and the deploy decisions would race). Raises
     InvalidArgument when another session holds it. Locks are per database, as names are; two
     names whose hashes collide (about 1 in 4 billion) cannot train at the same moment either."""
     held = plpy.execute(session.plan(plpy, GD, f"""
@@ -52,7 +56,7 @@ def _hold_name(plpy, GD, name: str) -> None:
     if not held:
         raise InvalidArgument(f'model "{name}" is being trained by another session, or was trained by one whose '
                               "transaction has not ended yet; wait until it ends (SELECT * FROM tensile.jobs shows "
-                              "the training), then call again, with options => '{\"replace\": true}' to replace it")
+                              "the training), then call again: the new training adds a version")
 
 
 def _finite_metrics(plpy, metrics: dict) -> dict:

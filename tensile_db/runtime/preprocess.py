@@ -15,8 +15,10 @@ A feature column is one of three kinds:
   values are imputed in it.
 
 Missing values (``impute``, per column or for all): ``error`` (default; the call names the column
-and the count), ``mean``, ``median`` (numeric only), ``mode`` (the most frequent value; ties: the
-smallest), or ``{"constant": value}`` (a number for numeric, a string for categorical columns).
+and the count), ``mean``, ``median`` (numeric only: as the call-wide ``impute``, categorical
+columns take ``mode`` instead; named for a categorical column in ``preprocess``, refused), ``mode``
+(the most frequent value; ties: the smallest), or ``{"constant": value}`` (a number for numeric,
+a string for categorical columns).
 A category never seen in training (``unseen``): ``other`` (default) treats it as the "other"
 category — the other input when the model has one, else no input set (one-hot) or 0 (ordinal) —
 and ``error`` refuses the row, naming the column and the value. A column that kept only its
@@ -362,6 +364,8 @@ def fit(raw: dict[str, np.ndarray], kinds: dict[str, str], train_index: np.ndarr
                                       "applies to categorical (text, enum, boolean) columns")
             columns.append(_fit_numeric(name, raw[name][train_index].astype(np.float32), rule))
         else:
+            if rule["impute"] in ("mean", "median") and "impute" not in (opts.preprocess or {}).get(name, {}):
+                rule["impute"] = "mode"        # the call-wide default: a category's stand-in for a mean
             columns.append(_fit_categorical(name, raw[name][train_index], rule, opts.max_categories))
     return Preprocessor(columns, opts.unseen)
 
