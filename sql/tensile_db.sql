@@ -37,7 +37,7 @@ CREATE TABLE tensile.models (
     version       integer NOT NULL CHECK (version >= 1),  -- 1, 2, ... per name, in training order
     deployed      boolean NOT NULL DEFAULT false,         -- the version predictions use; one per name
     preprocess    jsonb,                        -- raw feature columns to the network's input; NULL: all numeric
-    label_names   text[],                       -- a text or boolean label's class names, in label_classes order
+    label_names   text[],                       -- a text or enum label's class names, in label_classes order
     search        jsonb,                        -- a hyperparameter search's trial: {"search", "trial", "params"}
     UNIQUE (name, version)
 );
@@ -52,7 +52,7 @@ COMMENT ON COLUMN tensile.models.deployed IS
 COMMENT ON COLUMN tensile.models.label_classes IS
 'Classification: the class of each output, in order (0 .. C-1 when label_names names them)';
 COMMENT ON COLUMN tensile.models.label_names IS
-'The class names of a text or boolean label, in label_classes order; NULL for a numeric label';
+'The class names of a text or enum label, in label_classes order; NULL for a numeric label';
 COMMENT ON COLUMN tensile.models.preprocess IS
 'How the raw feature columns become the network''s input; NULL for models trained before 0.3.0 (every feature numeric)';
 COMMENT ON COLUMN tensile.models.search IS
@@ -62,8 +62,9 @@ COMMENT ON COLUMN tensile.models.metrics IS
 SELECT pg_catalog.pg_extension_config_dump('tensile.models', '');
 SELECT pg_catalog.pg_extension_config_dump('tensile.models_id_seq', '');
 
--- Which version of a name was deployed when, and how: the history tensile.deploy(name, 'rollback')
--- goes back through. A version's rows go with it.
+-- Which version of a name was deployed when, and how. tensile.deploy(name, 'rollback') deploys the
+-- version of the latest deployment that is not the deployed one (so two rollbacks in a row return
+-- to where they started). A version's rows go with it.
 CREATE TABLE tensile.deployments (
     id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     name        text NOT NULL,
@@ -236,7 +237,7 @@ return GD["tensile"].predict_label(plpy, GD, model_name, features)
 $$;
 COMMENT ON FUNCTION tensile.predict_label(text, real[]) IS
 'The predicted class of one row by its name: the label''s value as the training data had it '
-'(tensile.models.label_names for a text or boolean label)';
+'(tensile.models.label_names for a text or enum label)';
 
 CREATE FUNCTION tensile.predict_label(model_name text, features jsonb) RETURNS text
 LANGUAGE plpython3u STABLE STRICT PARALLEL UNSAFE AS $$
@@ -245,7 +246,7 @@ return GD["tensile"].predict_label(plpy, GD, model_name, features)
 $$;
 COMMENT ON FUNCTION tensile.predict_label(text, jsonb) IS
 'The predicted class of one row given as a JSON object of its column values, by its name: the label''s '
-'value as the training data had it (tensile.models.label_names for a text or boolean label)';
+'value as the training data had it (tensile.models.label_names for a text or enum label)';
 
 -- A table row itself (tensile.predict('m', t) FROM t): PL/Python refuses arguments of type record,
 -- so these PL/pgSQL wrappers pass the row on as to_jsonb(row).

@@ -342,11 +342,11 @@ def test_a_call_on_a_replaced_model_finishes_on_the_old_version_which_is_then_fo
     assert svc.store.get(10, "v1") is None and svc.store.get(11, "v1") is not None
     registered = svc.manager.tensors()
     assert all(t not in registered and t.residency is Residency.FREED for t in old_model.layers)
-    # A backend with an older snapshot may still bring the old version: it is served, then retired.
-    stale = svc.store.add(10, "v1", "m", spec, old_w)
-    assert stale.retired
-    svc.store.checkin(stale)
-    assert svc.store.get(10, "v1") is None
+    # The old version deployed again (a rollback): it is served, and the other version, unused, is forgotten.
+    back = svc.store.add(10, "v1", "m", spec, old_w)
+    assert not back.retired and svc.store.get(11, "v1") is None
+    svc.store.checkin(back)
+    assert svc.store.get(10, "v1") is back
     svc.manager.close()
 
 

@@ -162,3 +162,30 @@ def test_halving_without_rungs_keeps_everything():
 
 def test_module_constants():
     assert search.MAX_TRIALS == 64 and set(search.PARAMS) == set(search.OPTION_PARAMS) | {"layers"}
+
+
+def test_halving_needs_held_out_rows():
+    opts = {"search": {"params": {"lr": [0.1, 0.01]}, "halving": True}}
+    assert parse_options(opts).search["halving"]
+    with pytest.raises(InvalidArgument) as info:
+        parse_options(dict(opts, test_size=0))
+    assert str(info.value) == ("options.search.halving compares held-out losses, but options.test_size is 0; hold out "
+                               "rows (test_size 0.2) or leave halving out")
+
+
+def test_the_trials_weights_together_stay_within_max_job_bytes():
+    from tensile_db.pg.search import plan
+    from tensile_db.runtime.model import Limits, ModelSpec, parse_architecture
+
+    arch = parse_architecture({"layers": [{"dense": 256}]})
+    opts = parse_options({"search": {"params": {"lr": [0.1, 0.01, 0.001, 0.0001]}}})
+    found, trials = plan(arch, opts, Limits(), 64, 10, "classification", "m")
+    one = 4 * (64 * 256 + 256 + 256 * 10 + 10)              # float32 weights of one trial
+    assert len(trials) == 4
+    assert search.weights_nbytes(ModelSpec.parse(trials[0].architecture, 64, 10, "classification")) == one
+    plan(arch, opts, Limits(max_job_nbytes=4 * one), 64, 10, "classification", "m")
+    with pytest.raises(InvalidArgument) as info:
+        plan(arch, opts, Limits(max_job_nbytes=4 * one - 1), 64, 10, "classification", "m")
+    assert str(info.value) == (f"the 4 trials of the search hold {4 * one:,} bytes of weights together, more than "
+                               f"tensile.max_job_bytes ({4 * one - 1:,}); search fewer trials or smaller layers, or "
+                               "ask the administrator to raise tensile.max_job_bytes")

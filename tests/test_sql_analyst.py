@@ -61,6 +61,8 @@ def shop(dsn):
         c.execute("UPDATE shop SET region = NULL WHERE id % 97 = 0")
         c.execute("UPDATE shop SET member = NULL WHERE id % 89 = 0")
         c.execute("ALTER TABLE shop ADD COLUMN doc jsonb DEFAULT '{}'")
+        c.execute("ALTER TABLE shop ADD COLUMN code char(4)")            # padded: 'ab  '
+        c.execute("UPDATE shop SET code = (ARRAY['ab', 'cd'])[1 + id % 2]")
     return 600
 
 
@@ -69,37 +71,43 @@ IMPUTE_ALL = {"epochs": 40, "lr": 0.01, "impute": "mode",
 
 
 def test_categorical_columns_are_one_hot_encoded_and_imputed(conn, shop):
-    task, metrics, version, deployed = train(conn, "a_shop", "SELECT id, region, tier, member, spend, label FROM shop",
-                                             features=["region", "tier", "member", "spend"], options=IMPUTE_ALL)
+    task, metrics, version, deployed = train(conn, "a_shop", "SELECT id, region, tier, member, spend, code, label "
+                                             "FROM shop", features=["region", "tier", "member", "spend", "code"],
+                                             options=IMPUTE_ALL)
     assert task == "classification" and version == 1 and deployed
     assert metrics["accuracy"] >= 0.95 and metrics["test_samples"] == 120
     row = conn.execute("SELECT preprocess, label_names, label_classes, feature_names FROM tensile.models "
                        "WHERE name = 'a_shop'").fetchone()
     pre = {c["name"]: c for c in row[0]["columns"]}
     assert row[1] == ["no", "yes"] and row[2] == [0.0, 1.0]
-    assert row[3] == ["region", "tier", "member", "spend"]
+    assert row[3] == ["region", "tier", "member", "spend", "code"]
     assert pre["region"]["kind"] == "categorical" and pre["region"]["encode"] == "one_hot"
     assert set(pre["region"]["categories"]) == {"north", "south", "east", "west"} and not pre["region"]["other"]
     assert pre["region"]["fill"] in ("north", "south", "east")                  # the mode of the training rows
     assert pre["member"]["categories"] == ["false", "true"] or pre["member"]["categories"] == ["true", "false"]
-    assert pre["tier"]["kind"] == "categorical"
+    assert pre["tier"]["kind"] == "categorical" and sorted(pre["code"]["categories"]) == ["ab  ", "cd  "]
     assert pre["spend"]["kind"] == "numeric" and pre["spend"]["impute"] == "median" and pre["spend"]["scale"] == "minmax"
 
     # Every predict path applies the same preprocessing: a row, jsonb, predict_batch, predict_label.
     by_row = conn.execute("SELECT id, tensile.predict('a_shop', s) FROM shop s ORDER BY id").fetchall()
     by_batch = conn.execute("SELECT id, prediction FROM tensile.predict_batch('a_shop', "
-                            "'SELECT id, region, tier, member, spend FROM shop', key => 'id') ORDER BY id").fetchall()
+                            "'SELECT id, region, tier, member, spend, code FROM shop', key => 'id') ORDER BY id").fetchall()
     assert by_row == by_batch
     labels = [r[0] for r in conn.execute("SELECT tensile.predict_label('a_shop', s) FROM shop s ORDER BY id")]
     assert labels == [["no", "yes"][int(p)] for _, p in by_row]
     truth = [r[0] for r in conn.execute("SELECT label FROM shop ORDER BY id")]
     assert np.mean([a == b for a, b in zip(labels, truth)]) >= 0.95
-    as_json = conn.execute("""SELECT tensile.predict_label('a_shop', '{"region": "north", "tier": "gold",
-                              "member": true, "spend": null}'::jsonb)""").fetchone()[0]
-    assert as_json in ("yes", "no")
+    as_json = conn.execute("""SELECT tensile.predict_proba('a_shop', '{"region": "north", "tier": "gold",
+                              "member": true, "spend": null, "code": "ab  "}'::jsonb)""").fetchone()[0]
+    as_row = conn.execute("SELECT tensile.predict_proba('a_shop', s) FROM (SELECT 'north'::text AS region, "
+                          "'gold'::tier AS tier, true AS member, NULL::real AS spend, 'ab'::char(4) AS code) s").fetchone()[0]
+    assert as_json == as_row
+    message = error_of(conn, """SELECT tensile.predict('a_shop', '{"region": "north"}'::jsonb)""")
+    assert 'model "a_shop" reads the columns region, tier, member, spend, code; the row has no tier, member, spend, ' \
+           "code (give null for a missing value)" in message
     # A row array is refused for a model with categorical columns, naming them.
     message = error_of(conn, "SELECT tensile.predict('a_shop', ARRAY[1, 2, 3, 4]::real[])")
-    assert 'model "a_shop" has categorical feature columns (region, tier, member)' in message
+    assert 'model "a_shop" has categorical feature columns (region, tier, member, code)' in message
 
 
 def test_unseen_categories_go_to_other_or_raise(conn, shop):
@@ -151,6 +159,9 @@ def test_ordinal_encoding_in_the_given_order(conn, shop):
      'column "region" is categorical: impute median needs numbers'),
     (dict(source="SELECT region, spend, label FROM shop", options={"epochs": 1, "preprocess": {"nope": {}}}),
      'options.preprocess names "nope", which is not a feature column'),
+    (dict(source="SELECT spend, pg_catalog.repeat('x', 2000) || label AS label FROM shop",
+          options={"epochs": 1, "impute": "mean"}),
+     'label column "label" holds a value of 2,003 characters; a class name may have at most 1,000'),
     (dict(source="SELECT spend, label FROM shop", options={"epochs": 1, "impute": "average"}),
      "options.impute must be one of error, mean, median, mode or {\"constant\": value}"),
 ])

@@ -12,7 +12,7 @@ import pytest
 
 from test_hostile import CATALOG, fired, fresh_role, trojans  # noqa: F401 (trojans: a fixture)
 from test_sql import FEATURES, error_of, train
-from tensile_db.pg.registry import better_or_equal
+from tensile_db.runtime.metrics import better_or_equal
 from tensile_db.runtime import model as models
 from tensile_db.runtime.weights import serialize_weights
 

@@ -33,6 +33,9 @@ from ..runtime.program import Program, StepContext
 from .reports import JobRow
 
 _job_ids = itertools.count(1)
+#: Most held-out rows whose loss a job computes after each epoch (on the host, on the executor's
+#: thread, so it bounds that pause); the stored held-out metrics use every held-out row.
+VALIDATION_ROWS = 8192
 
 
 class JobState(str, enum.Enum):
@@ -107,14 +110,17 @@ class TrainingJob:
             self.x, self.y, self.scaling = _standardize(spec, options, x, y, scale_modes)
             # Held-out rows, scaled as the training rows are: the loss on them after every epoch
             # (``history``), early stopping (``options.patience``) and a search's halving.
+            if x_val is not None and len(x_val) > VALIDATION_ROWS:       # evenly spaced, for the per-epoch loss
+                step = -(-len(x_val) // VALIDATION_ROWS)
+                x_val, y_val = x_val[::step], y_val[::step]
             self.x_val, self.y_val = (None, None) if x_val is None or len(x_val) == 0 else \
                 _scaled(self.scaling, x_val, y_val, spec.task)
         self.history: list[dict] = []            # per epoch: epoch, loss, and val_loss with held-out rows
         self.best_epoch: int | None = None       # the epoch of the lowest held-out loss
         self.stopped: str | None = None          # why training ended before options.epochs: patience | halving
-        # Set by a search: end after the current epoch with the weights that training keeps; or
-        # asked at the end of each epoch, on the executor's thread, with the epoch and its
-        # held-out loss (a search's successive halving): False ends the training there.
+        # Set to end after the current epoch with the weights that training keeps; or asked at
+        # the end of each epoch, on the executor's thread, with the epoch and its held-out loss
+        # (a search's successive halving): False ends the training there.
         self.stop_requested = threading.Event()
         self.keep_going: Callable[[int, float], bool] | None = None
         self.tensors: dict[str, Tensor] = {}

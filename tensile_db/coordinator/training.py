@@ -35,6 +35,7 @@ import numpy as np
 from ..errors import InvalidArgument, JobCancelled, ProtocolError, TensileError
 from ..runtime import metrics as heldout
 from ..runtime import model as models
+from ..runtime import search as searching
 from ..runtime.search import MAX_TRIALS, Halving
 from . import protocol
 from .jobs import JobInfo, JobState, TrainingJob
@@ -126,6 +127,7 @@ class TrainingService:
         for i, t in enumerate(trials):       # the trials share one scaled copy of the rows
             jobs.append(self._job(header, data, t.get("architecture"), t.get("options"), f"{name} trial {i + 1}",
                                   jobs[0] if jobs else None))
+        searching.check_weights_nbytes(sum(searching.weights_nbytes(j.spec) for j in jobs), len(jobs), self.limits)
         for job in jobs:                           # admission: each must fit the budget alone
             need = job.min_working_set_nbytes
             if need > self.executor.manager.budget_nbytes:
@@ -161,6 +163,7 @@ class TrainingService:
                                  "error_class": type(job.error).__name__})
             return
         protocol.send(conn, {"type": "trial", "trial": trial, "metrics": self.metrics(job, data)}, job.result)
+        job.result = None                          # sent: the search holds no trained weights
 
     def _relay(self, conn, jobs: dict[int, TrainingJob], trial_of: dict[int, int] | None = None) -> list[TrainingJob]:
         """Forward the jobs' progress until one or more end; return those. Acts on a ``cancel``

@@ -19,8 +19,10 @@ anything else when room is needed (:mod:`tensile_db.memory.cache`, Note [Evictio
 :mod:`tensile_db.memory.eviction`).
 
 The store keeps the models no call is using up to :data:`HOST_LIMIT_NBYTES` of host memory, least
-recently used going first. A model whose name has been seen with a newer id is *retired*: it is
-forgotten (its host buffers and device copies freed) as soon as no call uses it.
+recently used going first. A backend sends only the deployed version of a name, so when a version
+arrives, every other version of that name in its database is *retired* (a newer one, or an older
+one deployed again by a rollback): it is forgotten (its host buffers and device copies freed) as
+soon as no call uses it.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class ServedModel:
     layers: list[Tensor] = field(default_factory=list)
     database: int = 0                  # oid of the database whose registry holds it
     users: int = 0                     # calls holding it
-    retired: bool = False              # a newer version of the name exists in its database
+    retired: bool = False              # another version of the name arrived since (the deployed one)
 
     @property
     def host_nbytes(self) -> int:
@@ -134,12 +136,9 @@ class ModelStore:
                 self._forget(m)
                 return held
             m.users = 1
-            for other in self._models.values():
-                if (other.database, other.name) == (database, name) and other.id != model_id:
-                    if other.id < model_id:
-                        other.retired = True
-                    else:
-                        m.retired = True
+            for other in self._models.values():       # a backend sends only the deployed version, so
+                if (other.database, other.name) == (database, name) and other.id != model_id:   # the newest sent wins
+                    other.retired = True
             self._models[(model_id, version)] = m
             self._trim()
             return m

@@ -2,15 +2,17 @@
 
 The backend side of the ``predict`` protocol (the coordinator side is :mod:`tensile_db.inference`):
 
-1. Validate the options, then read the model's row *without* its weights: id, version
-   (``created_at``), task, architecture, feature names, classes. Row-level security applies, so
-   a model the role cannot see is "not found".
+1. Validate the options, then read the deployed version's row *without* its weights: id, a
+   cluster-wide version name (database, owner, ``created_at``), task, architecture, feature
+   names, classes, preprocessing. Row-level security applies, so a model the role cannot see is
+   "not found".
 2. Read the model's feature columns, in ``feature_names`` order, and the optional integer key
-   column from the source, as the calling role, in one scan (:func:`.data.read_features`). An
-   empty source — or one whose every row was skipped — gives no rows and never contacts the
-   coordinator.
-3. Send a ``predict`` header naming the model by id and version, with the raw features
-   ``x`` (N, F) float32. The coordinator answers ``need_weights`` when it does not hold that
+   column from the source, as the calling role, in one scan (:func:`.data.read_features`), and
+   turn them into the network's inputs with the model's stored preprocessing (imputation,
+   encoding). An empty source — or one whose every row was skipped — gives no rows and never
+   contacts the coordinator.
+3. Send a ``predict`` header naming the model by id and version, with the inputs ``x`` (N, F)
+   float32 before scaling (the coordinator applies the stored ``x_mean`` / ``x_std``). The coordinator answers ``need_weights`` when it does not hold that
    version; only then are the weights read (``WHERE id = $1``) and sent as ``weights``. It then
    answers ``accepted`` and, once every batch has streamed through the layers, ``result`` with
    ``outputs`` (N, n_outputs) float32: class probabilities, or values in the label's units.
@@ -20,10 +22,9 @@ The backend side of the ``predict`` protocol (the coordinator side is :mod:`tens
 
 predict_batch is STABLE: every SPI query of one call sees the calling statement's snapshot, so
 the model row, its weights and the source are read as of one moment, and a call that overlaps a
-``train_model(... replace ...)`` predicts wholly with the old model or wholly with the new one.
-predict_into is a procedure (it writes), so each of its queries sees a new snapshot: if the model
-was replaced or dropped between reading its row and its weights, it raises ModelNotFound and asks
-to call again. It writes in chunks of ``INSERT_CHUNK_ROWS`` rows, as the calling role, in the
+deployment predicts wholly with the old version or wholly with the new one. predict_into is a
+procedure (it writes), so each of its queries sees a new snapshot: if the version was dropped
+between reading its row and its weights, it raises ModelNotFound and asks to call again. It writes in chunks of ``INSERT_CHUNK_ROWS`` rows, as the calling role, in the
 caller's transaction.
 """
 

@@ -53,6 +53,7 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from ..runtime.model import FLOAT32_MAX
+from ..runtime.preprocess import MAX_CATEGORY_CHARS, check_configured
 
 #: PostgreSQL type OIDs accepted as numeric input, with their SQL names.
 NUMERIC_TYPES = {16: "boolean", 20: "bigint", 21: "smallint", 23: "integer", 700: "real",
@@ -279,8 +280,9 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
 
     def value(c, sql_type):
         if sql_type == "text":       # each value's UTF-8 length (-1: NULL) and bytes
-            utf8 = f"pg_catalog.convert_to({ident(c)}::pg_catalog.text, 'UTF8')"
-            return (f"CASE WHEN {ident(c)} IS NULL THEN '\\xffffffff'::pg_catalog.bytea ELSE "
+            text = f"(pg_catalog.to_jsonb({ident(c)}) OPERATOR(pg_catalog.#>>) '{{}}'::pg_catalog.text[])"
+            utf8 = f"pg_catalog.convert_to({text}, 'UTF8')"
+            return (f"CASE WHEN {ident(c)} IS NULL THEN pg_catalog.int4send(-1) ELSE "
                     f"pg_catalog.int4send(pg_catalog.octet_length({utf8})) OPERATOR(pg_catalog.||) {utf8} END")
         cast = f"{ident(c)}::int::{sql_type}" if types[c] == 16 else f"{ident(c)}::{sql_type}"
         return f"COALESCE({cast}, 'NaN'::{sql_type})" if c in nullable else cast
@@ -440,10 +442,7 @@ def read_training_data(plpy, source: str, label: str, features: list[str] | None
         if len(set(features)) != len(features):
             raise InvalidArgument(f"features name a column twice: {features}")
     _refuse_unusable(plpy, types, kinds, features, chosen)
-    unknown = [c for c in configured if c not in features]
-    if unknown:       # before the scan: a misspelt column is named before its NULLs would be
-        raise InvalidArgument(f'options.preprocess names "{unknown[0]}", which is not a feature column; the feature '
-                              f"columns are: {', '.join(features)}")
+    check_configured(configured, features)      # before the scan: a misspelt column is named first
     label_kind = "numeric" if types[label] in NUMERIC_TYPES else "categorical" if kinds[label] == "categorical" else None
     if label_kind is None:
         raise InvalidArgument(f'label column "{label}" has type {_type_name(plpy, types[label])}; the label must be '
@@ -541,7 +540,11 @@ def encode_labels(data: TrainingData, task: str) -> tuple[np.ndarray, list[float
         if task == "regression":
             raise InvalidArgument(f'label column "{data.label}" holds text; regression needs a numeric label: use '
                                   f'classification, or convert the label in the source')
-        names, index = np.unique(data.y.astype(str), return_inverse=True)
+        longest = max(map(len, data.y), default=0)
+        if longest > MAX_CATEGORY_CHARS:
+            raise InvalidArgument(f'label column "{data.label}" holds a value of {longest:,} characters; a class name '
+                                  f"may have at most {MAX_CATEGORY_CHARS:,}: is it the column you meant to predict?")
+        names, index = np.unique(data.y, return_inverse=True)       # object array: no fixed-width copy
         _check_classes(data.label, len(names), names[0] if len(names) else None)
         return index.astype(np.int32), [float(i) for i in range(len(names))], [str(n) for n in names]
     if task == "regression":

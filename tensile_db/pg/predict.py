@@ -1,15 +1,22 @@
-"""``tensile.predict`` / ``tensile.predict_proba``: row-by-row inference in the backend, on the CPU.
+"""``tensile.predict`` / ``tensile.predict_proba`` / ``tensile.predict_label``: row-by-row
+inference in the backend, on the CPU, with the deployed version of a model.
 
 The model is cached for the session in GD, keyed by name (the ``MAX_CACHED_MODELS`` most recently
-used), and checked on every call against the row's ``id`` in ``tensile.models`` (one indexed
-lookup through a prepared plan): replacing a model gives it a new id, so a cached copy is never
-used after the model changed. A model is loaded only
-within ``tensile.max_layers`` / ``tensile.max_parameters`` and with weights that match its
-architecture (:func:`~tensile_db.runtime.weights.load_weights`). A row's features must be an
-array of finite numbers: NaN and infinities are refused by name. A model whose architecture gives
-the rows' shape (``"input": {"shape": [C, H, W]}``) takes an array of any dimensionality holding
-that many values, flattened in row-major order (an image as ``real[]`` of 8x8 or 1x8x8 as well as
-64 values in a row); a model without one takes a one-dimensional array only.
+used), and checked on every call against the deployed version's ``id`` in ``tensile.models`` (one
+indexed lookup through a prepared plan): every version has its own id, so a cached copy is never
+used after another version was deployed. A model is loaded only within ``tensile.max_layers`` /
+``tensile.max_parameters`` and with weights that match its architecture
+(:func:`~tensile_db.runtime.weights.load_weights`).
+
+A row comes as a jsonb object of column -> value (a table row arrives so, as ``to_jsonb(t)``,
+from the SQL wrappers that take a ``record``): every column the model reads must be present,
+null for a missing value, and the model's stored preprocessing (:mod:`tensile_db.runtime.preprocess`)
+fills and encodes it exactly as training did. Or it comes as an array of numbers, for a model
+without categorical columns: NaN and infinities are refused by name, a NULL unless the column is
+imputed. A model whose architecture gives the rows' shape (``"input": {"shape": [C, H, W]}``)
+takes an array of any dimensionality holding that many values, flattened in row-major order (an
+image as ``real[]`` of 8x8 or 1x8x8 as well as 64 values in a row); a model without one takes a
+one-dimensional array only.
 """
 
 from __future__ import annotations
@@ -122,13 +129,21 @@ def _from_array(m: CachedModel, name: str, features: list) -> dict[str, np.ndarr
 
 
 def _from_row(m: CachedModel, name: str, row: dict) -> dict[str, np.ndarray]:
-    """A row given by column name (a JSON object; a missing key is a NULL) -> the model's raw
-    columns (one row). Columns the model does not read are ignored."""
+    """A row given by column name (a JSON object whose numbers are kept as their JSON text) ->
+    the model's raw columns (one row). A category is the value's text as ``to_jsonb(value) #>>
+    '{}'`` gives it, exactly as the training scan read it (``char(n)`` padding and a numeric's
+    scale kept); a number's text, or "NaN" (a missing value), for a numeric column. Columns the
+    model does not read are ignored; one it reads must be present (a JSON null is a NULL)."""
+    absent = [c.name for c in m.pre.columns if c.name not in row]
+    if absent:
+        raise InvalidArgument(f'model "{name}" reads the columns {", ".join(m.feature_names)}; the row has no '
+                              f'{", ".join(absent)} (give null for a missing value)')
     raw = {}
     for c in m.pre.columns:
-        value = row.get(c.name)
+        value = row[c.name]
         if c.kind == "categorical":
-            text = None if value is None else ("true" if value is True else "false" if value is False else str(value))
+            text = None if value is None else ("true" if value is True else "false" if value is False else
+                                               value if isinstance(value, str) else json.dumps(value))
             raw[c.name] = np.array([text], dtype=object)
             continue
         if c.kind == "array":
@@ -136,9 +151,12 @@ def _from_row(m: CachedModel, name: str, row: dict) -> dict[str, np.ndarray]:
                 raise InvalidArgument(f'column "{c.name}" must be an array of {c.width} numbers, got {_shown(value)}')
             raw[c.name] = np.asarray(_from_array(m, name, value)[c.name], np.float32)
             continue
-        if value is not None and (isinstance(value, (bool, str, list, dict))):
-            raise InvalidArgument(f'column "{c.name}" is numeric in model "{name}"; got {_shown(value)}')
-        number = np.nan if value is None else float(value)
+        try:
+            if isinstance(value, (bool, list, dict)):
+                raise ValueError
+            number = np.nan if value is None else float(value)      # JSON number text, or "NaN" (missing)
+        except ValueError:
+            raise InvalidArgument(f'column "{c.name}" is numeric in model "{name}"; got {_shown(value)}') from None
         if not math.isnan(number) and not math.isfinite(number):
             raise InvalidArgument(f'column "{c.name}" is {number}; model "{name}" needs finite numbers')
         raw[c.name] = np.array([number], dtype=np.float32)
@@ -155,8 +173,8 @@ def _outputs(plpy, GD, name: str, features) -> tuple[CachedModel, np.ndarray]:
     (text; a table row arrives as ``to_jsonb(row)``)."""
     m = load(plpy, GD, name)
     if isinstance(features, str):
-        try:
-            features = json.loads(features)
+        try:        # numbers as their text: a category reads as the scan reads it, a number converts
+            features = json.loads(features, parse_float=str, parse_int=str)
         except json.JSONDecodeError as exc:       # jsonb text is valid JSON; guard anyway
             raise InvalidArgument(f"features is not valid JSON: {exc}") from None
         if not isinstance(features, dict):

@@ -43,16 +43,20 @@ class Prepared:
                 "classes": self.label_names or ([f"{c:g}" for c in self.classes] if self.classes else None)}
 
 
-def prepare(data: TrainingData, opts: models.TrainOptions) -> Prepared:
-    """Split ``data`` and fit its preprocessing under ``opts``. Raises InvalidArgument (a label
-    that does not suit the task, too few rows to hold out ``test_size``, a preprocessing rule that
-    does not suit its column, a missing value that is not imputed)."""
+def prepare(data: TrainingData, opts: models.TrainOptions, check=lambda task, n_outputs, pre, rows: None) -> Prepared:
+    """Split ``data`` and fit its preprocessing under ``opts``. ``check(task, n_outputs, pre,
+    rows)`` runs after the fit and before the inputs are built, so that a model too large for the
+    limits (a one-hot encoding of many categories) is refused before anything is allocated for it.
+    Raises InvalidArgument (a label that does not suit the task, too few rows to hold out
+    ``test_size``, a preprocessing rule that does not suit its column, a missing value that is not
+    imputed) and what ``check`` raises."""
     task = opts.task or ("classification" if data.label_kind == "categorical" or data.label_is_integer
                          else "regression")
     y, classes, label_names = encode_labels(data, task)
     train, test = heldout.split_rows(len(y), opts.test_size, opts.sampling(task), opts.seed,
                                      y if task == "classification" else None)
     pre = preprocess.fit(data.raw, data.kinds, train, opts, data.array_width)
+    check(task, len(classes) if classes else 1, pre, len(y))
     x = pre.transform({c: v[train] for c, v in data.raw.items()})
     # A held-out row may hold a category no training row has: it is "other" to the model.
     x_test = replace(pre, unseen="other").transform({c: v[test] for c, v in data.raw.items()})

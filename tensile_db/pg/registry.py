@@ -18,7 +18,7 @@ one deployed version, the one predictions use. Versions are ranked by ``metrics-
 (higher is better; a version without a score ranks below any with one; on a tie the higher
 version wins). Training deploys by ``options.deploy``: ``always``, ``never``, or ``auto``: when no
 version is deployed, or when the new version's score is at least the deployed one's
-(:func:`better_or_equal`). Each deployment is a row of ``tensile.deployments``; a rollback
+(:func:`tensile_db.runtime.metrics.better_or_equal`). Each deployment is a row of ``tensile.deployments``; a rollback
 deploys the version of the latest deployment whose version is not the deployed one.
 
 Each write holds a transaction-scoped advisory lock on the name (``REGISTRY_LOCK_CLASS``) while it
@@ -31,6 +31,7 @@ import json
 from dataclasses import dataclass
 
 from ..errors import InvalidArgument, ModelNotFound, TensileError
+from ..runtime.metrics import better_or_equal
 from ..runtime.model import DEPLOY_MODES
 from . import session
 
@@ -82,7 +83,7 @@ class NewVersion:
     feature_names: list[str]
     label_name: str
     label_classes: list[float] | None          # classification: the class of each output
-    label_names: list[str] | None              # a text or boolean label's class names, in label_classes order
+    label_names: list[str] | None              # a text or enum label's class names, in label_classes order
     metrics: str                               # jsonb text
     weights: bytes                             # .npz of float32 arrays
     preprocess: str | None = None              # jsonb text; None: every feature numeric
@@ -96,21 +97,17 @@ class NewVersion:
 
 @dataclass(frozen=True)
 class Added:
-    """What :func:`add_versions` did: the new version numbers, the version it deployed (None: it
-    deployed none of them) and one sentence that says so, naming the versions and their scores."""
+    """What :func:`add_versions` did: the new version numbers, the best of them by the ranking
+    of deployment (:func:`_rank`), the version it deployed (None: it deployed none of them) and
+    one sentence that says so, naming the versions and their scores."""
 
     versions: list[int]
+    best: int
     deployed: int | None
     message: str
 
 
 # --- ranking -----------------------------------------------------------------------------------------
-
-
-def better_or_equal(new: float | None, old: float | None) -> bool:
-    """Whether a version scoring ``new`` may replace one scoring ``old`` under ``deploy: auto``
-    (None: no score)."""
-    return old is None or (new is not None and new >= old)
 
 
 def _rank(score: float | None, version: int) -> tuple:
@@ -242,7 +239,8 @@ class _AddVersions:
         if deploy:
             _set_deployed(plpy, GD, self.name, self.role, candidate, "train")
         message = _added_message(self.name, new, candidate, current, deploy, self.deploy)
-        return Added([r["version"] for r in new], candidate["version"] if deploy else None, message), len(new)
+        return Added([r["version"] for r in new], candidate["version"], candidate["version"] if deploy else None,
+                     message), len(new)
 
 
 def _replacing(current: dict | None) -> str:

@@ -11,11 +11,8 @@ slices so that a cancel reaches it, which cancels every trial (:func:`.session.a
 from __future__ import annotations
 
 import json
-import math
 import uuid
 from dataclasses import dataclass
-
-import numpy as np
 
 from ..errors import InvalidArgument
 from ..runtime import model as models
@@ -35,6 +32,7 @@ class Trial:
     metrics: dict | None = None
     weights: dict | None = None
     error: str | None = None
+    version: object = None                   # once trained: the registry version built from it
 
     def record(self, search_id: str) -> dict:
         """The version's ``search`` column."""
@@ -46,7 +44,7 @@ def plan(arch: models.Architecture, opts: models.TrainOptions, limits: models.Li
     """The search ``opts.search`` asks for and its trials, each checked (options, architecture,
     limits). Raises InvalidArgument naming the trial and what is wrong with it."""
     found = searching.parse(opts.search)
-    trials = []
+    trials, nbytes = [], 0
     for i, params in enumerate(searching.combinations(found, opts.seed)):
         architecture, options = searching.trial_inputs(params, arch.to_json(), opts.to_json())
         try:
@@ -55,15 +53,18 @@ def plan(arch: models.Architecture, opts: models.TrainOptions, limits: models.Li
             limits.check(spec, name)
         except InvalidArgument as exc:
             raise InvalidArgument(f"search trial {i + 1} ({json.dumps(params)}): {exc}") from None
+        nbytes += searching.weights_nbytes(spec)
         trials.append(Trial(i, params, architecture, trial_opts.to_json()))
+    searching.check_weights_nbytes(nbytes, len(trials), limits)
     return found, trials
 
 
 def run(plpy, GD, client, header: dict, arrays: dict, found: searching.Search, trials: list[Trial],
-        name: str) -> float:
-    """Send the ``search`` request and collect every trial's outcome into ``trials``; returns the
-    search's wall time, seconds. Raises what the coordinator sends (the connection is shut down,
-    cancelling every trial, on any error or cancel)."""
+        name: str, on_trial) -> float:
+    """Send the ``search`` request and collect every trial's outcome into ``trials``, handing each
+    trained one to ``on_trial(trial)`` as it arrives (which may keep its weights serialized and drop
+    the arrays); returns the search's wall time, seconds. Raises what the coordinator sends (the
+    connection is shut down, cancelling every trial, on any error or cancel)."""
     request = dict(header, type="search", parallel=found.parallel, halving=found.halving,
                    trials=[{"architecture": t.architecture, "options": t.options, "params": t.params}
                            for t in trials])
@@ -79,6 +80,8 @@ def run(plpy, GD, client, header: dict, arrays: dict, found: searching.Search, t
             t.metrics, t.weights, t.error = message.get("metrics"), weights, message.get("error")
             plpy.notice(f"tensile: trial {t.index + 1}/{len(trials)} {json.dumps(t.params)}: " + (
                 f"failed: {t.error}" if t.error else _summary(t.metrics)))
+            if t.metrics is not None:
+                on_trial(t)
 
     result, _ = session.await_result(plpy, GD, client, "search", on_message)
     return float(result["wall_s"])
@@ -94,16 +97,3 @@ def _summary(metrics: dict) -> str:
 def new_id() -> str:
     """An id naming one search in its versions' ``search`` column."""
     return uuid.uuid4().hex[:12]
-
-
-def best(trials: list[Trial]) -> Trial | None:
-    """The trained trial with the best held-out score (None scores last; ties: the earlier)."""
-    done = [t for t in trials if t.metrics is not None]
-    if not done:
-        return None
-    return max(done, key=lambda t: (_score(t.metrics), -t.index))
-
-
-def _score(metrics: dict) -> float:
-    score = metrics.get("score")
-    return score if isinstance(score, (int, float)) and math.isfinite(score) else -np.inf

@@ -20,6 +20,7 @@ values a row holds.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -88,26 +89,30 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
                               imputed=lambda column: preprocess.imputes(opts, column),
                               configured=list(opts.preprocess or {}))
     read_s = time.perf_counter() - started
-    prepared = prepare(data, opts)
+    prepared = prepare(data, opts, functools.partial(_check_inputs, arch, limits, model_name))
     task, classes = prepared.task, prepared.classes
     n_outputs = len(classes) if classes else 1
     spec = models.ModelSpec(arch, prepared.pre.width, n_outputs, task)   # an array column: one name, many values
-    limits.check(spec, model_name)             # and the input shape against the columns, before any job
     _notice_start(plpy, model_name, data, prepared, spec)
     header = {"model_name": model_name, "role": s["role"], "backend_pid": s["pid"], **prepared.header()}
     client, _ = session.connect(plpy, GD, s=s)
     if opts.search is not None:
         found, trials = searching.plan(arch, opts, limits, prepared.pre.width, n_outputs, task, model_name)
-        with client:
-            wall_s = searching.run(plpy, GD, client, header, prepared.arrays(), found, trials, model_name)
         search_id = searching.new_id()
-        done = [t for t in trials if t.metrics is not None]
+
+        def keep(t: searching.Trial) -> None:         # serialized as it arrives: the arrays are dropped
+            t.version = _version(plpy, models.parse_architecture(t.architecture), models.parse_options(t.options),
+                                 prepared, data, label, model_name, dict(t.metrics, read_s=read_s), t.weights,
+                                 t.record(search_id))
+            t.weights = None
+
+        with client:
+            wall_s = searching.run(plpy, GD, client, header, prepared.arrays(), found, trials, model_name, keep)
+        done = [t.version for t in trials if t.version is not None]
         if not done:
             raise InvalidArgument(f"every trial of the search failed; the first: {trials[0].error}")
-        versions = [_version(plpy, models.parse_architecture(t.architecture),
-                             models.parse_options(t.options), prepared, data, label, model_name,
-                             dict(t.metrics, read_s=read_s, search_wall_s=wall_s), t.weights,
-                             t.record(search_id)) for t in done]
+        versions = [(dataclasses.replace(v, metrics=registry.jsonb(dict(m, search_wall_s=wall_s))),
+                     dict(m, search_wall_s=wall_s)) for v, m in done]
     else:
         with client:
             started = time.perf_counter()
@@ -124,17 +129,23 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
     added = registry.add_versions(plpy, GD, model_name, s["role"], any_owner, [v for v, _ in versions], opts.deploy,
                                   opts.replace)
     plpy.notice(f"tensile: {added.message}")
-    # The CALL reports the deployed one of the new versions, else the best of them.
-    best = max(range(len(versions)), key=lambda i: (_score_of(versions[i][1]), -i))
-    if added.deployed in added.versions:
-        best = added.versions.index(added.deployed)
+    best = added.versions.index(added.best)       # the deployed one when one is, as deployment ranks them
     return {"model_name": model_name, "task": task, "metrics": json.dumps(versions[best][1]),
-            "version": added.versions[best], "deployed": added.deployed == added.versions[best]}
+            "version": added.best, "deployed": added.deployed == added.best}
 
 
-def _score_of(metrics: dict) -> float:
-    score = metrics.get("score")
-    return score if isinstance(score, (int, float)) else -math.inf
+def _check_inputs(arch, limits: models.Limits, name: str, task: str, n_outputs: int, pre, rows: int) -> None:
+    """Before the network's inputs are built: the model against the limits (the input shape
+    against the columns too), and the inputs' bytes against ``tensile.max_job_bytes``. Raises
+    InvalidArgument naming the widest encoded columns."""
+    limits.check(models.ModelSpec(arch, pre.width, n_outputs, task), name)
+    nbytes = rows * pre.width * 4
+    if nbytes > limits.max_job_nbytes:
+        widest = sorted(pre.columns, key=lambda c: -c.width)[:3]
+        listed = ", ".join(f'"{c.name}" ({c.width:,})' for c in widest)
+        raise InvalidArgument(f"the encoded inputs of {rows:,} rows by {pre.width:,} inputs take {nbytes:,} bytes, more "
+                              f"than tensile.max_job_bytes ({limits.max_job_nbytes:,}); the widest columns: {listed}: "
+                              "lower options.max_categories, encode them ordinal, or read fewer rows")
 
 
 def _version(plpy, arch, opts, prepared, data, label, model_name, metrics, weights, search) -> tuple:

@@ -322,8 +322,9 @@ def parse_options(value) -> TrainOptions:
     from . import preprocess, search       # validated where they are defined
 
     preprocess.check_options(opts)
-    if opts.search is not None:
-        search.parse(opts.search)
+    if opts.search is not None and search.parse(opts.search).halving and opts.test_size == 0:
+        raise InvalidArgument("options.search.halving compares held-out losses, but options.test_size is 0; hold "
+                              "out rows (test_size 0.2) or leave halving out")
     return opts
 
 

@@ -342,6 +342,15 @@ def of_row(record, feature_names: list[str], architecture) -> Preprocessor:
     return Preprocessor.from_json(record, list(feature_names), n_values or len(feature_names))
 
 
+def check_configured(configured, features: list[str]) -> None:
+    """Raise InvalidArgument when ``configured`` (the columns options.preprocess names) holds one
+    that is not among ``features``."""
+    unknown = sorted(set(configured) - set(features))
+    if unknown:
+        raise InvalidArgument(f'options.preprocess names "{unknown[0]}", which is not a feature column; the feature '
+                              f"columns are: {', '.join(features)}")
+
+
 def fit(raw: dict[str, np.ndarray], kinds: dict[str, str], train_index: np.ndarray, opts,
         array_width: int | None = None) -> Preprocessor:
     """Fit the preprocessing of the columns ``kinds`` (name -> kind, in read order) on the rows
@@ -349,10 +358,7 @@ def fit(raw: dict[str, np.ndarray], kinds: dict[str, str], train_index: np.ndarr
     ``opts`` (:class:`.model.TrainOptions`). Raises InvalidArgument for a rule that does not suit
     its column (mean of a categorical column, a string constant for a numeric one), a column
     option naming no feature column, and a column with nothing to impute from."""
-    unknown = sorted(set(opts.preprocess or {}) - set(kinds))
-    if unknown:
-        raise InvalidArgument(f'options.preprocess names "{unknown[0]}", which is not a feature column; the feature '
-                              f"columns are: {', '.join(kinds)}")
+    check_configured(opts.preprocess or {}, list(kinds))
     columns = []
     for name, kind in kinds.items():
         rule = _rule(opts, name)

@@ -125,6 +125,20 @@ def trial_inputs(params: dict, architecture: dict, options: dict) -> tuple[dict,
     return architecture, options
 
 
+def weights_nbytes(spec) -> int:
+    """Bytes of a trained trial's float32 weights (a :class:`.model.ModelSpec`)."""
+    return 4 * spec.n_parameters()
+
+
+def check_weights_nbytes(nbytes: int, trials: int, limits) -> None:
+    """Raise InvalidArgument when the weights of all ``trials`` trials, ``nbytes`` together (each
+    is held until the search ends), exceed ``limits.max_job_nbytes``."""
+    if nbytes > limits.max_job_nbytes:
+        raise InvalidArgument(f"the {trials} trials of the search hold {nbytes:,} bytes of weights together, more than "
+                              f"tensile.max_job_bytes ({limits.max_job_nbytes:,}); search fewer trials or smaller "
+                              "layers, or ask the administrator to raise tensile.max_job_bytes")
+
+
 def rungs(epochs: int) -> list[int]:
     """The epochs at which halving compares a trial of ``epochs`` epochs: an eighth, a quarter
     and half of them, those from 1 to ``epochs - 1``."""

@@ -1,0 +1,68 @@
+"""The backend's preparation of training rows, without PostgreSQL: the held-out split, the
+preprocessing fitted on the training rows, and the limits checked before the inputs are built."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tensile_db.errors import InvalidArgument
+from tensile_db.pg.data import TrainingData
+from tensile_db.pg.prepare import prepare
+from tensile_db.pg.train import _check_inputs
+from tensile_db.runtime import model as models
+from tensile_db.runtime.metrics import split_rows
+
+
+def data(n=200, categories=3) -> TrainingData:
+    rng = np.random.default_rng(0)
+    city = np.array([f"c{i % categories}" for i in range(n)], dtype=object)
+    size = rng.normal(size=n).astype(np.float32)
+    size[::17] = np.nan                                   # missing, imputed
+    y = np.array(["big" if s > 0 else "small" for s in np.nan_to_num(size)], dtype=object)
+    return TrainingData({"city": city, "size": size}, {"city": "categorical", "size": "numeric"}, y,
+                        ["city", "size"], "label", "categorical", False, n, 0)
+
+
+def test_the_split_holds_out_rows_and_the_fit_sees_only_the_training_rows():
+    opts = models.parse_options({"impute": "mean", "test_size": 0.25})
+    p = prepare(data(), opts)
+    assert p.task == "classification" and p.label_names == ["big", "small"] and p.classes == [0.0, 1.0]
+    assert len(p.x) == 150 and len(p.x_test) == 50 and p.x.shape[1] == p.pre.width == 4
+    assert not np.isnan(p.x).any() and not np.isnan(p.x_test).any()
+    # stratified: both classes in proportion on each side
+    assert abs(np.mean(p.y == 0) - np.mean(p.y_test == 0)) < 0.05
+    d = data()
+    y = np.unique(d.y, return_inverse=True)[1]
+    train, test = split_rows(200, 0.25, "stratified", 0, y)
+    size = next(c for c in p.pre.columns if c.name == "size")
+    assert size.fill == pytest.approx(float(np.nanmean(d.raw["size"][train].astype(np.float64))))
+    assert size.fill != pytest.approx(float(np.nanmean(d.raw["size"].astype(np.float64))))
+    missing = np.isnan(d.raw["size"][test])
+    assert missing.any() and np.all(p.x_test[missing, -1] == np.float32(size.fill))
+
+
+def test_the_limits_are_checked_before_the_inputs_are_built():
+    seen = []
+
+    def check(task, n_outputs, pre, rows):
+        seen.append((task, n_outputs, pre.width, rows))
+        raise InvalidArgument("too wide")
+
+    with pytest.raises(InvalidArgument, match="too wide"):
+        prepare(data(categories=50), models.parse_options({"impute": "mean"}), check)
+    assert seen == [("classification", 2, 51, 200)]
+
+
+def test_encoded_inputs_beyond_max_job_bytes_are_refused_naming_the_widest_columns():
+    p = prepare(data(categories=50), models.parse_options({"impute": "mean"}))
+    arch = models.parse_architecture({"layers": [{"dense": 8}]})
+    _check_inputs(arch, models.Limits(max_job_nbytes=1 << 20), "m", "classification", 2, p.pre, 5000)
+    with pytest.raises(InvalidArgument) as info:
+        _check_inputs(arch, models.Limits(max_job_nbytes=1 << 16), "m", "classification", 2, p.pre, 5000)
+    assert str(info.value) == (
+        "the encoded inputs of 5,000 rows by 51 inputs take 1,020,000 bytes, more than tensile.max_job_bytes "
+        '(65,536); the widest columns: "city" (50), "size" (1): lower options.max_categories, encode them ordinal, '
+        "or read fewer rows")
+    with pytest.raises(InvalidArgument, match="parameters, more than tensile.max_parameters"):
+        _check_inputs(arch, models.Limits(max_parameters=100), "m", "classification", 2, p.pre, 10)
