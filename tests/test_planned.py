@@ -165,6 +165,27 @@ def test_invalidation_dissolves_without_counting_a_mismatch():
     assert pool.state is State.RECORDING
 
 
+def test_the_same_period_recorded_again_is_not_planned_again(monkeypatch):
+    """A re-plan of the scheduler that leaves the interleaving as it was records the same period:
+    its plan is reused, not made again; a different period is planned."""
+    calls = []
+    original = planned._plan
+    monkeypatch.setattr(planned, "_plan", lambda allocs, *a, **k: calls.append(len(allocs)) or original(allocs, *a, **k))
+    arena = FakeArena()
+    pool = serving_pool(arena)
+    for period in (PERIOD, PERIOD[:1] + [("a", K("v"), U), ("f", K("v"), U)] + PERIOD[1:]):
+        pool.invalidate("the schedule changed")
+        pool.boundary(lambda: (LIVE, 0))                 # records
+        play(pool, period)
+        pool.boundary(lambda: (LIVE, 0))
+        pool.wait_for_plan()
+        pool.boundary(lambda: (LIVE, 0))                 # installs
+        assert pool.state is State.SERVING
+    assert calls == [4, 5] and len(arena.installed) == 3         # w, x, y, z; then v too
+    assert arena.installed[1][0] is arena.installed[0][0]     # the very plan, reused
+    pool.close()
+
+
 def test_relayout_rebuilds_free_blocks_and_keeps_the_peak():
     a = ArenaAllocator(16 * U)
     a.allocate(8 * U)
