@@ -32,13 +32,9 @@ whether every held-out split matched.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import shutil
-import site
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -50,7 +46,7 @@ from tabulate import tabulate
 import cnn
 from tensile_db import datasets
 from tensile_db.client import TensileClient
-from tensile_db.cluster import EmbeddedCluster
+from tensile_db.cluster import scratch_cluster
 
 DATABASE = "tensile_bench_accuracy"
 TEST_SIZE = 0.2
@@ -110,26 +106,6 @@ class Results:
 
     def add(self, table: str, side: str, name: str, value: float) -> None:
         self.values.setdefault((table, side, name), []).append(value)
-
-
-@contextlib.contextmanager
-def scratch_cluster():
-    """A PostgreSQL cluster in a new temporary directory with the extension in DATABASE; stopped
-    and removed on leaving (after printing the coordinator log's last lines on an error)."""
-    base = tempfile.mkdtemp(prefix="tensile-bench-")
-    cluster = EmbeddedCluster(base, python_paths=[site.getsitepackages()[0]])
-    try:
-        cluster.start()
-        cluster.create_database(DATABASE)
-        yield cluster
-    except BaseException:
-        log = cluster.data_dir / "tensile_coordinator" / "coordinator.log"
-        if log.exists():             # the directory goes below: show the coordinator's last words
-            print(f"last lines of {log}:\n" + "".join(log.read_text().splitlines(True)[-20:]), file=sys.stderr)
-        raise
-    finally:
-        cluster.stop()
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def columns(engine, case: Case) -> tuple[list[str], list[str]]:
@@ -308,7 +284,7 @@ def main() -> int:
     started = time.perf_counter()
     seeds = list(range(args.seeds))
     results = Results()
-    with scratch_cluster() as cluster:
+    with scratch_cluster(DATABASE) as cluster:
         engine = create_engine(cluster.url(DATABASE))
         client = TensileClient(engine)
         features = {}

@@ -34,13 +34,9 @@ and the peak must stay within the budget, or the bench exits non-zero.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import shutil
-import site
 import statistics
 import sys
-import tempfile
 import time
 
 from sqlalchemy import create_engine, text
@@ -49,7 +45,7 @@ from tabulate import tabulate
 
 import cnn
 from tensile_db.client import TensileClient
-from tensile_db.cluster import EmbeddedCluster
+from tensile_db.cluster import scratch_cluster
 from tensile_db.demo import FEATURES, load_digits_tables
 from tensile_db.runtime import model as models
 from tensile_db.runtime.builder import build_training_program
@@ -85,26 +81,6 @@ def unscheduled_peaks(epochs: int, n_rows: int) -> list[int]:
             opts = models.parse_options(dict(options(epochs, 1), lr=lr, search=None))
             peaks.append(build_training_program(spec, opts, min(opts.batch_size, n_rows)).vanilla_peak_nbytes())
     return peaks
-
-
-@contextlib.contextmanager
-def scratch_cluster():
-    """A PostgreSQL cluster in a new temporary directory with the extension in DATABASE; stopped
-    and removed on leaving (after printing the coordinator log's last lines on an error)."""
-    base = tempfile.mkdtemp(prefix="tensile-bench-")
-    cluster = EmbeddedCluster(base, python_paths=[site.getsitepackages()[0]])
-    try:
-        cluster.start()
-        cluster.create_database(DATABASE)
-        yield cluster
-    except BaseException:
-        log = cluster.data_dir / "tensile_coordinator" / "coordinator.log"
-        if log.exists():             # the directory goes below: show the coordinator's last words
-            print(f"last lines of {log}:\n" + "".join(log.read_text().splitlines(True)[-20:]), file=sys.stderr)
-        raise
-    finally:
-        cluster.stop()
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def restart_coordinator(engine, timeout_s: float = 30.0) -> None:
@@ -160,7 +136,7 @@ def main() -> int:
     args = parser.parse_args()
     started = time.perf_counter()
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
-    with scratch_cluster() as cluster:
+    with scratch_cluster(DATABASE) as cluster:
         engine = create_engine(cluster.url(DATABASE))
         client = TensileClient(engine)
         n_source = load_digits_tables(engine)

@@ -11,11 +11,13 @@ virtual environment named in ``python_paths``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pwd
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -167,3 +169,26 @@ class EmbeddedCluster:
                 conn.execute(f'CREATE DATABASE "{dbname}"')
         with psycopg.connect(self.conninfo(dbname), autocommit=True) as conn:
             conn.execute("CREATE EXTENSION IF NOT EXISTS tensile_db CASCADE")
+
+
+@contextlib.contextmanager
+def scratch_cluster(database: str, python_paths: list[str] | None = None):
+    """A cluster in a new temporary directory with ``database`` created (the extension in it), for
+    a benchmark; stopped and removed on leaving, after printing the coordinator log's last lines
+    to stderr when leaving on an error (the directory, and the log with it, goes)."""
+    import site
+
+    base = tempfile.mkdtemp(prefix="tensile-bench-")
+    cluster = EmbeddedCluster(base, python_paths=python_paths or [site.getsitepackages()[0]])
+    try:
+        cluster.start()
+        cluster.create_database(database)
+        yield cluster
+    except BaseException:
+        log = cluster.data_dir / "tensile_coordinator" / "coordinator.log"
+        if log.exists():
+            print(f"last lines of {log}:\n" + "".join(log.read_text().splitlines(True)[-20:]), file=sys.stderr)
+        raise
+    finally:
+        cluster.stop()
+        shutil.rmtree(base, ignore_errors=True)

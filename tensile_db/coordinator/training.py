@@ -32,13 +32,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InvalidArgument, JobCancelled, ProtocolError, TensileError
+from ..errors import JobCancelled, ProtocolError, TensileError
 from ..runtime import metrics as heldout
 from ..runtime import model as models
 from ..runtime import search as searching
 from ..runtime.search import MAX_TRIALS, Halving
 from . import protocol
-from .jobs import JobInfo, JobState, TrainingJob
+from .jobs import JobInfo, TrainingJob
 
 log = logging.getLogger(__name__)
 
