@@ -96,42 +96,53 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
     _notice_start(plpy, model_name, data, prepared, spec)
     header = {"model_name": model_name, "role": s["role"], "backend_pid": s["pid"], **prepared.header()}
     client, _ = session.connect(plpy, GD, s=s)
-    if opts.search is not None:
-        found, trials = searching.plan(arch, opts, limits, prepared.pre.width, n_outputs, task, model_name)
-        search_id = searching.new_id()
-
-        def keep(t: searching.Trial) -> None:         # serialized as it arrives: the arrays are dropped
-            t.version = _version(plpy, models.parse_architecture(t.architecture), models.parse_options(t.options),
-                                 prepared, data, label, model_name, dict(t.metrics, read_s=read_s), t.weights,
-                                 t.record(search_id))
-            t.weights = None
-
-        with client:
-            wall_s = searching.run(plpy, GD, client, header, prepared.arrays(), found, trials, model_name, keep)
-        done = [t.version for t in trials if t.version is not None]
-        if not done:
-            raise InvalidArgument(f"every trial of the search failed; the first: {trials[0].error}")
-        versions = [(dataclasses.replace(v, metrics=registry.jsonb(dict(m, search_wall_s=wall_s))),
-                     dict(m, search_wall_s=wall_s)) for v, m in done]
-    else:
-        with client:
-            started = time.perf_counter()
-            reply, _ = session.request(plpy, GD, client, dict(header, type="train", architecture=arch.to_json(),
-                                                              options=opts.to_json()),
-                                       prepared.arrays(), doing="the start of training")
-            transfer_s = time.perf_counter() - started
-            plpy.notice(f"tensile: job {reply['job_id']} accepted; unscheduled peak "
-                        f"{reply['vanilla_peak_nbytes']:,} bytes, device budget {reply['budget_nbytes']:,} bytes")
-            result, weights = session.await_result(plpy, GD, client, "training",
-                                                   functools.partial(_relay_progress, plpy))
-        versions = [_version(plpy, arch, opts, prepared, data, label, model_name,
-                             dict(result["metrics"], read_s=read_s, transfer_s=transfer_s), weights, None)]
+    with client:
+        if opts.search is None:
+            versions = [_train_one(plpy, GD, client, header, arch, opts, prepared, data, label, model_name, read_s)]
+        else:
+            versions = _train_search(plpy, GD, client, header, arch, opts, limits, prepared, data, label, model_name,
+                                     read_s)
     added = registry.add_versions(plpy, GD, model_name, s["role"], any_owner, [v for v, _ in versions], opts.deploy,
                                   opts.replace)
     plpy.notice(f"tensile: {added.message}")
     best = added.versions.index(added.best)       # the deployed one when one is, as deployment ranks them
     return {"model_name": model_name, "task": task, "metrics": json.dumps(versions[best][1]),
             "version": added.best, "deployed": added.deployed == added.best}
+
+
+def _train_one(plpy, GD, client, header, arch, opts, prepared, data, label, model_name, read_s) -> tuple:
+    """One model trained on the coordinator: its new version and its metrics."""
+    started = time.perf_counter()
+    reply, _ = session.request(plpy, GD, client, dict(header, type="train", architecture=arch.to_json(),
+                                                      options=opts.to_json()),
+                               prepared.arrays(), doing="the start of training")
+    transfer_s = time.perf_counter() - started
+    plpy.notice(f"tensile: job {reply['job_id']} accepted; unscheduled peak {reply['vanilla_peak_nbytes']:,} bytes, "
+                f"device budget {reply['budget_nbytes']:,} bytes")
+    result, weights = session.await_result(plpy, GD, client, "training", functools.partial(_relay_progress, plpy))
+    return _version(plpy, arch, opts, prepared, data, label, model_name,
+                    dict(result["metrics"], read_s=read_s, transfer_s=transfer_s), weights, None)
+
+
+def _train_search(plpy, GD, client, header, arch, opts, limits, prepared, data, label, model_name, read_s) -> list:
+    """The trials of ``opts.search`` trained at once on the coordinator: each trained one's new
+    version and metrics. Raises InvalidArgument when every trial failed."""
+    n_outputs = len(prepared.classes) if prepared.classes else 1
+    found, trials = searching.plan(arch, opts, limits, prepared.pre.width, n_outputs, prepared.task, model_name)
+    search_id = searching.new_id()
+
+    def keep(t: searching.Trial) -> None:         # serialized as it arrives: the arrays are dropped
+        t.version = _version(plpy, models.parse_architecture(t.architecture), models.parse_options(t.options),
+                             prepared, data, label, model_name, dict(t.metrics, read_s=read_s), t.weights,
+                             t.record(search_id))
+        t.weights = None
+
+    wall_s = searching.run(plpy, GD, client, header, prepared.arrays(), found, trials, model_name, keep)
+    done = [t.version for t in trials if t.version is not None]
+    if not done:
+        raise InvalidArgument(f"every trial of the search failed; the first: {trials[0].error}")
+    return [(dataclasses.replace(v, metrics=registry.jsonb(dict(m, search_wall_s=wall_s))),
+             dict(m, search_wall_s=wall_s)) for v, m in done]
 
 
 def _check_inputs(arch, limits: models.Limits, name: str, task: str, n_outputs: int, pre, rows: int) -> None:
