@@ -93,8 +93,9 @@ return GD["tensile"].train_model(plpy, GD, model_name, source, label, features, 
 $$;
 COMMENT ON PROCEDURE tensile.train_model(text, text, text, text[], jsonb, jsonb, text, jsonb, integer, boolean) IS
 'Trains a model on the rows of source (a query or table name) to predict label from features '
-'(default: every other numeric column), on the shared coordinator, and stores it in tensile.models as '
-'the next version of model_name; returns task, metrics, the version and whether it was deployed '
+'(default: every other column: numeric, categorical (one-hot), or one numeric array), holding out '
+'options.test_size of the rows (0.2) to measure it, on the shared coordinator, and stores it in '
+'tensile.models as the next version of model_name; returns task, metrics, the version and whether it was deployed '
 '(options.deploy: auto, the default, deploys it when its score is at least the deployed version''s; '
 'always; never)';
 
