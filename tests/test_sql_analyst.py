@@ -136,6 +136,16 @@ def test_a_call_wide_mean_imputes_categories_by_their_mode(conn, shop):
     assert region["fill"] in {r for r, _ in counts if r is not None}
 
 
+def test_the_scan_of_categories_does_not_depend_on_string_settings(conn, shop):
+    conn.execute("SET standard_conforming_strings = off")
+    try:
+        train(conn, "a_strings", "SELECT region, label FROM shop", options={"epochs": 1, "impute": "mode"})
+        rows = conn.execute("SELECT count(*) FROM tensile.predict_batch('a_strings', 'SELECT region FROM shop')")
+        assert rows.fetchone()[0] == 600
+    finally:
+        conn.execute("RESET standard_conforming_strings")
+
+
 def test_ordinal_encoding_in_the_given_order(conn, shop):
     train(conn, "a_ordinal", "SELECT tier, spend, label FROM shop WHERE spend IS NOT NULL",
           options={"epochs": 2, "preprocess": {"tier": {"encode": {"ordinal": ["bronze", "silver", "gold"]}}}})
