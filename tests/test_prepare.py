@@ -12,14 +12,15 @@ from tensile_db.pg.prepare import prepare
 from tensile_db.pg.train import _check_inputs
 from tensile_db.runtime import model as models
 from tensile_db.runtime.metrics import split_rows
+from tensile_db.runtime.preprocess import Categories
 
 
 def data(n=200, categories=3) -> TrainingData:
     rng = np.random.default_rng(0)
-    city = np.array([f"c{i % categories}" for i in range(n)], dtype=object)
+    city = Categories.of([f"c{i % categories}" for i in range(n)])
     size = rng.normal(size=n).astype(np.float32)
     size[::17] = np.nan                                   # missing, imputed
-    y = np.array(["big" if s > 0 else "small" for s in np.nan_to_num(size)], dtype=object)
+    y = Categories.of(["big" if s > 0 else "small" for s in np.nan_to_num(size)])
     return TrainingData({"city": city, "size": size}, {"city": "categorical", "size": "numeric"}, y,
                         ["city", "size"], "label", "categorical", False, n, 0)
 
@@ -33,7 +34,7 @@ def test_the_split_holds_out_rows_and_the_fit_sees_only_the_training_rows():
     # stratified: both classes in proportion on each side
     assert abs(np.mean(p.y == 0) - np.mean(p.y_test == 0)) < 0.05
     d = data()
-    y = np.unique(d.y, return_inverse=True)[1]
+    y = np.unique(np.array(d.y.values)[d.y.codes], return_inverse=True)[1]
     train, test = split_rows(200, 0.25, "stratified", 0, y)
     size = next(c for c in p.pre.columns if c.name == "size")
     assert size.fill == pytest.approx(float(np.nanmean(d.raw["size"][train].astype(np.float64))))

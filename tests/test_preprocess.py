@@ -317,3 +317,23 @@ def test_valid_options_pass():
                                          "b": {"encode": {"ordinal": ["lo", "hi"]}}}})
     assert preprocess.imputes(opts, "a") and preprocess.imputes(opts, "zz")
     assert not preprocess.imputes(parse_options({}), "a")
+
+
+def test_categories_read_as_codes_fit_and_transform_like_strings():
+    """The scan's dictionary-encoded columns and plain sequences of str / None are one thing to
+    the preprocessing."""
+    from tensile_db.runtime.preprocess import Categories
+
+    texts = ["b", None, "a", "b", "c", None, "b"]
+    cats = Categories.of(texts)
+    assert cats.values == ("b", "a", "c") and cats.codes.tolist() == [0, -1, 1, 0, 2, -1, 0]
+    assert cats[np.array([0, 2])].codes.tolist() == [0, 1] and cats.counts().tolist() == [3, 1, 1]
+    opts = parse_options({"impute": "mode", "max_categories": 2})
+    by_codes = preprocess.fit({"k": cats}, {"k": "categorical"}, np.arange(7), opts)
+    by_texts = preprocess.fit({"k": np.array(texts, dtype=object)}, {"k": "categorical"}, np.arange(7), opts)
+    assert by_codes.to_json() == by_texts.to_json()
+    column = by_codes.columns[0]
+    assert column.fill == "b" and column.categories == ["b", "a"] and column.other       # c is "other"
+    x = by_codes.transform({"k": cats})
+    assert np.array_equal(x, by_texts.transform({"k": texts}))
+    assert x.tolist() == [[1, 0, 0], [1, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 1], [1, 0, 0], [1, 0, 0]]

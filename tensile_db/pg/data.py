@@ -53,7 +53,7 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from ..runtime.model import FLOAT32_MAX
-from ..runtime.preprocess import MAX_CATEGORY_CHARS, check_configured
+from ..runtime.preprocess import MAX_CATEGORY_CHARS, Categories, check_configured
 
 #: PostgreSQL type OIDs accepted as numeric input, with their SQL names.
 NUMERIC_TYPES = {16: "boolean", 20: "bigint", 21: "smallint", 23: "integer", 700: "real",
@@ -84,9 +84,9 @@ MAX_VALUE_NBYTES = (1 << 30) - 1
 @dataclass
 class TrainingData:
     """raw: each feature column's values as read (:meth:`~tensile_db.runtime.preprocess.Preprocessor.transform`
-    takes them: numeric (N,) float32 with NaN for a NULL kept for imputation, categorical (N,)
-    object of str or None, array (N, width) float32); kinds: feature column -> kind, in order; y:
-    (N,) label values, float64 (numeric) or object str (categorical); row counts before and after
+    takes them: numeric (N,) float32 with NaN for a NULL kept for imputation, categorical
+    :class:`~tensile_db.runtime.preprocess.Categories`, array (N, width) float32); kinds: feature
+    column -> kind, in order; y: the label, (N,) float64 (numeric) or Categories; row counts before and after
     dropping rows with NULLs; array_width: values per row of an array column (None: none)."""
 
     raw: dict[str, np.ndarray]
@@ -236,20 +236,25 @@ def _decode_arrays(data: bytes, rows: int, width: int, column: str) -> np.ndarra
     return np.frombuffer(data, dtype=">f4").reshape(rows, stride)[:, header + 1::2].astype(np.float32)
 
 
-def _decode_texts(data: bytes, rows: int) -> np.ndarray:
+def _decode_texts(data: bytes, rows: int) -> Categories:
     """``rows`` values as the scan's ``text`` aggregate wrote them — each a big-endian int4 UTF-8
-    length (-1 for NULL) and the bytes — -> (rows,) object array of str, None for NULL."""
-    out = np.empty(rows, dtype=object)
+    length (-1 for NULL) and the bytes — -> :class:`~tensile_db.runtime.preprocess.Categories`:
+    one dictionary lookup a row on the value's bytes, a string made only for each distinct value."""
+    codes = np.empty(rows, dtype=np.int32)
+    lookup: dict[bytes, int] = {}
     view, pos = memoryview(data), 0
     for i in range(rows):
         length = int.from_bytes(view[pos:pos + 4], "big", signed=True)
         pos += 4
-        if length >= 0:
-            out[i] = str(view[pos:pos + length], "utf-8")
-            pos += length
+        if length < 0:
+            codes[i] = -1
+            continue
+        key = bytes(view[pos:pos + length])
+        codes[i] = lookup.setdefault(key, len(lookup))
+        pos += length
     if pos != len(data):
         raise RuntimeError(f"the text aggregate wrote {len(data):,} bytes for {rows:,} values, {pos:,} read")
-    return out
+    return Categories(codes, tuple(str(k, "utf-8") for k in lookup))
 
 
 def _too_large(columns: list[tuple[str, str]], width: int | None) -> InvalidArgument:
@@ -540,11 +545,15 @@ def encode_labels(data: TrainingData, task: str) -> tuple[np.ndarray, list[float
         if task == "regression":
             raise InvalidArgument(f'label column "{data.label}" holds text; regression needs a numeric label: use '
                                   f'classification, or convert the label in the source')
-        longest = max(map(len, data.y), default=0)
+        labels = data.y                               # Categories: the label is never NULL here
+        longest = max(map(len, labels.values), default=0)
         if longest > MAX_CATEGORY_CHARS:
             raise InvalidArgument(f'label column "{data.label}" holds a value of {longest:,} characters; a class name '
                                   f"may have at most {MAX_CATEGORY_CHARS:,}: is it the column you meant to predict?")
-        names, index = np.unique(data.y, return_inverse=True)       # object array: no fixed-width copy
+        order = sorted(range(len(labels.values)), key=labels.values.__getitem__)
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[order] = np.arange(len(order))
+        names, index = [labels.values[i] for i in order], rank[labels.codes]
         _check_classes(data.label, len(names), names[0] if len(names) else None)
         return index.astype(np.int32), [float(i) for i in range(len(names))], [str(n) for n in names]
     if task == "regression":

@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import InvalidArgument
 from ..runtime import model as models
 from ..runtime import preprocess
-from ..runtime.preprocess import Preprocessor
+from ..runtime.preprocess import Categories, Preprocessor
 from ..runtime.weights import load_weights
 from . import registry, session
 
@@ -144,7 +144,7 @@ def _from_row(m: CachedModel, name: str, row: dict) -> dict[str, np.ndarray]:
         if c.kind == "categorical":
             text = None if value is None else ("true" if value is True else "false" if value is False else
                                                value if isinstance(value, str) else json.dumps(value))
-            raw[c.name] = np.array([text], dtype=object)
+            raw[c.name] = Categories.of([text])
             continue
         if c.kind == "array":
             if not isinstance(value, list):

@@ -11,7 +11,7 @@ the rest (:mod:`.prepare`), ships them to the coordinator, waits in slices so th
 caller's transaction, deployed by ``options.deploy``. With ``options.search`` the trials train at
 once and each becomes a version (:mod:`.search`); the CALL reports the deployed one, else the
 best. The stored metrics add the
-data path's timings: ``read_s`` (the SPI scan) and ``transfer_s`` (until the coordinator has the
+data path's timings: ``read_s`` (the SPI scan), ``prepare_s`` (the split and the preprocessing) and ``transfer_s`` (until the coordinator has the
 arrays and has accepted the job). A metric that is not a finite number (a regression whose error
 overflows) is stored as null, with a WARNING naming it. A model trained on one array column
 (:mod:`.data`) stores that column's name once in ``feature_names``; its input shape says how many
@@ -89,7 +89,9 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
                               imputed=lambda column: preprocess.imputes(opts, column),
                               configured=list(opts.preprocess or {}))
     read_s = time.perf_counter() - started
+    started = time.perf_counter()
     prepared = prepare(data, opts, functools.partial(_check_inputs, arch, limits, model_name))
+    timings = {"read_s": read_s, "prepare_s": time.perf_counter() - started}
     task, classes = prepared.task, prepared.classes
     n_outputs = len(classes) if classes else 1
     spec = models.ModelSpec(arch, prepared.pre.width, n_outputs, task)   # an array column: one name, many values
@@ -98,10 +100,10 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
     client, _ = session.connect(plpy, GD, s=s)
     with client:
         if opts.search is None:
-            versions = [_train_one(plpy, GD, client, header, arch, opts, prepared, data, label, model_name, read_s)]
+            versions = [_train_one(plpy, GD, client, header, arch, opts, prepared, data, label, model_name, timings)]
         else:
             versions = _train_search(plpy, GD, client, header, arch, opts, limits, prepared, data, label, model_name,
-                                     read_s)
+                                     timings)
     added = registry.add_versions(plpy, GD, model_name, s["role"], any_owner, [v for v, _ in versions], opts.deploy,
                                   opts.replace)
     plpy.notice(f"tensile: {added.message}")
@@ -110,7 +112,7 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
             "version": added.best, "deployed": added.deployed == added.best}
 
 
-def _train_one(plpy, GD, client, header, arch, opts, prepared, data, label, model_name, read_s) -> tuple:
+def _train_one(plpy, GD, client, header, arch, opts, prepared, data, label, model_name, timings) -> tuple:
     """One model trained on the coordinator: its new version and its metrics."""
     started = time.perf_counter()
     reply, _ = session.request(plpy, GD, client, dict(header, type="train", architecture=arch.to_json(),
@@ -121,10 +123,10 @@ def _train_one(plpy, GD, client, header, arch, opts, prepared, data, label, mode
                 f"device budget {reply['budget_nbytes']:,} bytes")
     result, weights = session.await_result(plpy, GD, client, "training", functools.partial(_relay_progress, plpy))
     return _version(plpy, arch, opts, prepared, data, label, model_name,
-                    dict(result["metrics"], read_s=read_s, transfer_s=transfer_s), weights, None)
+                    dict(result["metrics"], **timings, transfer_s=transfer_s), weights, None)
 
 
-def _train_search(plpy, GD, client, header, arch, opts, limits, prepared, data, label, model_name, read_s) -> list:
+def _train_search(plpy, GD, client, header, arch, opts, limits, prepared, data, label, model_name, timings) -> list:
     """The trials of ``opts.search`` trained at once on the coordinator: each trained one's new
     version and metrics. Raises InvalidArgument when every trial failed."""
     n_outputs = len(prepared.classes) if prepared.classes else 1
@@ -133,7 +135,7 @@ def _train_search(plpy, GD, client, header, arch, opts, limits, prepared, data, 
 
     def keep(t: searching.Trial) -> None:         # serialized as it arrives: the arrays are dropped
         t.version = _version(plpy, models.parse_architecture(t.architecture), models.parse_options(t.options),
-                             prepared, data, label, model_name, dict(t.metrics, read_s=read_s), t.weights,
+                             prepared, data, label, model_name, dict(t.metrics, **timings), t.weights,
                              t.record(search_id))
         t.weights = None
 

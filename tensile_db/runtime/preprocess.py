@@ -54,6 +54,41 @@ COLUMN_KEYS = ("impute", "encode", "scale")
 MAX_CATEGORY_CHARS = 1000
 
 
+@dataclass(frozen=True)
+class Categories:
+    """A categorical column as read: ``codes`` (N,) int32, each row's index into ``values`` (its
+    distinct texts, in order of first appearance), -1 for a NULL. Decoding a million rows into this
+    form costs one dictionary lookup a row instead of a string object a row, and every later
+    step (counting, the mode, the lookup of a category's input) works on the codes."""
+
+    codes: np.ndarray
+    values: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def __getitem__(self, rows) -> "Categories":
+        """The rows ``rows`` (an index array or a slice), with the same values."""
+        return Categories(self.codes[rows], self.values)
+
+    @classmethod
+    def of(cls, texts) -> "Categories":
+        """From a sequence of str or None (an object array)."""
+        lookup: dict[str, int] = {}
+        codes = np.fromiter((-1 if v is None else lookup.setdefault(v, len(lookup)) for v in texts), dtype=np.int32,
+                            count=len(texts))
+        return cls(codes, tuple(lookup))
+
+    def counts(self) -> np.ndarray:
+        """(len(values),) int64: rows holding each value."""
+        return np.bincount(self.codes[self.codes >= 0], minlength=len(self.values))
+
+
+def as_categories(values) -> Categories:
+    """``values`` as :class:`Categories` (given so, or as str / None in a sequence)."""
+    return values if isinstance(values, Categories) else Categories.of(list(values))
+
+
 def _shown(value) -> str:
     from .network import _shown as shown
 
@@ -175,8 +210,9 @@ def _fit_numeric(name: str, values: np.ndarray, rule: dict) -> Column:
     return Column(name, "numeric", impute, fill, scale=rule["scale"])
 
 
-def _fit_categorical(name: str, values: np.ndarray, rule: dict, max_categories: int) -> Column:
-    present = np.array([v for v in values if v is not None], dtype=object)
+def _fit_categorical(name: str, values: Categories, rule: dict, max_categories: int) -> Column:
+    counts = values.counts()
+    seen = np.flatnonzero(counts)                  # the values the training rows hold
     impute, fill = rule["impute"], None
     if isinstance(impute, dict):
         if not isinstance(impute["constant"], str):
@@ -187,11 +223,11 @@ def _fit_categorical(name: str, values: np.ndarray, rule: dict, max_categories: 
         raise InvalidArgument(f'column "{name}" is categorical: impute {impute} needs numbers; use "mode" or '
                               '{"constant": "..."}')
     elif impute == "mode":
-        fill = _mode(present)
-        if fill is None:
+        if not len(seen):
             raise InvalidArgument(f'column "{name}" has no value in the training rows to impute its mode from; '
                                   'give it {"constant": "..."} or leave the column out')
-    too_long = next((v for v in present if len(v) > MAX_CATEGORY_CHARS), None)
+        fill = min(values.values[i] for i in seen if counts[i] == counts.max())        # ties: the smallest
+    too_long = next((values.values[i] for i in seen if len(values.values[i]) > MAX_CATEGORY_CHARS), None)
     if too_long is not None:
         raise InvalidArgument(f'column "{name}" holds a value of {len(too_long):,} characters; a category may have at '
                               f"most {MAX_CATEGORY_CHARS:,}: leave such free text out of the features")
@@ -200,16 +236,17 @@ def _fit_categorical(name: str, values: np.ndarray, rule: dict, max_categories: 
         return Column(name, "categorical", impute, fill, "ordinal", list(encode["ordinal"]), scale=rule["scale"])
     # Categories are counted on the values as the model reads them: a filled NULL is its fill
     # (so a constant such as "missing" becomes a category of its own, not an unseen value).
-    n_missing = len(values) - len(present)
-    read = np.concatenate([present, np.full(n_missing, fill, object)]) if fill is not None and n_missing else present
-    uniq, counts = np.unique(read, return_counts=True) if len(read) else (np.array([], object), np.array([]))
-    order = sorted(range(len(uniq)), key=lambda i: (-counts[i], uniq[i]))
-    kept = [str(uniq[i]) for i in order[:max_categories]]
+    read = {values.values[i]: int(counts[i]) for i in seen}
+    n_missing = int((values.codes < 0).sum())
+    if fill is not None and n_missing:
+        read[fill] = read.get(fill, 0) + n_missing
+    order = sorted(read, key=lambda v: (-read[v], v))
+    kept = order[:max_categories]
+    other = len(order) > len(kept)
     if encode == "ordinal":
-        return Column(name, "categorical", impute, fill, "ordinal", sorted(kept), other=len(uniq) > len(kept),
-                      scale=rule["scale"])
-    return Column(name, "categorical", impute, fill, "one_hot", kept, other=len(uniq) > len(kept), scale="none",
-                  width=len(kept) + (len(uniq) > len(kept)))
+        return Column(name, "categorical", impute, fill, "ordinal", sorted(kept), other=other, scale=rule["scale"])
+    return Column(name, "categorical", impute, fill, "one_hot", kept, other=other, scale="none",
+                  width=len(kept) + other)
 
 
 @dataclass
@@ -277,8 +314,8 @@ class Preprocessor:
     def transform(self, raw: dict[str, np.ndarray]) -> np.ndarray:
         """Raw columns -> network inputs (N, width) float32, before scaling.
 
-        ``raw[name]``: numeric (N,) float32 with NaN for missing; categorical (N,) object of
-        str or None; array (N, width) float32. Raises InvalidArgument naming the column for a
+        ``raw[name]``: numeric (N,) float32 with NaN for missing; categorical :class:`Categories`
+        (or a sequence of str or None); array (N, width) float32. Raises InvalidArgument naming the column for a
         missing value the model does not impute (with the count), and for an unseen category when
         ``unseen`` is ``error`` (with the value and the count)."""
         n = len(next(iter(raw.values()))) if raw else 0
@@ -288,17 +325,16 @@ class Preprocessor:
             if c.kind == "array":
                 parts.append(np.asarray(values, np.float32).reshape(n, c.width))
                 continue
-            missing = np.isnan(values) if c.kind == "numeric" else np.array([v is None for v in values], bool)
-            if missing.any():
-                if c.fill is None:
-                    count = int(missing.sum())
-                    raise InvalidArgument(f'column "{c.name}" has {count:,} NULL{"s" if count > 1 else ""} (of {n:,} '
-                                          "rows) and the model does not impute it; filter them in the source, pass "
-                                          "skip_nulls, or train with an impute rule for the column")
-                values = np.where(missing, c.fill, values) if c.kind == "numeric" else \
-                    np.array([c.fill if m else v for v, m in zip(values, missing)], dtype=object)
+            if c.kind == "categorical":
+                values = as_categories(values)
+            missing = np.isnan(values) if c.kind == "numeric" else values.codes < 0
+            if missing.any() and c.fill is None:
+                count = int(missing.sum())
+                raise InvalidArgument(f'column "{c.name}" has {count:,} NULL{"s" if count > 1 else ""} (of {n:,} '
+                                      "rows) and the model does not impute it; filter them in the source, pass "
+                                      "skip_nulls, or train with an impute rule for the column")
             if c.kind == "numeric":
-                parts.append(np.asarray(values, np.float32).reshape(n, 1))
+                parts.append(np.where(missing, np.float32(c.fill or 0), values).astype(np.float32).reshape(n, 1))
                 continue
             index = self._positions(c, values)
             if c.encode == "ordinal":
@@ -312,15 +348,17 @@ class Preprocessor:
                 parts.append(onehot)
         return np.hstack(parts) if parts else np.empty((n, 0), np.float32)
 
-    def _positions(self, c: Column, values: np.ndarray) -> np.ndarray:
-        """(N,) int64: each value's index in ``c.categories``, -1 for other. Raises InvalidArgument
-        for a value never seen in training when ``unseen`` is ``error`` and the column has no
-        "other" category."""
+    def _positions(self, c: Column, values: Categories) -> np.ndarray:
+        """(N,) int64: each row's index in ``c.categories``, -1 for other; a NULL is the fill's.
+        Raises InvalidArgument for a value never seen in training when ``unseen`` is ``error``
+        and the column has no "other" category."""
         lookup = {v: i for i, v in enumerate(c.categories)}
-        index = np.fromiter((lookup.get(v, -1) for v in values), dtype=np.int64, count=len(values))
-        if self.unseen == "error" and not c.other and (index < 0).any():
-            first = values[int(np.flatnonzero(index < 0)[0])]
-            count = int((index < 0).sum())
+        by_code = np.array([lookup.get(v, -1) for v in values.values] + [lookup.get(c.fill, -1)], dtype=np.int64)
+        index = by_code[values.codes]            # code -1 (a NULL) reads the last entry: the fill's index
+        unseen = (index < 0) & (values.codes >= 0)
+        if self.unseen == "error" and not c.other and unseen.any():
+            first = values.values[int(values.codes[np.flatnonzero(unseen)[0]])]
+            count = int(unseen.sum())
             raise InvalidArgument(f'column "{c.name}" has {count:,} value{"s" if count > 1 else ""} never seen in '
                                   f"training (the first: {_shown(first)}); the model was trained with unseen "
                                   '"error": filter such rows, or train with options.unseen "other"')
@@ -372,7 +410,7 @@ def fit(raw: dict[str, np.ndarray], kinds: dict[str, str], train_index: np.ndarr
         else:
             if rule["impute"] in ("mean", "median") and "impute" not in (opts.preprocess or {}).get(name, {}):
                 rule["impute"] = "mode"        # the call-wide default: a category's stand-in for a mean
-            columns.append(_fit_categorical(name, raw[name][train_index], rule, opts.max_categories))
+            columns.append(_fit_categorical(name, as_categories(raw[name])[train_index], rule, opts.max_categories))
     return Preprocessor(columns, opts.unseen)
 
 
