@@ -315,3 +315,9 @@ def test_split_errors():
     with pytest.raises(InvalidArgument, match="4 rows over 2 classes keeps one training row per class, "
                                               "so it can hold at most 2 test rows, not 3; lower test_size"):
         split_rows(4, 0.75, "stratified", seed=0, y=np.array([0, 0, 1, 1]))
+
+
+def test_class_text_is_exact():
+    from tensile_db.runtime.metrics import class_text
+
+    assert [class_text(v) for v in (3.0, 1234567.0, 1234568.0, -2.0, 0.5)] == ["3", "1234567", "1234568", "-2", "0.5"]

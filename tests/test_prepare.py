@@ -67,3 +67,12 @@ def test_encoded_inputs_beyond_max_job_bytes_are_refused_naming_the_widest_colum
         "or read fewer rows")
     with pytest.raises(InvalidArgument, match="parameters, more than tensile.max_parameters"):
         _check_inputs(arch, models.Limits(max_parameters=100), "m", "classification", 2, p.pre, 10)
+
+
+def test_stratified_sampling_of_an_inferred_regression_is_refused_by_option_name():
+    d = data()
+    numeric = TrainingData(d.raw, d.kinds, np.linspace(0, 1, 200), d.feature_names, "price", "numeric", False, 200, 0)
+    with pytest.raises(InvalidArgument) as info:
+        prepare(numeric, models.parse_options({"impute": "mean", "test_sampling": "stratified"}))
+    assert str(info.value) == ('options.test_sampling "stratified" needs classes, but label column "price" is a '
+                               'regression target; use "random" or "last", or options.task "classification"')

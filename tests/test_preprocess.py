@@ -183,9 +183,10 @@ def test_a_null_that_is_not_imputed_is_refused_with_the_count():
     assert not pre.nullable("n") and not pre.nullable("c")
     with pytest.raises(InvalidArgument) as info:
         pre.transform({"n": num(None, 1, None), "c": cat("a", "a", "a")})
-    assert str(info.value) == ('column "n" has 2 NULLs (of 3 rows) and the model does not impute it; filter them '
-                               "in the source, pass skip_nulls, or train with an impute rule for the column")
-    with pytest.raises(InvalidArgument, match=r'^column "c" has 1 NULL \(of 2 rows\)'):
+    assert str(info.value) == ('column "n" has 2 missing values (NULL or NaN, of 3 rows) and the model does not '
+                               "impute it; filter them (predict_batch: options.skip_nulls), or train with an impute "
+                               "rule for the column")
+    with pytest.raises(InvalidArgument, match=r'^column "c" has 1 missing value \(NULL or NaN, of 2 rows\)'):
         pre.transform({"n": num(1, 1), "c": cat("a", None)})
 
 
@@ -199,7 +200,7 @@ def test_per_column_rules_override_the_defaults():
                                                                     ("constant", 0.0, "standardize")]
     assert pre.transform(raw).tolist() == [[1, 1], [2, 2], [3, 0]]
     only_a = fitted({"a": num(1, None), "b": num(1, 2)}, preprocess={"a": {"impute": "median"}})
-    with pytest.raises(InvalidArgument, match='column "b" has 1 NULL'):
+    with pytest.raises(InvalidArgument, match='column "b" has 1 missing value'):
         only_a.transform({"a": num(None, 1), "b": num(None, 1)})
 
 
@@ -268,7 +269,7 @@ def test_a_model_without_a_record_reads_numeric_features():
     assert pre == Preprocessor.numeric_only(["a", "b"], 2)
     assert [(c.kind, c.fill, c.scale) for c in pre.columns] == [("numeric", None, "standardize")] * 2
     assert pre.transform({"a": num(1, 2), "b": num(3, 4)}).tolist() == [[1, 3], [2, 4]]
-    with pytest.raises(InvalidArgument, match='column "b" has 1 NULL'):
+    with pytest.raises(InvalidArgument, match='column "b" has 1 missing value'):
         pre.transform({"a": num(1, 2), "b": num(3, None)})
 
 
@@ -337,3 +338,12 @@ def test_categories_read_as_codes_fit_and_transform_like_strings():
     x = by_codes.transform({"k": cats})
     assert np.array_equal(x, by_texts.transform({"k": texts}))
     assert x.tolist() == [[1, 0, 0], [1, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 1], [1, 0, 0], [1, 0, 0]]
+
+
+def test_an_ordinal_order_must_name_every_training_value():
+    opts = parse_options({"preprocess": {"size": {"encode": {"ordinal": ["S", "M", "L"]}}}})
+    with pytest.raises(InvalidArgument) as info:
+        preprocess.fit({"size": np.array(["S", "XL", "M", "XS"], dtype=object)}, {"size": "categorical"},
+                       np.arange(4), opts)
+    assert str(info.value) == ('column "size" holds "XL", "XS" in the training rows, which the ordinal order of '
+                               'options.preprocess."size".encode does not name; add them to the list in its place')

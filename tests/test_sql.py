@@ -199,7 +199,7 @@ def test_predict_errors(conn, digits):
     assert 'model "t_pred" expects 64 features (p0, p1' in message and "got 3" in message
     message = error_of(conn, lambda c: c.execute(
         "SELECT tensile.predict('t_pred', array_fill(NULL::real, ARRAY[64]))"))
-    assert "features[1] is NULL" in message
+    assert "features[1] (p0) is NULL" in message
     assert conn.execute("SELECT tensile.predict('t_pred', NULL::real[])").fetchone()[0] is None   # STRICT
 
 

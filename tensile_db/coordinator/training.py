@@ -133,9 +133,9 @@ class TrainingService:
             if need > self.executor.manager.budget_nbytes:
                 self.executor.submit(job)          # raises DeviceOutOfMemory naming the trial
         if header.get("halving"):              # decided at each epoch's end, on the executor's one thread
-            halving = Halving(min(j.options.epochs for j in jobs))
+            halvings = {}                      # trials of one epoch count are compared at its rungs
             for job in jobs:
-                job.keep_going = halving.keeps
+                job.keep_going = halvings.setdefault(job.options.epochs, Halving(job.options.epochs)).keeps
         trial_of = {j.id: i for i, j in enumerate(jobs)}
         protocol.send(conn, {"type": "accepted", "job_ids": [j.id for j in jobs],
                              "vanilla_peak_nbytes": [j.vanilla_peak_nbytes for j in jobs],

@@ -31,6 +31,7 @@ import numpy as np
 from ..errors import InvalidArgument
 from ..runtime import model as models
 from ..runtime import preprocess
+from ..runtime.metrics import class_text
 from ..runtime.preprocess import Categories, Preprocessor
 from ..runtime.weights import load_weights
 from . import registry, session
@@ -115,11 +116,14 @@ def _from_array(m: CachedModel, name: str, features: list) -> dict[str, np.ndarr
         features = _flattened(features)
     if len(features) != m.spec.n_features:
         raise InvalidArgument(f'model "{name}" expects {_expected(m)}, got {len(features)}')
-    missing = [i for i, v in enumerate(features) if v is None]
-    if missing and (m.pre.columns[0].kind == "array" or not m.pre.nullable(m.feature_names[missing[0]])):
-        raise InvalidArgument(f"features[{missing[0] + 1}] is NULL; model \"{name}\" needs a value for every feature")
     x = np.asarray([np.nan if v is None else v for v in features], dtype=np.float32)
-    bad = np.flatnonzero(np.isinf(x) | (np.isnan(x) & np.array([v is not None for v in features])))
+    imputed = np.array([m.pre.columns[0].kind != "array" and m.pre.nullable(m.feature_names[i])
+                        for i in range(len(x))], dtype=bool)
+    missing = [i for i, v in enumerate(features) if v is None and not imputed[i]]
+    if missing:
+        raise InvalidArgument(f"features[{missing[0] + 1}] ({_position(m, missing[0])}) is NULL; model \"{name}\" "
+                              "needs a value for every feature it does not impute: filter such rows")
+    bad = np.flatnonzero(np.isinf(x) | (np.isnan(x) & ~imputed))     # NaN in an imputed column: missing
     if len(bad):
         raise InvalidArgument(f"features[{bad[0] + 1}] ({_position(m, bad[0])}) is {x[bad[0]]}; "
                               f'model "{name}" needs finite numbers: filter or clip such rows')
@@ -156,7 +160,8 @@ def _from_row(m: CachedModel, name: str, row: dict) -> dict[str, np.ndarray]:
                 raise ValueError
             number = np.nan if value is None else float(value)      # JSON number text, or "NaN" (missing)
         except ValueError:
-            raise InvalidArgument(f'column "{c.name}" is numeric in model "{name}"; got {_shown(value)}') from None
+            raise InvalidArgument(f'column "{c.name}" is numeric in model "{name}"; got {_shown(value)}: give a '
+                                  "number, or null for a missing value") from None
         if not math.isnan(number) and not math.isfinite(number):
             raise InvalidArgument(f'column "{c.name}" is {number}; model "{name}" needs finite numbers')
         raw[c.name] = np.array([number], dtype=np.float32)
@@ -194,13 +199,14 @@ def predict(plpy, GD, name: str, features) -> float:
 
 
 def predict_label(plpy, GD, name: str, features) -> str:
-    """The predicted class as text: its name for a text label, the number for a numeric one.
-    Raises InvalidArgument for a regression model."""
+    """The predicted class as text: its name for a text label, the number for a numeric one
+    (exactly: ``1234567``; a boolean label is read as the numbers 0 and 1). Raises
+    InvalidArgument for a regression model."""
     m, out = _outputs(plpy, GD, name, features)
     if not m.classes:
         raise InvalidArgument(f'model "{name}" is a regression model; predict_label needs a classifier')
     index = int(out.argmax())
-    return m.label_names[index] if m.label_names else f"{m.classes[index]:g}"
+    return m.label_names[index] if m.label_names else class_text(m.classes[index])
 
 
 def predict_proba(plpy, GD, name: str, features) -> list[float]:

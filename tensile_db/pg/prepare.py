@@ -11,6 +11,7 @@ import numpy as np
 
 from ..runtime import metrics as heldout
 from ..runtime import model as models
+from ..errors import InvalidArgument
 from ..runtime import preprocess
 from .data import TrainingData, encode_labels
 
@@ -40,7 +41,7 @@ class Prepared:
         """The header fields of a ``train`` or ``search`` request besides the model's."""
         return {"task": self.task, "n_outputs": len(self.classes) if self.classes else 1,
                 "scale": self.pre.scale_modes(),
-                "classes": self.label_names or ([f"{c:g}" for c in self.classes] if self.classes else None)}
+                "classes": self.label_names or ([heldout.class_text(c) for c in self.classes] if self.classes else None)}
 
 
 def prepare(data: TrainingData, opts: models.TrainOptions, check=lambda task, n_outputs, pre, rows: None) -> Prepared:
@@ -52,6 +53,9 @@ def prepare(data: TrainingData, opts: models.TrainOptions, check=lambda task, n_
     imputed) and what ``check`` raises."""
     task = opts.task or ("classification" if data.label_kind == "categorical" or data.label_is_integer
                          else "regression")
+    if task == "regression" and opts.test_sampling == "stratified":
+        raise InvalidArgument(f'options.test_sampling "stratified" needs classes, but label column "{data.label}" is '
+                              'a regression target; use "random" or "last", or options.task "classification"')
     y, classes, label_names = encode_labels(data, task)
     train, test = heldout.split_rows(len(y), opts.test_size, opts.sampling(task), opts.seed,
                                      y if task == "classification" else None)

@@ -26,6 +26,12 @@ SAMPLINGS = ("last", "random", "stratified")
 SCORE_NAMES = {"classification": "f1_macro", "regression": "r2"}
 
 
+def class_text(value: float) -> str:
+    """A numeric class label as text, exactly: ``3`` for 3.0, ``1234567`` for 1234567.0 (labels
+    are integers, but read as double precision)."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
 def better_or_equal(new_score: float | None, old_score: float | None) -> bool:
     """Whether ``new_score`` is at least as good as ``old_score``: a missing old score loses to
     anything, a missing new score never beats a present old one."""

@@ -232,7 +232,13 @@ def _fit_categorical(name: str, values: Categories, rule: dict, max_categories: 
         raise InvalidArgument(f'column "{name}" holds a value of {len(too_long):,} characters; a category may have at '
                               f"most {MAX_CATEGORY_CHARS:,}: leave such free text out of the features")
     encode = rule["encode"]
-    if isinstance(encode, dict):                     # ordinal in the order given
+    if isinstance(encode, dict):                     # ordinal in the order given: it names every value
+        missing = sorted({values.values[i] for i in seen} - set(encode["ordinal"]))
+        if missing:
+            raise InvalidArgument(f'column "{name}" holds {", ".join(map(_shown, missing[:5]))}'
+                                  f'{" and more" if len(missing) > 5 else ""} in the training rows, which the ordinal '
+                                  f'order of options.preprocess."{name}".encode does not name; add '
+                                  f'{"them" if len(missing) > 1 else "it"} to the list in its place')
         return Column(name, "categorical", impute, fill, "ordinal", list(encode["ordinal"]), scale=rule["scale"])
     # Categories are counted on the values as the model reads them: a filled NULL is its fill
     # (so a constant such as "missing" becomes a category of its own, not an unseen value).
@@ -330,9 +336,9 @@ class Preprocessor:
             missing = np.isnan(values) if c.kind == "numeric" else values.codes < 0
             if missing.any() and c.fill is None:
                 count = int(missing.sum())
-                raise InvalidArgument(f'column "{c.name}" has {count:,} NULL{"s" if count > 1 else ""} (of {n:,} '
-                                      "rows) and the model does not impute it; filter them in the source, pass "
-                                      "skip_nulls, or train with an impute rule for the column")
+                raise InvalidArgument(f'column "{c.name}" has {count:,} missing value{"s" if count > 1 else ""} '
+                                      f"(NULL or NaN, of {n:,} rows) and the model does not impute it; filter them "
+                                      "(predict_batch: options.skip_nulls), or train with an impute rule for the column")
             if c.kind == "numeric":
                 parts.append(np.where(missing, np.float32(c.fill or 0), values).astype(np.float32).reshape(n, 1))
                 continue
