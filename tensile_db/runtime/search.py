@@ -14,7 +14,8 @@
 - ``halving``: asynchronous successive halving (ASHA; Li et al., "A System for Massively Parallel
   Hyperparameter Tuning", arXiv 1810.05934) with reduction factor 2: a trial reaching a rung
   (an eighth, a quarter and half of its epochs) goes on only if its held-out loss there is in the
-  better half of the losses every trial has reported at that rung so far (:class:`Halving`).
+  better half of the losses every trial of as many epochs has reported at that rung so far
+  (:class:`Halving`, one per epoch count).
 """
 
 from __future__ import annotations
