@@ -209,7 +209,7 @@ def test_shape_array_and_layer_errors_come_before_any_job(conn, images, kwargs, 
     ("(img)[1:7]", r'model "cnn_img" expects 64 values \(input shape \[1, 8, 8\], as in column img\), got 56'),
     ("array_fill(0::real, ARRAY[65])", r"expects 64 values .*, got 65"),
     (f"{FLAT.replace('p4,', '''real 'NaN',''')}", r"features\[5\] \(img\[5\]\) is nan"),
-    (f"{FLAT.replace('p4,', 'NULL,')}", r"features\[5\] is NULL"),
+    (f"{FLAT.replace('p4,', 'NULL,')}", r"features\[5\] \(img\[5\]\) is NULL"),
 ])
 def test_predict_errors_of_a_cnn(conn, cnn, features, message):
     source = "digits_img_test" if features.startswith("(img)") else "digits_keyed_test"
