@@ -181,3 +181,21 @@ COMMENT ON FUNCTION tensile.deploy(text, text) IS
 'metrics score, the higher version on a tie, versions without a score last), most_recent (the highest '
 'version) or rollback (the version of the latest earlier deployment); records it in tensile.deployments '
 'and returns the version';
+
+-- predict_batch gains the class by its name (a text label's value): a new result type.
+DROP FUNCTION tensile.predict_batch(text, text, text, jsonb);
+CREATE FUNCTION tensile.predict_batch(model_name text, source text, key text DEFAULT NULL,
+                                      options jsonb DEFAULT '{}')
+RETURNS TABLE (id bigint, prediction double precision, probabilities real[], label text)
+-- STABLE: every SPI query of one call sees the calling statement's snapshot, so the model row, its
+-- weights and the source are read as of one moment.
+LANGUAGE plpython3u STABLE CALLED ON NULL INPUT PARALLEL UNSAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].predict_batch(plpy, GD, model_name, source, key, options)
+$$;
+COMMENT ON FUNCTION tensile.predict_batch(text, text, text, jsonb) IS
+'Predicts every row of source (a query or table name, read as the calling role) on the coordinator''s '
+'device, streaming batches through the layers with a prefetch window: id (the key column, or the row''s '
+'ordinal), the class label (for a text label, its index in label_names) or value, the class '
+'probabilities and the class by its name, as predict_label gives it (both NULL for regression). '
+'Options: window (integer >= 1 or "all"; default tensile.prefetch_window), batch_size, cache, skip_nulls';

@@ -39,6 +39,7 @@ import numpy as np
 from ..errors import InvalidArgument, ModelNotFound, ProtocolError
 from ..runtime import model as models
 from ..runtime import preprocess
+from ..runtime.metrics import class_text
 from ..runtime.preprocess import Preprocessor
 from ..runtime.weights import load_weights
 from ..settings import MAX_PREDICT_BATCH_ROWS
@@ -94,6 +95,7 @@ class ModelRow:
     feature_names: list[str]
     classes: list[float] | None
     pre: Preprocessor                       # how the raw columns become the network's inputs
+    label_names: list[str] | None = None    # a text label's class names, in label_classes order
 
 
 def parse_options(value) -> BatchOptions:
@@ -117,7 +119,7 @@ def read_model(plpy, GD, name, limits: models.Limits) -> ModelRow:
                pg_catalog.concat_ws('/', d.oid, owner, pg_catalog.to_char(created_at AT TIME ZONE 'UTC',
                                                                          'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')) AS version,
                task, architecture::pg_catalog.text AS architecture, feature_names, label_classes,
-               preprocess::pg_catalog.text AS preprocess
+               preprocess::pg_catalog.text AS preprocess, label_names
         FROM tensile.models, (SELECT oid FROM pg_catalog.pg_database
                               WHERE datname OPERATOR(pg_catalog.=) pg_catalog.current_database()) d
         WHERE name OPERATOR(pg_catalog.=) $1 AND deployed""", ["pg_catalog.text"]), [name])
@@ -131,7 +133,7 @@ def read_model(plpy, GD, name, limits: models.Limits) -> ModelRow:
                                    pre.width)
     limits.check(spec, name)
     return ModelRow(row["id"], row["database"], row["version"], name, spec, architecture, list(row["feature_names"]),
-                    classes, pre)
+                    classes, pre, list(row["label_names"]) if row["label_names"] else None)
 
 
 def _weights(plpy, GD, model: ModelRow) -> dict[str, np.ndarray]:
@@ -201,12 +203,17 @@ def _predictions(model: ModelRow, outputs: np.ndarray) -> np.ndarray:
 
 
 def predict_batch(plpy, GD, model_name, source, key, options):
-    """Rows ``(id, prediction, probabilities)`` for every row of ``source`` that is kept: the
-    class label and the class probabilities in ``label_classes`` order for a classifier; the
-    value and NULL for a regression model."""
+    """Rows ``(id, prediction, probabilities, label)`` for every row of ``source`` that is kept:
+    for a classifier the class label (a text label's index), the class probabilities in
+    ``label_classes`` order and the class by its name (as ``predict_label`` gives it); for a
+    regression model the value, NULL and NULL."""
     model, ids, outputs = _predict(plpy, GD, model_name, source, key, options)
-    probabilities = (row.tolist() for row in outputs) if model.classes else itertools.repeat(None)
-    return zip(ids.tolist(), _predictions(model, outputs).tolist(), probabilities)    # rows made as PostgreSQL asks
+    if not model.classes:
+        none = itertools.repeat(None)
+        return zip(ids.tolist(), _predictions(model, outputs).tolist(), none, none)
+    names = model.label_names or [class_text(c) for c in model.classes]
+    labels = (names[i] for i in outputs.argmax(axis=1).tolist())
+    return zip(ids.tolist(), _predictions(model, outputs).tolist(), (row.tolist() for row in outputs), labels)
 
 
 def _target(plpy, GD, target) -> str:
