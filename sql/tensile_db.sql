@@ -368,7 +368,8 @@ CREATE FUNCTION tensile.memory_status(
     OUT inference_calls integer, OUT inference_bytes bigint, OUT weight_cache_bytes bigint,
     OUT weight_loads bigint, OUT weight_cache_hits bigint, OUT weight_cache_evictions bigint,
     OUT per_job jsonb, OUT started_at timestamptz,
-    OUT compactions bigint, OUT compacted_bytes bigint, OUT served_models integer, OUT served_host_bytes bigint)
+    OUT compactions bigint, OUT compacted_bytes bigint, OUT served_models integer, OUT served_host_bytes bigint,
+    OUT rss_bytes bigint, OUT peak_rss_bytes bigint)
 RETURNS SETOF record
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$
 if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
@@ -387,7 +388,8 @@ COMMENT ON FUNCTION tensile.memory_status() IS
 'too), layer loads host to device, '
 'layer uses served from the cache, and cached layers evicted for room; per_job names models only as '
 'tensile.job_status does; and the arena compactions made and the bytes they moved, the model versions '
-'served from host memory and their bytes';
+'served from host memory and their bytes; and the coordinator process''s resident set and its high-water '
+'mark (from /proc), which on a CPU host the device budget does not bound';
 CREATE VIEW tensile.memory AS SELECT * FROM tensile.memory_status();
 GRANT SELECT ON tensile.memory TO PUBLIC;
 COMMENT ON VIEW tensile.memory IS
@@ -395,7 +397,7 @@ COMMENT ON VIEW tensile.memory IS
 'bandwidths, plans made, predicted peak and extra time; the planned pool: state, region, lookups, '
 'mismatches, planned arena against its lower bound and the general pool; batch inference: running '
 'calls, their bytes, the weight cache''s bytes, loads, hits and evictions; compactions and the models '
-'served from host memory';
+'served from host memory; the coordinator''s resident set';
 
 CREATE FUNCTION tensile.start_coordinator() RETURNS integer
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$

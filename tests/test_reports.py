@@ -74,3 +74,26 @@ def test_the_memory_view_shows_the_figures_that_were_dropped(conn):
     row = conn.execute("SELECT compactions, compacted_bytes, served_models, served_host_bytes, device, started_at "
                        "FROM tensile.memory").fetchone()
     assert all(isinstance(v, int) and v >= 0 for v in row[:4]) and row[4] == "cpu" and row[5] is not None
+
+
+def test_the_resident_set_is_read_from_proc():
+    import numpy as np_
+
+    from tensile_db.coordinator.address import resident_set
+
+    rss, peak = resident_set()
+    block = np_.ones(64 << 20, dtype=np_.uint8)              # 64 MiB touched: the resident set grows
+    grown, peak_after = resident_set()
+    assert 0 < rss <= peak and grown >= rss + (48 << 20) and peak_after >= grown
+    del block
+    assert resident_set("no-such-process") == (0, 0)
+
+
+@pytest.mark.db
+def test_the_memory_view_shows_the_coordinators_resident_set(conn):
+    conn.execute("SELECT tensile.start_coordinator()")
+    rss, peak, pid = conn.execute("SELECT rss_bytes, peak_rss_bytes, tensile.start_coordinator() FROM tensile.memory"
+                                  ).fetchone()
+    with open(f"/proc/{pid}/status") as f:
+        vm_hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    assert 10 << 20 < rss <= peak <= vm_hwm                  # a Python process with NumPy: tens of MB

@@ -77,6 +77,23 @@ def coordinator_state(socket_dir: str) -> str:
     return f"pid {pid}, {_PROCESS_STATES.get(letter, 'state ' + letter)}"
 
 
+def resident_set(pid: int | str = "self") -> tuple[int, int]:
+    """``(rss, peak)``: the resident set of process ``pid`` and its high-water mark, bytes
+    (``VmRSS`` and ``VmHWM`` of ``/proc/<pid>/status``; 0 where the kernel does not say). On a CPU
+    host this is the memory the device budget does not bound: host copies, the jobs' rows, the
+    served models, the Python heap."""
+    values = {"VmRSS": 0, "VmHWM": 0}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in values:
+                    values[key] = int(rest.split()[0]) * 1024          # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return values["VmRSS"], values["VmHWM"]
+
+
 def process_running(pid: int) -> bool:
     """Whether process ``pid`` exists and has not exited (a zombie, exited but not yet reaped by
     its parent, has)."""

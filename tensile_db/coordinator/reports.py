@@ -86,6 +86,8 @@ class MemoryRow:
     compacted_nbytes: int               # bytes they moved
     served_models: int                  # model versions the coordinator serves from host memory
     served_host_nbytes: int             # their host bytes
+    rss_nbytes: int                     # the coordinator process's resident set (VmRSS), bytes
+    peak_rss_nbytes: int                # its high-water mark (VmHWM), bytes
 
 
 def sql_name(record: type, field: str) -> str:

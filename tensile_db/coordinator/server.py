@@ -38,7 +38,7 @@ from ..memory.manager import MemoryManager
 from ..runtime import model as models
 from ..runtime.device import Device
 from . import protocol, reports
-from .address import LOCK_NAME, SOCKET_NAME, secure_dir, socket_address
+from .address import LOCK_NAME, SOCKET_NAME, resident_set, secure_dir, socket_address
 from .executor import Executor
 from .training import TrainingService
 
@@ -180,7 +180,8 @@ class Coordinator:
         return reports.MemoryRow(
             **snap, **self.executor.describe(), **self.inference.describe(), per_job=per_job,
             started_at=self.started_at, running_jobs=sum(j.state.value == "running" for j in jobs.values()),
-            queued_jobs=sum(j.state.value == "queued" for j in jobs.values()))
+            queued_jobs=sum(j.state.value == "queued" for j in jobs.values()),
+            **dict(zip(("rss_nbytes", "peak_rss_nbytes"), resident_set())))
 
     def _predict(self, conn, header: dict, arrays: dict) -> None:
         """One ``predict`` call, run on this connection's thread (see the module docstring)."""
