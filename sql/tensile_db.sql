@@ -275,7 +275,7 @@ COMMENT ON FUNCTION tensile.predict_label(text, record) IS
 
 CREATE FUNCTION tensile.predict_batch(model_name text, source text, key text DEFAULT NULL,
                                       options jsonb DEFAULT '{}')
-RETURNS TABLE (id bigint, prediction double precision, probabilities real[], label text)
+RETURNS TABLE (id bigint, prediction double precision, probabilities real[], class_name text)
 -- STABLE: every SPI query of one call sees the calling statement's snapshot, so the model row, its
 -- weights and the source are read as of one moment.
 LANGUAGE plpython3u STABLE CALLED ON NULL INPUT PARALLEL UNSAFE AS $$
@@ -286,7 +286,7 @@ COMMENT ON FUNCTION tensile.predict_batch(text, text, text, jsonb) IS
 'Predicts every row of source (a query or table name, read as the calling role) on the coordinator''s '
 'device, streaming batches through the layers with a prefetch window: id (the key column, or the row''s '
 'ordinal), the class label (for a text label, its index in label_names) or value, the class '
-'probabilities and the class by its name, as predict_label gives it (both NULL for regression). '
+'probabilities and class_name, the class by its name as predict_label gives it (both NULL for regression). '
 'Options: window (integer >= 1 or "all"; default tensile.prefetch_window), batch_size, cache, skip_nulls';
 
 CREATE PROCEDURE tensile.predict_into(model_name text, source text, target text, key text DEFAULT NULL,

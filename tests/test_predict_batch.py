@@ -127,12 +127,12 @@ def test_regression(conn, batch_models):
     assert [r[0] for r in sorted(rows)] == [i for i, _ in expected]
     assert np.allclose([r[1] for r in sorted(rows)], [v for _, v in expected], rtol=1e-5, atol=1e-5)   # float32 sums in another order
     assert all(r[2] is None for r in rows)
-    assert conn.execute("SELECT count(*) FROM tensile.predict_batch('b_reg', 'b_reg_src') WHERE label IS NOT NULL"
+    assert conn.execute("SELECT count(*) FROM tensile.predict_batch('b_reg', 'b_reg_src') WHERE class_name IS NOT NULL"
                         ).fetchone()[0] == 0
 
 
-def test_the_label_column_names_the_class_as_predict_label_does(conn, batch_models):
-    rows = conn.execute("SELECT b.label, tensile.predict_label('b_clf', s), b.prediction FROM b_src s "
+def test_the_class_name_column_names_the_class_as_predict_label_does(conn, batch_models):
+    rows = conn.execute("SELECT b.class_name, tensile.predict_label('b_clf', s), b.prediction FROM b_src s "
                         "JOIN tensile.predict_batch('b_clf', 'b_src', key => 'id') b USING (id)").fetchall()
     assert rows and all(label == single == str(int(prediction)) for label, single, prediction in rows)
 

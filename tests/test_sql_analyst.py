@@ -95,7 +95,7 @@ def test_categorical_columns_are_one_hot_encoded_and_imputed(conn, shop):
     assert by_row == by_batch
     labels = [r[0] for r in conn.execute("SELECT tensile.predict_label('a_shop', s) FROM shop s ORDER BY id")]
     assert labels == [["no", "yes"][int(p)] for _, p in by_row]
-    assert labels == [r[0] for r in conn.execute("SELECT label FROM tensile.predict_batch('a_shop', "
+    assert labels == [r[0] for r in conn.execute("SELECT class_name FROM tensile.predict_batch('a_shop', "
                                                  "'SELECT id, region, tier, member, spend, code FROM shop', "
                                                  "key => 'id') ORDER BY id")]
     truth = [r[0] for r in conn.execute("SELECT label FROM shop ORDER BY id")]

@@ -203,7 +203,7 @@ def _predictions(model: ModelRow, outputs: np.ndarray) -> np.ndarray:
 
 
 def predict_batch(plpy, GD, model_name, source, key, options):
-    """Rows ``(id, prediction, probabilities, label)`` for every row of ``source`` that is kept:
+    """Rows ``(id, prediction, probabilities, class_name)`` for every row of ``source`` that is kept:
     for a classifier the class label (a text label's index), the class probabilities in
     ``label_classes`` order and the class by its name (as ``predict_label`` gives it); for a
     regression model the value, NULL and NULL."""
