@@ -7,9 +7,10 @@ the extension, stratified, seed 0), run three ways:
 
 - ``parallel 8``: the 8 trials as 8 concurrent jobs on the coordinator,
 - ``parallel 1``: the same 8 trials one after another,
+- ``parallel 8, halving``: the same with successive halving (the worse half stopped at each rung),
 - a reference: ``parallel 8`` with room for every trial at once (twice the sum of their peaks),
 
-the first two with ``tensile.device_budget`` below the sum of the 8 trials' unscheduled (vanilla)
+the first three with ``tensile.device_budget`` below the sum of the 8 trials' unscheduled (vanilla)
 peaks and above the largest one, so that training them at once must swap while any one alone fits.
 The peaks are computed as the coordinator computes them
 (:func:`tensile_db.runtime.builder.build_training_program`) and checked afterwards against the
@@ -40,7 +41,6 @@ import sys
 import time
 
 from sqlalchemy import create_engine, text
-from sqlalchemy.exc import DBAPIError
 from tabulate import tabulate
 
 import cnn
@@ -60,15 +60,16 @@ LRS = [0.001, 0.003]
 BUDGET_FRACTION = 0.4
 #: The reference mode's budget, as a multiple of that sum: room for every trial at once.
 ROOMY_FRACTION = 2.0
-#: mode -> (trials at a time, budget as a fraction of the sum of the trials' unscheduled peaks)
-MODES = {"parallel 8": (8, BUDGET_FRACTION), "parallel 1": (1, BUDGET_FRACTION),
-         "parallel 8, roomy budget (reference)": (8, ROOMY_FRACTION)}
+#: mode -> (trials at a time, budget as a fraction of the sum of the trials' unscheduled peaks, halving)
+MODES = {"parallel 8": (8, BUDGET_FRACTION, False), "parallel 1": (1, BUDGET_FRACTION, False),
+         "parallel 8, halving": (8, BUDGET_FRACTION, True),
+         "parallel 8, roomy budget (reference)": (8, ROOMY_FRACTION, False)}
 
 
-def options(epochs: int, parallel: int) -> dict:
+def options(epochs: int, parallel: int, halving: bool = False) -> dict:
     return {"epochs": epochs, "batch_size": 128, "optimizer": "adam", "seed": 0, "test_size": TEST_SIZE,
             "replace": True, "search": {"method": "grid", "params": {"lr": LRS, "layers": LAYERS},
-                                        "parallel": parallel}}
+                                        "parallel": parallel, "halving": halving}}
 
 
 def unscheduled_peaks(epochs: int, n_rows: int) -> list[int]:
@@ -83,27 +84,17 @@ def unscheduled_peaks(epochs: int, n_rows: int) -> list[int]:
     return peaks
 
 
-def restart_coordinator(engine, timeout_s: float = 30.0) -> None:
-    """Stop the coordinator, wait until it no longer answers (``tensile.stop_coordinator`` returns
-    once it has been asked, not once it has gone), and start a fresh one."""
+def restart_coordinator(engine) -> None:
+    """Stop the coordinator (``tensile.stop_coordinator`` returns once its process has exited) and
+    start a fresh one."""
     with engine.begin() as conn:
         conn.execute(text("SELECT tensile.stop_coordinator()"))
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with engine.connect() as conn:
-                if conn.execute(text("SELECT count(*) FROM tensile.memory")).scalar_one() == 0:
-                    break
-        except DBAPIError:          # the old one closing while it was asked
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the coordinator still answers {timeout_s:.0f} s after it was asked to stop")
-        time.sleep(0.1)
     with engine.begin() as conn:
         conn.execute(text("SELECT tensile.start_coordinator()"))
 
 
-def run(cluster, engine, client: TensileClient, name: str, epochs: int, parallel: int, budget: int) -> dict:
+def run(cluster, engine, client: TensileClient, name: str, epochs: int, parallel: int, budget: int,
+        halving: bool) -> dict:
     """One search on a fresh coordinator with a device budget of ``budget`` bytes: wall s of the
     CALL, the coordinator's peak and budget bytes, and the stored versions' trials, scores,
     vanilla peaks and bytes swapped out."""
@@ -113,7 +104,7 @@ def run(cluster, engine, client: TensileClient, name: str, epochs: int, parallel
     notices: list[str] = []
     started = time.perf_counter()
     client.train(name, "SELECT * FROM digits_train", "label", architecture={"layers": LAYERS[0]},
-                 options=options(epochs, parallel), on_notice=notices.append)
+                 options=options(epochs, parallel, halving), on_notice=notices.append)
     wall_s = time.perf_counter() - started
     memory = client.memory()
     versions = [v for v in client.models() if v["name"] == name]
@@ -122,7 +113,8 @@ def run(cluster, engine, client: TensileClient, name: str, epochs: int, parallel
             "trials": len(versions), "failed": [n for n in notices if "failed" in n],
             "best_score": max(v["score"] for v in versions),
             "vanilla_peaks": sorted(v["metrics"]["vanilla_peak_nbytes"] for v in versions),
-            "swapped_out_nbytes": sum(v["metrics"]["swapped_out_nbytes"] for v in versions)}
+            "swapped_out_nbytes": sum(v["metrics"]["swapped_out_nbytes"] for v in versions),
+            "stopped": sum(v["metrics"].get("stopped") == "halving" for v in versions)}
 
 
 def spread(values, fmt: str) -> str:
@@ -142,27 +134,28 @@ def main() -> int:
         n_source = load_digits_tables(engine)
         n_rows = n_source - math.ceil(TEST_SIZE * n_source)      # the rows left after the held-out ones
         peaks = unscheduled_peaks(args.epochs, n_rows)
-        budgets = {mode: int(fraction * sum(peaks)) for mode, (_, fraction) in MODES.items()}
+        budgets = {mode: int(fraction * sum(peaks)) for mode, (_, fraction, _) in MODES.items()}
         if not max(peaks) < budgets["parallel 8"] < sum(peaks):
             raise SystemExit(f"budget {budgets['parallel 8']:,} is not between the largest trial's peak "
                              f"{max(peaks):,} and their sum {sum(peaks):,}; change BUDGET_FRACTION")
         for r in range(args.repeats):
             for mode in list(MODES) if r % 2 == 0 else list(MODES)[::-1]:
-                parallel = MODES[mode][0]
+                parallel, _, halving = MODES[mode]
                 runs[mode].append(run(cluster, engine, client, f"digits_search_{parallel}", args.epochs, parallel,
-                                      budgets[mode]))
+                                      budgets[mode], halving))
         device = client.memory()["device"]
         engine.dispose()
 
     rows, checks = [], {}
-    for mode, (parallel, _) in MODES.items():
+    for mode, (parallel, _, _) in MODES.items():
         ms = runs[mode]
         vanilla = sum(peaks) if parallel == len(peaks) else max(peaks)
         peak = max(m["peak_nbytes"] for m in ms)
         rows.append([mode, spread([m["wall_s"] for m in ms], ".1f"), f"{peak:,}", f"{ms[0]['budget_nbytes']:,}",
                      f"{vanilla:,}", f"{1 - peak / vanilla:.0%}",
                      f"{statistics.median(m['swapped_out_nbytes'] for m in ms):,}",
-                     spread([m["best_score"] for m in ms], ".3f"), f"{min(m['trials'] for m in ms)} / {len(peaks)}"])
+                     spread([m["best_score"] for m in ms], ".3f"), f"{min(m['trials'] for m in ms)} / {len(peaks)}",
+                     str(statistics.median(m["stopped"] for m in ms))])
         checks[f"{mode}: every trial of every run finished (8 versions stored, none failed)"] = all(
             m["trials"] == len(peaks) and not m["failed"] for m in ms)
         checks[f"{mode}: the peak stayed within the budget"] = all(
@@ -172,11 +165,11 @@ def main() -> int:
     print("# Hyperparameter search from SQL: 8 trials at once against one after another, measured on this machine\n")
     print(tabulate(rows, headers=["mode", "wall s median [min, max]", "peak device bytes (max)", "budget bytes",
                                   "unscheduled peak bytes", "MSR", "swapped out bytes (median)",
-                                  "best held-out F1 macro", "trials finished"],
-                   tablefmt="github", disable_numparse=True, colalign=("left",) + ("right",) * 8))
+                                  "best held-out F1 macro", "trials stored", "stopped by halving (median)"],
+                   tablefmt="github", disable_numparse=True, colalign=("left",) + ("right",) * 9))
     print()
     alone = [m["wall_s"] for m in runs["parallel 1"]]
-    for mode in ("parallel 8", "parallel 8, roomy budget (reference)"):
+    for mode in ("parallel 8", "parallel 8, halving", "parallel 8, roomy budget (reference)"):
         together = [m["wall_s"] for m in runs[mode]]
         speedups = [a / t for a, t in zip(alone, together)]
         # Paired by repeat, as the runs were interleaved: decided only when every repeat agrees.
