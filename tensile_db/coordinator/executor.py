@@ -94,13 +94,17 @@ class Executor:
         self.scheduler.close()
         self.manager.close()
 
-    def submit(self, job: TrainingJob) -> None:
-        """Queue a job. Raises DeviceOutOfMemory if even its smallest working set cannot fit."""
+    def check_fits(self, job: TrainingJob) -> None:
+        """Raise DeviceOutOfMemory if even the job's smallest working set cannot fit the budget."""
         need = job.min_working_set_nbytes
         if need > self.manager.budget_nbytes:
             raise DeviceOutOfMemory(need, self.manager.in_use_nbytes, self.manager.budget_nbytes,
                                     f"the largest operator of model {job.info.model_name!r} "
                                     f"(batch {job.batch})")
+
+    def submit(self, job: TrainingJob) -> None:
+        """Queue a job. Raises DeviceOutOfMemory if even its smallest working set cannot fit."""
+        self.check_fits(job)
         job.policy = self.scheduler.policy
         with self._cond:
             self.queued.append(job)

@@ -128,10 +128,8 @@ class TrainingService:
             jobs.append(self._job(header, data, t.get("architecture"), t.get("options"), f"{name} trial {i + 1}",
                                   jobs[0] if jobs else None))
         searching.check_weights_nbytes(sum(searching.weights_nbytes(j.spec) for j in jobs), len(jobs), self.limits)
-        for job in jobs:                           # admission: each must fit the budget alone
-            need = job.min_working_set_nbytes
-            if need > self.executor.manager.budget_nbytes:
-                self.executor.submit(job)          # raises DeviceOutOfMemory naming the trial
+        for job in jobs:                           # admission, before any starts: each must fit the budget alone
+            self.executor.check_fits(job)
         if header.get("halving"):              # decided at each epoch's end, on the executor's one thread
             halvings = {}                      # trials of one epoch count are compared at its rungs
             for job in jobs:
