@@ -161,6 +161,8 @@ class TrainingJob:
                 self.tensors[name] = mm.adopt(self.id, name, slot.kind, value)
         rng = np.random.default_rng(self.options.seed)
         ctx = StepContext(device)
+        patience = self.options.patience
+        current = None                                  # host copy of the weights after the last epoch
         for epoch in range(1, self.options.epochs + 1):
             order = rng.permutation(len(self.x))
             loss_sum = 0.0
@@ -190,25 +192,26 @@ class TrainingJob:
                 current = {name: mm.to_host(self.tensors[name]) for name in weights}
                 record["val_loss"] = self.validation_loss(current)
                 if self.best_epoch is None or record["val_loss"] < self.history[self.best_epoch - 1]["val_loss"]:
-                    self.best_epoch, best = epoch, current
+                    self.best_epoch = epoch
+                    best = current if patience is not None else None     # kept only for early stopping
             self.history.append(record)
             mem = mm.jobs[self.id]
             self.events.put(("progress", {
                 **record, "epochs": self.options.epochs,
                 "device_nbytes": mem.device_nbytes, "peak_nbytes": mem.peak_nbytes,
                 "swapped_out_nbytes": mem.swapped_out_nbytes}))
-            patience = self.options.patience
-            if epoch == self.options.epochs:
-                pass
-            elif patience is not None and self.best_epoch is not None and epoch - self.best_epoch >= patience:
-                self.stopped = "patience"
-            elif self.stop_requested.is_set() or (self.keep_going is not None and "val_loss" in record
-                                                  and not self.keep_going(epoch, record["val_loss"])):
-                self.stopped = "halving"
+            if epoch < self.options.epochs:
+                if patience is not None and self.best_epoch is not None and epoch - self.best_epoch >= patience:
+                    self.stopped = "patience"
+                elif self.stop_requested.is_set() or (self.keep_going is not None and "val_loss" in record
+                                                      and not self.keep_going(epoch, record["val_loss"])):
+                    self.stopped = "halving"
             if self.stopped:
                 break
-        if self.options.patience is not None and self.best_epoch is not None:
+        if patience is not None and self.best_epoch is not None:
             result = best                         # early stopping keeps the best epoch's weights
+        elif current is not None:
+            result = current                      # the last epoch's, copied for its held-out loss
         else:
             result = {name: mm.to_host(self.tensors[name]) for name in weights}
         result.update(self.scaling)
