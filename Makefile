@@ -38,6 +38,8 @@ bench: $(VENV)/.bench-deps package extension
 	$(PY) bench/inference.py
 	$(PY) bench/fairness.py
 	$(PY) bench/load.py
+	$(PY) bench/spill.py
+	$(PY) bench/disk_layering.py
 	$(PY) bench/accuracy.py
 	$(PY) bench/search.py
 

@@ -200,7 +200,35 @@ COMMENT ON FUNCTION tensile.predict_batch(text, text, text, jsonb) IS
 'probabilities and class_name, the class by its name as predict_label gives it (both NULL for regression). '
 'Options: window (integer >= 1 or "all"; default tensile.prefetch_window), batch_size, cache, skip_nulls';
 
--- tensile.memory gains the coordinator's resident set: a new result type.
+-- tensile.jobs gains each job's bytes in the disk tier: a new result type.
+DROP VIEW tensile.jobs;
+DROP FUNCTION tensile.job_status();
+CREATE FUNCTION tensile.job_status(
+    OUT job_id integer, OUT backend_pid integer, OUT role text, OUT model_name text, OUT state text,
+    OUT epoch integer, OUT epochs integer, OUT loss double precision,
+    OUT device_bytes bigint, OUT peak_device_bytes bigint, OUT vanilla_peak_bytes bigint,
+    OUT swapped_out_bytes bigint, OUT swapped_in_bytes bigint, OUT host_bytes bigint, OUT disk_bytes bigint,
+    OUT policy text, OUT schedule text, OUT planned_swap_ins bigint, OUT passive_swap_ins bigint,
+    OUT recomputes bigint,
+    OUT created_at timestamptz, OUT started_at timestamptz)
+RETURNS SETOF record
+LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$
+if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
+return GD["tensile"].jobs(plpy, GD)
+$$;
+COMMENT ON FUNCTION tensile.job_status() IS
+'Live jobs of every backend, from the coordinator (role, model_name and loss only for jobs of roles the '
+'caller is a member of, or for superusers and pg_monitor): progress, device and swapped bytes, the bytes '
+'held in host memory and in the disk tier (its spill file), the scheduler '
+'policy, whether the job runs on a plan (schedule: cold start, planned or reactive), and its counts of '
+'planned swap-ins, passive (unplanned) swap-ins and recomputes';
+CREATE VIEW tensile.jobs AS SELECT * FROM tensile.job_status();
+GRANT SELECT ON tensile.jobs TO PUBLIC;
+COMMENT ON VIEW tensile.jobs IS
+'Live training jobs of every backend: state, epoch, loss, device, swapped, host and disk bytes, policy, schedule, '
+'planned and passive swap-ins, recomputes';
+
+-- tensile.memory gains the coordinator's resident set and the tiers under the device: a new result type.
 DROP VIEW tensile.memory;
 DROP FUNCTION tensile.memory_status();
 CREATE FUNCTION tensile.memory_status(
@@ -216,7 +244,11 @@ CREATE FUNCTION tensile.memory_status(
     OUT weight_loads bigint, OUT weight_cache_hits bigint, OUT weight_cache_evictions bigint,
     OUT per_job jsonb, OUT started_at timestamptz,
     OUT compactions bigint, OUT compacted_bytes bigint, OUT served_models integer, OUT served_host_bytes bigint,
-    OUT rss_bytes bigint, OUT peak_rss_bytes bigint)
+    OUT rss_bytes bigint, OUT peak_rss_bytes bigint,
+    OUT host_budget_bytes bigint, OUT host_used_bytes bigint, OUT host_peak_bytes bigint,
+    OUT host_cache_bytes bigint, OUT disk_bytes bigint, OUT spill_file_bytes bigint,
+    OUT disk_read_bytes_per_s double precision, OUT disk_write_bytes_per_s double precision,
+    OUT served_file_bytes bigint)
 RETURNS SETOF record
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$
 if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
@@ -235,8 +267,13 @@ COMMENT ON FUNCTION tensile.memory_status() IS
 'too), layer loads host to device, '
 'layer uses served from the cache, and cached layers evicted for room; per_job names models only as '
 'tensile.job_status does; and the arena compactions made and the bytes they moved, the model versions '
-'served from host memory and their bytes; and the coordinator process''s resident set and its high-water '
-'mark (from /proc), which on a CPU host the device budget does not bound';
+'open (their layers read from their files) and the host bytes the model store holds (scaling arrays, read '
+'buffers in use); and the coordinator process''s resident set and its high-water '
+'mark (from /proc), which on a CPU host the device budget does not bound; and the tiers under the '
+'device: the host budget (tensile.host_budget), the host bytes in use (swapped-out copies, copies in '
+'flight and cached model layers) and their high-water mark, the cached layers'' bytes, the bytes in the '
+'disk tier and the extent of the spill files, the spill directory''s read and write bandwidth measured '
+'at start (bytes per second), and the bytes of the served models'' files';
 CREATE VIEW tensile.memory AS SELECT * FROM tensile.memory_status();
 GRANT SELECT ON tensile.memory TO PUBLIC;
 COMMENT ON VIEW tensile.memory IS
@@ -244,4 +281,5 @@ COMMENT ON VIEW tensile.memory IS
 'bandwidths, plans made, predicted peak and extra time; the planned pool: state, region, lookups, '
 'mismatches, planned arena against its lower bound and the general pool; batch inference: running '
 'calls, their bytes, the weight cache''s bytes, loads, hits and evictions; compactions and the models '
-'served from host memory; the coordinator''s resident set';
+'open; the coordinator''s resident set; the host budget, host and disk tier bytes, '
+'spill files, disk bandwidths and model files';

@@ -19,6 +19,10 @@ POOLS = ("planned", "general")
 
 DEFAULT_DEVICE = "cpu"                 # tensile.device
 DEFAULT_BUDGET_NBYTES = 1 << 30        # tensile.device_budget, bytes
+DEFAULT_HOST_BUDGET_NBYTES = 1 << 30   # tensile.host_budget, bytes: swapped-out copies in host memory
+#: tensile.spill_dir when it is not set: the disk tier's files go under the coordinator's
+#: directory in the cluster's data directory.
+DEFAULT_SPILL_SUBDIR = "spill"
 DEFAULT_MAX_ACTIVE_JOBS = 8            # tensile.max_active_jobs
 DEFAULT_POLICY = POLICIES[0]           # tensile.policy: tensile
 DEFAULT_POOL = POOLS[0]                # tensile.pool: planned

@@ -3,10 +3,11 @@ forward pass and across prefetch windows, for MLPs and for convolutional network
 block and a concatenation; the window's memory bound and the exact size of a step; the weight
 cache and its eviction order, cancellation, a failing node, model replacement, admission by
 footprint, and several calls at once with a training job under one budget (no two blocks share a
-byte, nothing exceeds the budget)."""
+byte, nothing exceeds the budget). The model files themselves are tests/test_model_files.py's."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -16,6 +17,7 @@ import pytest
 from tensile_db.coordinator.executor import Executor
 from tensile_db.errors import CorruptModel, DeviceOutOfMemory, InvalidArgument, JobCancelled
 from tensile_db.inference import INFERENCE_JOB, layered
+from tensile_db.inference.files import file_name
 from tensile_db.inference.service import InferenceService
 from tensile_db.memory.arena import round_up
 from tensile_db.memory.manager import MemoryManager, Residency
@@ -278,10 +280,10 @@ def test_the_weight_cache_serves_a_second_call_and_gives_way_first():
     assert mm.jobs[INFERENCE_JOB].cache_evictions > 0
     assert mm.cache_nbytes() < cached
     assert mm.jobs[7].swap_outs == 0 and kept.residency is Residency.DEVICE
-    assert all(t.host is not None for t in mm.tensors(INFERENCE_JOB))        # every layer kept its host copy
+    assert all(t.source is not None for t in mm.tensors(INFERENCE_JOB))      # every layer is read again from its file
     mm.unpin([big])
     mm.release_job(7)
-    third, _ = predict(svc, 1, spec, w, x, window=1)         # reloaded from the kept host copies
+    third, _ = predict(svc, 1, spec, w, x, window=1)         # reloaded (the manager's host cache or the file)
     assert np.array_equal(first, third)
     mm.close()
 
@@ -316,6 +318,7 @@ def test_bad_calls_are_refused_with_the_value_named():
     broken = dict(w, W2=w["W2"][:, :3])
     with pytest.raises(CorruptModel, match=r"W2 must be a float array of shape \(64, 128\)"):
         svc.store.add(2, "v1", "broken", spec, broken)
+    assert os.listdir(svc.store.files.directory) == [file_name(1, "v1")]     # none for the refused model
     assert svc.store.get(1, "v1").users == 0
     assert svc.manager.jobs[INFERENCE_JOB].device_nbytes == svc.manager.cache_nbytes()
     svc.manager.close()

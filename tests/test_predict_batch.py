@@ -1,13 +1,16 @@
 """Batch inference from SQL against a real cluster: tensile.predict_batch and tensile.predict_into.
 
 Rows and ids, agreement with the row-by-row tensile.predict / predict_proba, identical outputs for
-every prefetch window, the weight cache, the errors with their SQLSTATEs, NULL handling, writing
+every prefetch window, the weight cache, the coordinator's model files (served after a restart,
+read again from the registry when corrupt), the errors with their SQLSTATEs, NULL handling, writing
 into a table, privileges, concurrent calls beside a training job under one budget, a model
 replaced while it is used, and cancellation."""
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import threading
 import time
 
@@ -17,6 +20,9 @@ import pytest
 
 from conftest import TEST_BUDGET
 from test_sql import FEATURES, running, train, train_in_background, wait_until
+from tensile_db.coordinator.address import socket_dir_for
+from tensile_db.inference import files
+from tensile_db.inference.files import file_name
 from tensile_db.runtime import model as models
 from tensile_db.runtime.weights import serialize_weights
 
@@ -313,6 +319,50 @@ def test_roles_predict_only_what_they_may_select_with_models_they_may_see(conn, 
         assert error.sqlstate == "42704" and 'model "b_clf" does not exist' in str(error)
         assert sorted(predict_batch(r, "b_readers", key="id")) == sorted(predict_batch(conn, "b_clf", key="id"))
     conn.execute("DELETE FROM tensile.models WHERE name = 'b_readers'")
+
+
+# --- the coordinator's model files ---------------------------------------------------------------
+
+
+def model_file(conn, cluster, name) -> str:
+    """The path of the coordinator's file of the deployed version of ``name``."""
+    model_id, version = conn.execute(
+        "SELECT id, concat_ws('/', d.oid, owner, to_char(created_at AT TIME ZONE 'UTC', "
+        "'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')) FROM tensile.models, "
+        "(SELECT oid FROM pg_database WHERE datname = current_database()) d WHERE name = %s AND deployed",
+        (name,)).fetchone()
+    return os.path.join(socket_dir_for(str(cluster.data_dir)), "models", file_name(model_id, version))
+
+
+def test_a_restarted_coordinator_serves_from_the_model_file_and_reads_a_corrupt_one_again(conn, cluster,
+                                                                                           batch_models):
+    expected = predict_batch(conn, "b_clf", key="id")
+    path = model_file(conn, cluster, "b_clf")
+    written = os.stat(path)
+    assert stat.S_IMODE(written.st_mode) == 0o600 and stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    on_disk = sum(os.path.getsize(os.path.join(os.path.dirname(path), n)) for n in os.listdir(os.path.dirname(path)))
+    assert memory(conn, "served_models")[0] >= 1 and memory(conn, "served_file_bytes")[0] == on_disk
+
+    conn.execute("SELECT tensile.stop_coordinator()")
+    assert predict_batch(conn, "b_clf", key="id") == expected
+    served = os.stat(path)                        # the new coordinator read the file: no weights were sent
+    assert (served.st_ino, served.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+
+    conn.execute("SELECT tensile.stop_coordinator()")        # nothing cached: the next call reads the file
+    with open(path, "rb") as f:
+        original = f.read()
+    _, _, body_nbytes, _, _ = files.PREFIX.unpack(original[:files.PREFIX.size])
+    first_layer = json.loads(original[files.PREFIX.size:files.PREFIX.size + body_nbytes])["layers"][0][0]
+    with open(path, "r+b") as f:                  # a float's exponent in the first layer
+        f.seek(first_layer + 3)
+        f.write(bytes([original[first_layer + 3] ^ 0x40]))
+    conn.notices.clear()
+    assert predict_batch(conn, "b_clf", key="id") == expected
+    assert any("copy of model 'b_clf' was corrupt" in n and "layer 0" in n for n in conn.notices), conn.notices
+    with open(path, "rb") as f:
+        assert f.read() == original               # rewritten from the registry's weights
+    assert not [n for n in os.listdir(os.path.dirname(path)) if n.startswith(files.TEMP_PREFIX)]
+    assert_no_call_left(conn)
 
 
 # --- tensile.memory -------------------------------------------------------------------------------

@@ -221,11 +221,11 @@ def columns(conn, view):
                         (view,)).fetchall()
 
 
-def test_jobs_view_has_the_scheduler_columns_after_host_bytes(conn):
+def test_jobs_view_has_the_disk_bytes_and_the_scheduler_columns_after_host_bytes(conn):
     names = [c for c, _ in columns(conn, "jobs")]
     at = names.index("host_bytes")
-    assert columns(conn, "jobs")[at + 1:at + 6] == [
-        ("policy", "text"), ("schedule", "text"), ("planned_swap_ins", "bigint"), ("passive_swap_ins", "bigint"),
+    assert columns(conn, "jobs")[at + 1:at + 7] == [
+        ("disk_bytes", "bigint"), ("policy", "text"), ("schedule", "text"), ("planned_swap_ins", "bigint"), ("passive_swap_ins", "bigint"),
         ("recomputes", "bigint")]
 
 

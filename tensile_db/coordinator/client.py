@@ -33,7 +33,8 @@ from .address import LOG_NAME, SOCKET_NAME, coordinator_state, secure_dir, socke
 
 @dataclass(frozen=True)
 class StartSpec:
-    """How to start a coordinator: interpreter, device, budget (bytes), admission limit, scheduler
+    """How to start a coordinator: interpreter, device, budget (bytes), host budget (bytes) and
+    the spill directory of the disk tier under it, admission limit, scheduler
     policy (one of ``tensile_db.settings.POLICIES``), pool (one of
     ``tensile_db.settings.POOLS``), the postmaster pid file whose disappearance stops it, and
     the largest model it builds (layers, parameters)."""
@@ -41,6 +42,8 @@ class StartSpec:
     python: str = sys.executable
     device: str = settings.DEFAULT_DEVICE
     budget_nbytes: int = settings.DEFAULT_BUDGET_NBYTES
+    host_budget_nbytes: int = settings.DEFAULT_HOST_BUDGET_NBYTES
+    spill_dir: str | None = None        # None: <socket_dir>/spill
     max_active_jobs: int = settings.DEFAULT_MAX_ACTIVE_JOBS
     policy: str = settings.DEFAULT_POLICY
     pool: str = settings.DEFAULT_POOL
@@ -52,12 +55,15 @@ class StartSpec:
 def command(socket_dir: str, spec: StartSpec) -> list[str]:
     """The command line that runs a coordinator for ``socket_dir`` (see ``__main__.py``)."""
     argv = [spec.python, "-m", "tensile_db.coordinator", "--socket-dir", socket_dir, "--device", spec.device,
-            "--budget", str(spec.budget_nbytes), "--max-active-jobs", str(spec.max_active_jobs),
+            "--budget", str(spec.budget_nbytes), "--host-budget", str(spec.host_budget_nbytes),
+            "--max-active-jobs", str(spec.max_active_jobs),
             "--policy", spec.policy, "--pool", spec.pool, "--max-layers", str(spec.limits.max_layers),
             "--max-parameters", str(spec.limits.max_parameters),
             "--max-job-bytes", str(spec.limits.max_job_nbytes)]
     if spec.postmaster_pid_file:
         argv += ["--postmaster-pid-file", spec.postmaster_pid_file]
+    if spec.spill_dir:
+        argv += ["--spill-dir", spec.spill_dir]
     return argv
 
 

@@ -154,7 +154,10 @@ class Executor:
             if self.scheduler.plan is not plan:
                 self.manager.schedule_changed("the scheduler installed a new plan")
             if self.round % period == 0:
-                self.manager.period_boundary()
+                try:
+                    self.manager.period_boundary()
+                except Exception:   # a failed spill write: the copies are called off, the jobs go on
+                    log.exception("the planned pool's period boundary failed")
             for job, ops in turn:
                 if job.cancel_requested.is_set():
                     self._finish(job, JobState.CANCELLED, JobCancelled("cancelled by the caller"))
@@ -233,6 +236,8 @@ class Executor:
                 self._repace = True
             self._pace.pop(job.id, None)
         self.scheduler.forget(job)
+        if state is not JobState.DONE or job.cancel_requested.is_set():
+            job.discard_result()                 # copies of its weights no one will send
         job.memory = self.manager.release_job(job.id)
         job.state, job.error, job.finished_at = state, error, time.time()
         job.device_finished_s = self.manager.device.now()

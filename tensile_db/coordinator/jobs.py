@@ -12,6 +12,7 @@ the job's event queue, which the connection thread of its backend relays.
 
 from __future__ import annotations
 
+import collections.abc
 import enum
 import itertools
 import math
@@ -26,6 +27,7 @@ import numpy as np
 
 from ..errors import InvalidArgument, TensileError
 from ..memory.manager import JobMemory, MemoryManager, Residency, Tensor
+from ..memory.spill import SpilledArrays
 from ..runtime import model as models
 from ..runtime import preprocess
 from ..runtime.builder import build_training_program
@@ -100,7 +102,8 @@ class TrainingJob:
         self.device_started_s: float | None = None
         self.device_finished_s: float | None = None
         self.error: BaseException | None = None
-        self.result: dict[str, np.ndarray] | None = None
+        self.result: WeightsCopy | None = None    # the trained weights and scaling, once done
+        self._copies: list[WeightsCopy] = []      # its copies of the weights for held-out losses, held now
         self.events: queue.Queue = queue.Queue()
         self.cancel_requested = threading.Event()
         if data_of is not None:        # another trial of one search: the same rows, scaled once
@@ -150,19 +153,19 @@ class TrainingJob:
         seconds)`` after it, with the op's measured compute time in seconds. On completion
         ``self.result`` holds the trained weights and scaling on the host.
         """
-        weights = (self.spec.network.weight_shapes() if device.simulated
-                   else models.init_weights(self.spec, self.options.seed))
+        weights = list(self.spec.network.weight_shapes())     # the arrays a stored model holds
+        initial = () if device.simulated else self.spec.network.iter_init_weights(self.options.seed)
+        for name, value in initial:          # one at a time: each goes to the host tier or the disk tier
+            if name in self.program.slots:
+                self.tensors[name] = mm.adopt(self.id, name, self.program.slots[name].kind, value)
         for name, slot in self.program.slots.items():
-            if slot.kind.persistent:
-                if device.simulated:         # no values: shapes only
-                    value = device.host_empty(slot.shape, slot.dtype)
-                else:
-                    value = weights[name] if name in weights else np.zeros(slot.shape, slot.dtype)
+            if slot.kind.persistent and name not in self.tensors:     # optimizer state; on sim, shapes only
+                value = device.host_empty(slot.shape, slot.dtype) if device.simulated else np.zeros(slot.shape, slot.dtype)
                 self.tensors[name] = mm.adopt(self.id, name, slot.kind, value)
         rng = np.random.default_rng(self.options.seed)
         ctx = StepContext(device)
         patience = self.options.patience
-        current = None                                  # host copy of the weights after the last epoch
+        current = best = None                           # copies of the weights after the last and the best epoch
         for epoch in range(1, self.options.epochs + 1):
             order = rng.permutation(len(self.x))
             loss_sum = 0.0
@@ -189,11 +192,17 @@ class TrainingJob:
                                       f"lower options.lr (now {self.options.learning_rate})")
             record = {"epoch": epoch, "loss": self.loss}
             if self.x_val is not None and not device.simulated:
-                current = {name: mm.to_host(self.tensors[name]) for name in weights}
+                if current is not None and current is not best:
+                    current.close()
+                current = copy_weights(mm, self.id, {name: self.tensors[name] for name in weights})
+                self._copies = [c for c in (current, best) if c is not None]   # discard_result closes them
                 record["val_loss"] = self.validation_loss(current)
                 if self.best_epoch is None or record["val_loss"] < self.history[self.best_epoch - 1]["val_loss"]:
                     self.best_epoch = epoch
+                    if best is not None and best is not current:
+                        best.close()
                     best = current if patience is not None else None     # kept only for early stopping
+                    self._copies = [c for c in (current, best) if c is not None]
             self.history.append(record)
             mem = mm.jobs[self.id]
             self.events.put(("progress", {
@@ -210,18 +219,28 @@ class TrainingJob:
                 break
         if patience is not None and self.best_epoch is not None:
             result = best                         # early stopping keeps the best epoch's weights
+            if current is not best:
+                current.close()
         elif current is not None:
             result = current                      # the last epoch's, copied for its held-out loss
         else:
-            result = {name: mm.to_host(self.tensors[name]) for name in weights}
-        result.update(self.scaling)
+            result = copy_weights(mm, self.id, {name: self.tensors[name] for name in weights})
+        result.add(self.scaling)
         self.result = result
+
+    def discard_result(self) -> None:
+        """Give back what the job's copies of its weights hold (host bytes or a spill file):
+        after its result is sent, or when it will not be. Idempotent."""
+        for copy in (self.result, *self._copies):
+            if copy is not None:
+                copy.close()
+        self.result, self._copies = None, []
 
     def validation_loss(self, weights: dict[str, np.ndarray]) -> float:
         """The training loss on the held-out rows under ``weights`` (computed on the host): mean
         softmax cross-entropy for classification, mean squared error of the scaled target for
         regression."""
-        out = self.spec.network.forward(weights, self.x_val).astype(np.float64)
+        out = self.spec.network.forward(weights, self.x_val, chunk_rows(self.spec, weights)).astype(np.float64)
         if self.spec.task == "classification":
             top = out.max(axis=1, keepdims=True)
             log_z = top[:, 0] + np.log(np.exp(out - top).sum(axis=1))
@@ -292,11 +311,96 @@ class TrainingJob:
             swapped_out_nbytes=mem.swapped_out_nbytes if mem else 0,
             swapped_in_nbytes=mem.swapped_in_nbytes if mem else 0,
             host_nbytes=mem.host_nbytes if mem else 0,
+            disk_nbytes=mem.disk_nbytes if mem else 0,
             policy=self.policy, schedule=self.schedule,
             planned_swap_ins=mem.planned_swap_ins if mem else 0,
             passive_swap_ins=mem.passive_swap_ins if mem else 0,
             recomputes=mem.recomputes if mem else 0,
             created_at=self.created_at, started_at=self.started_at)
+
+
+class WeightsCopy(collections.abc.Mapping):
+    """A copy of a job's weights by name (float32 arrays of the network's shapes): in host
+    memory, where the host tier counts it against the host budget, or, when the host tier has
+    no room for it, in a spill file (:class:`~tensile_db.memory.spill.SpilledArrays`), read back
+    an array at a time; so a model larger than the host budget is never copied whole into
+    memory. :meth:`add` keeps small arrays (the scaling) in memory beside it; :meth:`close` gives
+    back its host bytes or removes its file. Made by :func:`copy_weights`."""
+
+    def __init__(self, arrays: collections.abc.Mapping, release: Callable[[], None]):
+        self._arrays, self._extra, self._release = arrays, {}, release
+
+    @property
+    def in_memory(self) -> bool:
+        return not isinstance(self._arrays, SpilledArrays)
+
+    def add(self, extra: dict[str, np.ndarray]) -> None:
+        self._extra.update(extra)
+
+    def meta(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
+        """The dtype and shape of ``name``'s array, without reading it from a spill file."""
+        if name not in self._extra and not self.in_memory:
+            return self._arrays.meta(name)
+        a = self[name]
+        return a.dtype, a.shape
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._extra[name] if name in self._extra else self._arrays[name]
+
+    def __contains__(self, name) -> bool:          # without reading the array
+        return name in self._extra or name in self._arrays
+
+    def __iter__(self):
+        return itertools.chain(self._arrays, self._extra)
+
+    def __len__(self) -> int:
+        return len(self._arrays) + len(self._extra)
+
+    def close(self) -> None:
+        """Give back the host bytes or remove the file, and forget the arrays (idempotent)."""
+        release, self._release = self._release, None
+        self._arrays, self._extra = {}, {}
+        if release is not None:
+            release()
+
+
+_copy_names = itertools.count(1)
+
+
+def copy_weights(mm: MemoryManager, job_id: int, tensors: dict[str, Tensor]) -> WeightsCopy:
+    """The current values of ``tensors`` by name: in host memory when the host tier has room
+    for all of them (:meth:`MemoryManager.take_host`), else in a spill file, copied one tensor at
+    a time. Raises TensileError when the spill file's I/O fails."""
+    nbytes = sum(t.nbytes for t in tensors.values())
+    if mm.take_host(nbytes):
+        try:
+            return WeightsCopy({name: mm.to_host(t) for name, t in tensors.items()}, lambda: mm.give_host(nbytes))
+        except BaseException:
+            mm.give_host(nbytes)
+            raise
+    spilled = SpilledArrays(mm.spill.open(f"weights-{job_id}-{next(_copy_names)}"))
+    try:
+        for name, t in tensors.items():
+            spilled.put(name, mm.to_host(t))
+    except BaseException:
+        spilled.close()
+        raise
+    return WeightsCopy(spilled, spilled.close)
+
+
+#: Bytes of one node's output a host forward pass over weights in a spill file may hold: it
+#: reads every array once per chunk of rows, so its chunks are as large as this allows.
+SPILLED_FORWARD_NBYTES = 16 << 20
+
+
+def chunk_rows(spec: models.ModelSpec, weights) -> int:
+    """Rows per chunk for a host forward pass (:meth:`Network.forward`) with ``weights``: 256
+    when they are in memory; when they are in a spill file, as many as keep the widest node's
+    output within :data:`SPILLED_FORWARD_NBYTES` (at least 256), since each chunk reads them all."""
+    if not isinstance(weights, WeightsCopy) or weights.in_memory:
+        return 256
+    widest = max(math.prod(node.shape) for node in spec.network.nodes)
+    return max(256, SPILLED_FORWARD_NBYTES // (4 * widest))
 
 
 def _standardize(spec, options, x, y, scale_modes=None):

@@ -4,7 +4,9 @@ Transport: ``multiprocessing.connection`` over a Unix socket in a 0700 directory
 ``send_bytes`` / ``recv_bytes`` (its ``send`` / ``recv`` would pickle; nothing here unpickles).
 A message is one frame holding a UTF-8 JSON header, followed by one frame of raw bytes for each
 array the header lists under ``"arrays"`` as ``{"name", "dtype", "shape"}``. Only boolean,
-integer and floating dtypes are accepted. Errors travel as ``{"type": "error", "error": <class
+integer and floating dtypes are accepted. A receiver may take a message's arrays one frame at a
+time (:func:`recv_stream`), so that a large message (a model's weights) never sits whole in its
+memory. Errors travel as ``{"type": "error", "error": <class
 name>, "message": ...}`` and are raised again on the other side as the same
 :mod:`tensile_db.errors` class.
 """
@@ -20,30 +22,47 @@ from ..errors import WIRE_ERRORS, DeviceOutOfMemory, ProtocolError, TensileError
 _ALLOWED_KINDS = "biuf"
 
 
-def send(conn, header: dict, arrays: dict[str, np.ndarray] | None = None) -> None:
-    """Send a header and named arrays (C-contiguous copies are made where needed). Raises
-    ProtocolError, before anything is written, for an array of an unsupported dtype."""
-    arrays = {k: np.asarray(v, order="C") for k, v in (arrays or {}).items()}  # keeps 0-d shapes
-    for name, a in arrays.items():
-        if a.dtype.kind not in _ALLOWED_KINDS:
-            raise ProtocolError(f"array {name!r} has unsupported dtype {a.dtype}")
-    header = dict(header, arrays=[{"name": k, "dtype": v.dtype.str, "shape": list(v.shape)}
-                                  for k, v in arrays.items()])
+def send(conn, header: dict, arrays=None) -> None:
+    """Send a header and named arrays (C-contiguous copies are made where needed). ``arrays``
+    is a dict, or a mapping with ``meta(name) -> (dtype, shape)`` whose arrays are then read one
+    at a time as they are sent (a job's weights in a spill file), so they are never all in
+    memory at once. Raises ProtocolError, before anything is written, for an array of an
+    unsupported dtype."""
+    arrays = arrays or {}
+    lazy = hasattr(arrays, "meta")
+    if not lazy:
+        arrays = {k: np.asarray(v, order="C") for k, v in arrays.items()}  # keeps 0-d shapes
+    metas = {k: arrays.meta(k) if lazy else (arrays[k].dtype, arrays[k].shape) for k in arrays}
+    for name, (dtype, _) in metas.items():
+        if np.dtype(dtype).kind not in _ALLOWED_KINDS:
+            raise ProtocolError(f"array {name!r} has unsupported dtype {dtype}")
+    header = dict(header, arrays=[{"name": k, "dtype": np.dtype(dtype).str, "shape": list(shape)}
+                                  for k, (dtype, shape) in metas.items()])
     conn.send_bytes(json.dumps(header).encode())
-    for a in arrays.values():
+    for k in metas:
+        a = np.asarray(arrays[k], order="C")
         conn.send_bytes(a.reshape(-1).view(np.uint8) if a.size else b"")
 
 
 def recv(conn) -> tuple[dict, dict[str, np.ndarray]]:
     """Receive one message: ``(header, arrays)``. Raises ProtocolError on a malformed message
     and EOFError when the peer has closed."""
+    header, stream = recv_stream(conn)
+    return header, dict(stream)
+
+
+def recv_stream(conn) -> tuple[dict, ArrayStream]:
+    """Receive one message's header, and its arrays as an :class:`ArrayStream` that receives
+    them one frame at a time: the caller must consume it, or leave its ``with`` block (which
+    receives and drops what is left), before the next message. Raises ProtocolError on a
+    malformed header or array description and EOFError when the peer has closed."""
     try:
         header = json.loads(conn.recv_bytes())
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"malformed message header: {exc}") from None
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):
         raise ProtocolError("message header must be a JSON object with a string 'type'")
-    arrays = {}
+    declared = []
     for meta in header.pop("arrays", []):
         try:
             name, dtype, shape = str(meta["name"]), np.dtype(meta["dtype"]), tuple(int(d) for d in meta["shape"])
@@ -51,11 +70,45 @@ def recv(conn) -> tuple[dict, dict[str, np.ndarray]]:
             raise ProtocolError(f"malformed array description {meta!r}: {exc}") from None
         if dtype.kind not in _ALLOWED_KINDS or any(d < 0 for d in shape):
             raise ProtocolError(f"array {name!r} has unsupported dtype {dtype} or shape {shape}")
-        data = conn.recv_bytes()
-        if len(data) != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
-            raise ProtocolError(f"array {meta['name']!r}: {len(data)} bytes do not match shape {shape} {dtype}")
-        arrays[meta["name"]] = np.frombuffer(data, dtype=dtype).reshape(shape)
-    return header, arrays
+        declared.append((name, dtype, shape))
+    return header, ArrayStream(conn, declared)
+
+
+class ArrayStream:
+    """The arrays of a message, received one frame at a time as ``(name, array)`` pairs in the
+    order the header lists them (iterate once); ``declared`` is that list as ``(name, dtype,
+    shape)``, known before any array arrives. Only the array being received is held here, so the
+    largest array bounds the memory a message takes. Each array's byte count is checked against
+    its description (ProtocolError). Leaving a ``with`` block receives and drops the arrays not
+    yet received, so the connection stays in step whatever the consumer did."""
+
+    def __init__(self, conn, declared: list[tuple[str, np.dtype, tuple[int, ...]]]):
+        self.conn = conn
+        self.declared = declared
+        self._received = 0               # arrays taken off the connection
+
+    def __iter__(self):
+        while self._received < len(self.declared):
+            name, dtype, shape = self.declared[self._received]
+            data = self.conn.recv_bytes()
+            self._received += 1
+            if len(data) != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+                raise ProtocolError(f"array {name!r}: {len(data)} bytes do not match shape {shape} {dtype}")
+            yield name, np.frombuffer(data, dtype=dtype).reshape(shape)
+            del data
+
+    def drain(self) -> None:
+        """Receive and drop the arrays not yet received."""
+        while self._received < len(self.declared):
+            self.conn.recv_bytes()
+            self._received += 1
+
+    def __enter__(self) -> ArrayStream:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None or not issubclass(exc_type, (EOFError, OSError)):
+            self.drain()
 
 
 def send_error(conn, exc: BaseException) -> None:

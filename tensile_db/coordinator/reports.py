@@ -37,6 +37,7 @@ class JobRow:
     swapped_out_nbytes: int             # cumulative
     swapped_in_nbytes: int              # cumulative
     host_nbytes: int                    # held in host memory now
+    disk_nbytes: int                    # held in the disk tier (its spill file) now
     policy: str
     schedule: str                       # 'cold start' | 'planned' | 'reactive'
     planned_swap_ins: int
@@ -84,10 +85,19 @@ class MemoryRow:
     started_at: float
     compactions: int                    # arena compactions, cumulative
     compacted_nbytes: int               # bytes they moved
-    served_models: int                  # model versions the coordinator serves from host memory
-    served_host_nbytes: int             # their host bytes
+    served_models: int                  # model versions the coordinator has open (layers read from their files)
+    served_host_nbytes: int             # host bytes the model store holds: scaling arrays, read buffers in use
     rss_nbytes: int                     # the coordinator process's resident set (VmRSS), bytes
     peak_rss_nbytes: int                # its high-water mark (VmHWM), bytes
+    host_budget_nbytes: int | None      # tensile.host_budget; None: unbounded
+    host_used_nbytes: int               # the host tier now: host_nbytes, copies in flight, cached layers
+    host_peak_nbytes: int               # its high-water mark; never above host_budget_nbytes
+    host_cache_nbytes: int              # cached host copies of served models' layers
+    disk_nbytes: int                    # the jobs' bytes in the disk tier now
+    spill_file_nbytes: int              # the extent of the jobs' spill files
+    disk_read_bytes_per_s: float | None     # the spill directory's, measured when the coordinator started
+    disk_write_bytes_per_s: float | None
+    served_file_nbytes: int             # bytes of the served models' files
 
 
 def sql_name(record: type, field: str) -> str:

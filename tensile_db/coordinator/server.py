@@ -15,9 +15,12 @@ Requests (``type`` in the header): ``ping``, ``jobs``, ``memory``, ``train`` and
 epoch, a ``trial`` message per trial of a search, then ``result``, or ``error``; a ``cancel``
 message or a closed connection cancels the job or every trial),
 ``predict`` (features ``x`` and the registry row's id, version and architecture; answered by
-``need_weights`` when this coordinator does not hold that version — the backend then sends
-``weights`` — then ``accepted`` and ``result`` with the ``outputs`` array, or ``error``; a
-``cancel`` message or a closed connection stops the call between two layers), and ``shutdown``.
+``need_weights`` when this coordinator has that version neither open nor in its model file — the
+backend then sends ``weights``, written to the file array by array as they arrive — then
+``accepted`` and ``result`` with the ``outputs`` array, or ``error``, or ``reload`` when a layer
+read from the model's file was corrupt: the file is deleted and the backend repeats the call,
+sending the weights again; a ``cancel`` message or a closed connection stops the call between two
+layers), and ``shutdown``.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ from multiprocessing.connection import Listener
 import numpy as np
 
 from .. import settings
-from ..errors import JobCancelled, ProtocolError, TensileError
+from ..errors import CorruptModel, JobCancelled, ProtocolError, TensileError
 from ..inference.service import InferenceService
 from ..memory.manager import MemoryManager
+from ..memory.spill import SpillDir
 from ..runtime import model as models
 from ..runtime.device import Device
 from . import protocol, reports
@@ -60,8 +64,13 @@ class Coordinator:
                  budget_nbytes: int = settings.DEFAULT_BUDGET_NBYTES,
                  max_active_jobs: int = settings.DEFAULT_MAX_ACTIVE_JOBS, postmaster_pid_file: str | None = None,
                  policy: str = settings.DEFAULT_POLICY, pool: str = settings.DEFAULT_POOL,
-                 limits: models.Limits = models.Limits()):
+                 limits: models.Limits = models.Limits(),
+                 host_budget_nbytes: int | None = settings.DEFAULT_HOST_BUDGET_NBYTES, spill_dir: str | None = None):
         self.socket_dir = secure_dir(socket_dir)
+        self.host_budget_nbytes = host_budget_nbytes
+        self.spill_root = spill_dir or os.path.join(self.socket_dir, settings.DEFAULT_SPILL_SUBDIR)
+        self.models_dir = os.path.join(self.socket_dir, "models")    # the served models' files
+        self.spill: SpillDir | None = None
         self.limits = limits
         self.device_name = device
         self.budget_nbytes = budget_nbytes
@@ -90,14 +99,16 @@ class Coordinator:
         os.ftruncate(self._lock_fd, 0)
         os.write(self._lock_fd, f"{os.getpid()}\n".encode())
         device = Device(self.device_name)
-        self.manager = MemoryManager(device, self.budget_nbytes, pool=self.pool)
+        self.spill = SpillDir(self.spill_root)          # removes what dead coordinators left
+        self.manager = MemoryManager(device, self.budget_nbytes, pool=self.pool,
+                                     host_budget_nbytes=self.host_budget_nbytes, spill=self.spill)
         if device.name == "cuda":  # pragma: no cover - needs a GPU
             from ..memory.cuda import route_cupy_allocator
 
             route_cupy_allocator(self.manager)
         self.executor = Executor(self.manager, self.max_active_jobs, policy=self.policy)
         self.executor.start()
-        self.inference = InferenceService(self.manager)
+        self.inference = InferenceService(self.manager, models_dir=secure_dir(self.models_dir))
         self.training = TrainingService(self.executor, self.limits, lambda: {
             "device": self.device_name, "budget_nbytes": self.manager.budget_nbytes, "policy": self.policy})
         if os.path.exists(self.socket_path):
@@ -131,6 +142,8 @@ class Coordinator:
             os.unlink(self.socket_path)
         except OSError:
             pass
+        if self.spill is not None:
+            self.spill.close()
         os._exit(0)
 
     # -- requests -----------------------------------------------------------------------------
@@ -195,13 +208,15 @@ class Coordinator:
         except KeyError as exc:
             raise ProtocolError(f"predict request without {exc}") from None
         self.limits.check(spec, name)
-        model = self.inference.store.checkout(model_id, version)
-        if model is None:
+        database = int(header.get("database", 0))
+        model = self.inference.store.checkout(model_id, version, name, spec, database)
+        if model is None:                   # neither open nor in a file: the backend sends the weights
             protocol.send(conn, {"type": "need_weights"})
-            reply, weights = protocol.recv(conn)
-            if reply["type"] != "weights":
-                raise ProtocolError(f"expected the model's weights, got a {reply['type']!r} message")
-            model = self.inference.store.add(model_id, version, name, spec, weights, int(header.get("database", 0)))
+            reply, weights = protocol.recv_stream(conn)
+            with weights:                   # written to the model's file array by array as they arrive
+                if reply["type"] != "weights":
+                    raise ProtocolError(f"expected the model's weights, got a {reply['type']!r} message")
+                model = self.inference.store.add(model_id, version, name, spec, weights, database)
 
         def cancelled() -> bool:
             if not conn.poll(0):
@@ -220,4 +235,11 @@ class Coordinator:
         except JobCancelled:
             log.info("predict call on model %r cancelled by its backend", name)
             raise
+        except CorruptModel as exc:
+            if not model.corrupt:
+                raise
+            # Its file was deleted and the model forgotten; nothing was returned yet, so the
+            # backend reads the weights from the registry again and repeats the call.
+            protocol.send(conn, {"type": "reload", "message": str(exc)})
+            return
         protocol.send(conn, {"type": "result", "stats": stats.to_json()}, {"outputs": outputs})

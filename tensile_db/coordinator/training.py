@@ -38,7 +38,7 @@ from ..runtime import model as models
 from ..runtime import search as searching
 from ..runtime.search import MAX_TRIALS, Halving
 from . import protocol
-from .jobs import JobInfo, TrainingJob
+from .jobs import JobInfo, TrainingJob, chunk_rows
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +111,14 @@ class TrainingService:
             self._relay(conn, {job.id: job})
         except BaseException:
             self.executor.cancel(job)            # the backend has gone or broke the protocol: free the job
+            job.discard_result()                 # if it had finished already
             raise
         if job.error is not None:
             raise job.error if isinstance(job.error, TensileError) else TensileError(f"training failed: {job.error!r}")
-        protocol.send(conn, {"type": "result", "metrics": self.metrics(job, data)}, job.result)
+        try:
+            protocol.send(conn, {"type": "result", "metrics": self.metrics(job, data)}, job.result)
+        finally:
+            job.discard_result()
 
     def search(self, conn, header: dict, arrays: dict) -> None:
         data = _data(header, arrays)
@@ -152,6 +156,7 @@ class TrainingService:
         except BaseException:
             for job in jobs:
                 self.executor.cancel(job)          # running or still waiting here: none is left
+                job.discard_result()               # a finished trial's, not sent
             raise
         protocol.send(conn, {"type": "result", "wall_s": time.monotonic() - started, "trials": len(jobs)})
 
@@ -160,8 +165,10 @@ class TrainingService:
             protocol.send(conn, {"type": "trial", "trial": trial, "error": str(job.error),
                                  "error_class": type(job.error).__name__})
             return
-        protocol.send(conn, {"type": "trial", "trial": trial, "metrics": self.metrics(job, data)}, job.result)
-        job.result = None                          # sent: the search holds no trained weights
+        try:
+            protocol.send(conn, {"type": "trial", "trial": trial, "metrics": self.metrics(job, data)}, job.result)
+        finally:
+            job.discard_result()                   # sent: the search holds no trained weights
 
     def _relay(self, conn, jobs: dict[int, TrainingJob], trial_of: dict[int, int] | None = None) -> list[TrainingJob]:
         """Forward the jobs' progress until one or more end; return those. Acts on a ``cancel``
@@ -200,7 +207,7 @@ class TrainingService:
         fit = _fit(job, data.x, data.y)
         test = {}
         if data.x_test is not None and len(data.x_test):
-            out = models.forward(job.spec, job.result, data.x_test)
+            out = models.forward(job.spec, job.result, data.x_test, chunk_rows(job.spec, job.result))
             if job.spec.task == "classification":
                 classes = data.classes or list(range(job.spec.n_outputs))
                 test = heldout.classification_metrics(np.asarray(data.y_test).reshape(-1), out, classes)
@@ -215,14 +222,15 @@ class TrainingService:
                     **self.describe(), peak_device_nbytes=m.peak_nbytes, vanilla_peak_nbytes=job.vanilla_peak_nbytes,
                     min_working_set_nbytes=job.min_working_set_nbytes,
                     swapped_out_nbytes=m.swapped_out_nbytes, swapped_in_nbytes=m.swapped_in_nbytes,
-                    swap_outs=m.swap_outs, swap_ins=m.swap_ins,
+                    swap_outs=m.swap_outs, swap_ins=m.swap_ins, spilled_nbytes=m.spilled_nbytes,
+                    disk_read_nbytes=m.disk_read_nbytes,
                     planned_swap_ins=m.planned_swap_ins, passive_swap_ins=m.passive_swap_ins,
                     recomputes=m.recomputes, n_parameters=job.spec.n_parameters())
 
 
 def _fit(job: TrainingJob, x: np.ndarray, y: np.ndarray) -> dict:
     """Accuracy (classification) or RMSE (regression) on the training rows."""
-    out = models.forward(job.spec, job.result, x)
+    out = models.forward(job.spec, job.result, x, chunk_rows(job.spec, job.result))
     if job.spec.task == "classification":
         return {"train_accuracy": float((out.argmax(axis=1) == y.reshape(-1)).mean())}
     error = out.reshape(-1).astype(np.float64) - y.reshape(-1).astype(np.float64)   # float64: labels near float32's limit

@@ -220,7 +220,6 @@ def run(mm: MemoryManager, model: ServedModel, x: np.ndarray, window: int, batch
         """The layers of uses k .. k + W, in use order, each once (none past the last use)."""
         return list(dict.fromkeys(u % n_layers for u in range(k, min(k + window, uses - 1) + 1)))
 
-    xs = models.standardize(model.scaling, x)
     logits = np.empty((n_rows, model.spec.n_outputs), np.float32)
     held: set[int] = set()              # layers in this call's window
     acts: dict[int, Tensor] = {}        # the batch's live activations, by INPUT or node index
@@ -234,8 +233,9 @@ def run(mm: MemoryManager, model: ServedModel, x: np.ndarray, window: int, batch
             rows = slice(b * batch_size, min((b + 1) * batch_size, n_rows))
             n = rows.stop - rows.start
             if i == 0:
-                acts[INPUT] = mm.adopt(INFERENCE_JOB, "x", Kind.INPUT,
-                                       xs[rows].reshape(n, *model.spec.network.input_shape))
+                xs = models.standardize(model.scaling, x[rows])        # one batch's scaled inputs
+                acts[INPUT] = mm.adopt(INFERENCE_JOB, "x", Kind.INPUT, xs.reshape(n, *model.spec.network.input_shape))
+                del xs
             for s in segments[i]:
                 if cancelled is not None and cancelled():
                     raise JobCancelled("cancelled by the caller")

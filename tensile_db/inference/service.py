@@ -5,6 +5,10 @@ Each ``predict`` request runs on its own connection thread (:func:`tensile_db.in
 concurrently with the executor's training ops and with the other calls; the memory manager's
 lock serialises their allocations and its eviction order gives the weight cache up first.
 
+A layer whose file region fails its checksum when it is read ends the call with CorruptModel;
+the model is discarded from the store (its file deleted), so that the coordinator can ask the
+backend for the weights again and the backend can repeat the call (nothing was returned yet).
+
 Admission: calls start in arrival order while the *footprints* of the running calls fit the
 budget together — a call's footprint is what it needs to run without reloading a layer: all its
 model's layers when it caches them (the default), else its window's layers, plus the activations
@@ -23,20 +27,23 @@ import threading
 
 import numpy as np
 
-from ..errors import JobCancelled
+from ..errors import CorruptModel, JobCancelled
 from ..memory.manager import MemoryManager
 from ..settings import DEFAULT_PREDICT_BATCH_ROWS
 from . import INFERENCE_JOB, layered
-from .store import HOST_LIMIT_NBYTES, ModelStore, ServedModel
+from .store import FILES_LIMIT_NBYTES, ModelStore, ServedModel
 
 
 class InferenceService:
-    """Demand-layered inference on ``manager``'s device; one per coordinator."""
+    """Demand-layered inference on ``manager``'s device; one per coordinator. The served models'
+    files go in ``models_dir`` (a 0700 directory; None: a private temporary one), up to
+    ``files_limit_nbytes`` bytes of them (:class:`~.store.ModelStore`)."""
 
-    def __init__(self, manager: MemoryManager, host_limit_nbytes: int = HOST_LIMIT_NBYTES):
+    def __init__(self, manager: MemoryManager, models_dir: str | None = None,
+                 files_limit_nbytes: int = FILES_LIMIT_NBYTES):
         self.manager = manager
         manager.register_job(INFERENCE_JOB)
-        self.store = ModelStore(manager, host_limit_nbytes)
+        self.store = ModelStore(manager, models_dir, files_limit_nbytes)
         self.cache_hits = 0            # layer uses served by a resident copy, cumulative; guarded by _lock
         self._calls: set[int] = set()             # calls running or waiting to start; guarded by _lock
         self._ids = itertools.count(1)            # guarded by _lock
@@ -51,7 +58,9 @@ class InferenceService:
         check it back in. ``on_accept(call_id, window, batches)`` runs once the call is admitted.
         ``batch_size`` None: the most rows up to :data:`DEFAULT_PREDICT_BATCH_ROWS` whose steps fit
         the budget (:func:`layered.fitting_batch`). Raises DeviceOutOfMemory at once if one step
-        of the call cannot fit the budget."""
+        of the call cannot fit the budget, and CorruptModel when a layer read from the model's
+        file is corrupt: the model is then discarded from the store (``model.corrupt`` says so),
+        so the caller may send the weights again and repeat the call."""
         try:
             if batch_size is None:
                 batch_size = layered.fitting_batch(model, len(x), self.manager.budget_nbytes,
@@ -66,7 +75,12 @@ class InferenceService:
                 if on_accept is not None:
                     on_accept(call_id, effective_window, batches)
                 self._admit(call_id, self._footprint(model, rows, effective_window, cache), cancelled)
-                outputs, stats = layered.run(self.manager, model, x, window, batch_size, cache, cancelled)
+                try:
+                    outputs, stats = layered.run(self.manager, model, x, window, batch_size, cache, cancelled)
+                except CorruptModel:
+                    if model.corrupt:
+                        self.store.discard(model)
+                    raise
                 with self._lock:
                     self.cache_hits += stats.cache_hits
                 return outputs, stats

@@ -28,6 +28,7 @@ two threads wait for each other.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import threading
@@ -44,6 +45,7 @@ from .cache import WeightCache
 from .eviction import Eviction, Fragmented
 from .planned import PlannedPool
 from .residency import Residencies
+from .spill import SpillDir, SpillFile
 from .tensors import JobMemory, Residency, Tensor
 from .transfer import TransferEngine
 
@@ -79,9 +81,23 @@ class MemoryManager(Residencies):
     once, each on the tensors it has pinned.
     """
 
-    def __init__(self, device, budget_nbytes: int, next_use: NextUse | None = None, pool: str = DEFAULT_POOL):
+    def __init__(self, device, budget_nbytes: int, next_use: NextUse | None = None, pool: str = DEFAULT_POOL,
+                 host_budget_nbytes: int | None = None, spill: SpillDir | None = None):
         if pool not in POOLS:
             raise InvalidArgument(f"unknown pool {pool!r}; use one of {', '.join(POOLS)}")
+        if host_budget_nbytes is not None and (host_budget_nbytes < 0 or spill is None or device.simulated):
+            raise InvalidArgument(f"a host budget of {host_budget_nbytes} bytes needs a spill directory and a device "
+                                  "with values (cpu or cuda), and must not be negative")
+        self.host_budget_nbytes = host_budget_nbytes   # constant; None: the host tier is unbounded
+        self.spill = spill                             # constant: where the disk tier's files go
+        self.host_nbytes = 0           # the jobs' swapped-out host copies now, bytes; guarded by _lock
+        self.host_pending_nbytes = 0   # swap-outs to the host in flight, bytes; guarded by _lock
+        self.host_cache_nbytes = 0     # cached host copies of read-only tensors, bytes; guarded by _lock
+        self.host_copies_nbytes = 0    # jobs' copies of their weights (take_host), bytes; guarded by _lock
+        self.host_peak_nbytes = 0      # high-water mark of host_used_nbytes(); guarded by _lock
+        self.disk_nbytes = 0           # the jobs' bytes in the disk tier now; guarded by _lock
+        self._host_cache: collections.OrderedDict[int, Tensor] = collections.OrderedDict()   # guarded by _lock
+        self._spill_files: dict[int, SpillFile] = {}   # job id -> its spill file; guarded by _lock
         self.device = device
         self.allocator = ArenaAllocator(budget_nbytes)       # guarded by _lock
         self.budget_nbytes = self.allocator.capacity_nbytes  # constant
@@ -122,12 +138,19 @@ class MemoryManager(Residencies):
             for t in [t for t in self._tensors.values() if t.job_id == job_id]:
                 self._drop(t)
             self._position.pop(job_id, None)
+            file = self._spill_files.pop(job_id, None)
+            if file is not None:
+                file.close()
             return self.jobs.pop(job_id, JobMemory())
 
     def close(self) -> None:
-        """Stop the swap engine's and the planned pool's threads."""
+        """Stop the swap engine's and the planned pool's threads and remove the spill files."""
         self.engine.close()
         self.pool.close()
+        with self._lock:
+            for file in self._spill_files.values():
+                file.close()
+            self._spill_files.clear()
 
     def at(self, job_id: int, position: int) -> None:
         """The job is about to run op ``position``: blocks allocated until the next call are
@@ -159,15 +182,40 @@ class MemoryManager(Residencies):
         it is copied into the arena on first use. A ``readonly`` tensor keeps ``host`` itself
         (no copy; it must not change while registered, and on ``cuda`` should be pinned) and its
         device copy is a cache (:mod:`tensile_db.memory.cache`). Host bytes of read-only tensors
-        belong to their owner and are not counted as swapped."""
+        belong to their owner and are not counted as swapped. A tensor that is not read-only goes
+        to the host tier, or to the disk tier when the host budget has no room for it."""
         with self._lock:
             t = self._new(job_id, slot, kind, host.shape, host.dtype)
             t.readonly = readonly
             if readonly:
                 t.host = host
-            else:
+            elif self._host_room(t.nbytes):
                 t.host = self.device.host_copy(host)
                 self._account(t, host=t.nbytes)
+            else:
+                file, offset = where = self._spill_slot(t)
+                try:
+                    file.write_from(offset, host)
+                except BaseException:       # the disk is full: nothing of it stays
+                    file.release(offset, t.arena_nbytes)
+                    self._tensors.pop(t.id)
+                    raise
+                t.spill = where
+                self._account(t, disk=t.nbytes, spilled_nbytes=t.nbytes)
+            return t
+
+    def adopt_source(self, job_id: int, slot: str, kind: Kind, shape: tuple[int, ...], dtype, source) -> Tensor:
+        """Register a read-only tensor of ``shape`` and ``dtype`` whose values live in ``source``
+        (an object with ``nbytes`` and ``read_into(out)``, ``out`` a C-contiguous uint8 array
+        of ``nbytes`` bytes: a layer of a model file), not in host memory. A load reads it
+        (on the swap engine for a prefetch); a read's error (a checksum) reaches whoever waits
+        for the load. Its host copy, kept while the host budget has room, is a cache given up
+        first when a job's swap-out needs host room. Raises AssertionError when ``source.nbytes``
+        differs from the tensor's bytes."""
+        with self._lock:
+            t = self._new(job_id, slot, kind, shape, dtype)
+            assert source.nbytes == t.nbytes, f"{slot}: a source of {source.nbytes} bytes for {t.nbytes}"
+            t.readonly, t.source = True, source
             return t
 
     # -- the op protocol ----------------------------------------------------------------------
@@ -258,6 +306,24 @@ class MemoryManager(Residencies):
             self._drop(t)
             self._unpinned.notify_all()
 
+    def take_host(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` of the host tier for a copy a job holds outside the registry (its
+        weights, for its result or a held-out loss), giving up cached read-only copies for room;
+        returns False, reserving nothing, when the host budget has no room (the caller uses the
+        disk tier). Give back with :meth:`give_host`."""
+        with self._lock:
+            if not self._host_room(nbytes):
+                return False
+            self.host_copies_nbytes += nbytes
+            self.host_peak_nbytes = max(self.host_peak_nbytes, self.host_used_nbytes())
+            return True
+
+    def give_host(self, nbytes: int) -> None:
+        """Give back host bytes :meth:`take_host` reserved."""
+        with self._lock:
+            self.host_copies_nbytes -= nbytes
+            assert self.host_copies_nbytes >= 0
+
     def note_recompute(self, t: Tensor) -> None:
         """The owning job recomputed the dropped tensor ``t``."""
         with self._lock:
@@ -315,9 +381,30 @@ class MemoryManager(Residencies):
                 mine = [t for t in self._tensors.values() if t.job_id == job_id]
                 device = sum(t.arena_nbytes for t in mine if t.offset is not None)
                 host = sum(t.nbytes for t in mine if t.host is not None and not t.readonly)
-                _require((j.device_nbytes, j.host_nbytes) == (device, host),
-                         f"job {job_id} counts {j.device_nbytes:,} device and {j.host_nbytes:,} host bytes; "
-                         f"its tensors hold {device:,} and {host:,}")
+                disk = sum(t.nbytes for t in mine if t.spill is not None)
+                _require((j.device_nbytes, j.host_nbytes, j.disk_nbytes) == (device, host, disk),
+                         f"job {job_id} counts {j.device_nbytes:,} device, {j.host_nbytes:,} host and "
+                         f"{j.disk_nbytes:,} disk bytes; its tensors hold {device:,}, {host:,} and {disk:,}")
+            cached = sum(t.nbytes for t in self._host_cache.values())
+            _require(cached == self.host_cache_nbytes, f"{self.host_cache_nbytes:,} cached host bytes counted, "
+                     f"{cached:,} held")
+            _require((self.host_nbytes, self.disk_nbytes) == (sum(j.host_nbytes for j in self.jobs.values()),
+                                                              sum(j.disk_nbytes for j in self.jobs.values())),
+                     f"the totals of {self.host_nbytes:,} host and {self.disk_nbytes:,} disk bytes are not the jobs'")
+            out = [t for t in self._tensors.values() if t.residency is Residency.SWAPPING_OUT]
+            pending = sum(t.nbytes for t in out if t.transfer.spill is None)
+            _require(pending == self.host_pending_nbytes, f"{self.host_pending_nbytes:,} bytes of swap-outs to the "
+                     f"host counted in flight, {pending:,} are")
+            for job_id, file in self._spill_files.items():
+                slots = [t for t in self._tensors.values() if t.job_id == job_id and t.spill is not None] + \
+                        [t for t in out if t.job_id == job_id and t.transfer.spill is not None]
+                held = sum(file.slot_nbytes(t.arena_nbytes) for t in slots)
+                _require(held == file.in_use_nbytes, f"job {job_id}'s spill file has {file.in_use_nbytes:,} bytes of "
+                         f"slots handed out; its tensors hold {held:,}")
+            if self.host_budget_nbytes is not None:
+                _require(self.host_used_nbytes() <= self.host_budget_nbytes,
+                         f"the host tier holds {self.host_used_nbytes():,} bytes, over its budget of "
+                         f"{self.host_budget_nbytes:,}")
             for t in self._tensors.values():
                 _require(not t.pins or t.residency is Residency.DEVICE,
                          f"{t.slot} of job {t.job_id} is pinned but {t.residency.value}")
@@ -336,7 +423,13 @@ class MemoryManager(Residencies):
                 "fragmentation": round(a.fragmentation, 4),
                 "compactions": self.compactions,
                 "compacted_nbytes": self.compacted_nbytes,
-                "host_nbytes": sum(j.host_nbytes for j in self.jobs.values()),
+                "host_nbytes": self.host_nbytes,
+                "host_budget_nbytes": self.host_budget_nbytes,
+                "host_used_nbytes": self.host_used_nbytes(),
+                "host_peak_nbytes": self.host_peak_nbytes,
+                "host_cache_nbytes": self.host_cache_nbytes,
+                "disk_nbytes": self.disk_nbytes,
+                "spill_file_nbytes": sum(f.end_nbytes for f in self._spill_files.values()),
                 **self.pool.describe(),
                 "jobs": {job_id: dict(vars(j), **self.pool.job_figures(job_id)) for job_id, j in self.jobs.items()},
             }

@@ -44,21 +44,33 @@ class Residencies:
         return self.device.view(self.buffer, t.offset, t.shape, t.dtype)
 
     def to_host(self, t: Tensor) -> np.ndarray:
-        """A host copy of the tensor's current values, wherever it lives."""
+        """A host copy of the tensor's current values, wherever it lives (device, host tier,
+        disk tier or a read-only tensor's source)."""
         with self._lock:
             self._settle(t)
             if t.residency is Residency.DEVICE:
                 return self.device.to_host(self.array(t))
-            return t.host.copy()
+            if t.host is not None:
+                return t.host.copy()
+            out = np.empty(t.shape, t.dtype)
+            self._reader(t)(out.reshape(-1).view(np.uint8))
+            return out
 
     # -- planned moves ------------------------------------------------------------------------
 
     def swap_out(self, t: Tensor) -> None:
-        """Start copying a resident, unpinned tensor to the host; its block stays taken until
+        """Start copying a resident, unpinned tensor to the host tier, or to the disk tier when
+        the host tier has no room for it (:meth:`_host_room`); its block stays taken until
         :meth:`release`. A no-op for a tensor in any other state."""
         with self._lock:
             if t.residency is Residency.DEVICE and not t.pins:
-                t.transfer = self.engine.to_host(self.array(t))
+                if self._host_room(t.nbytes):
+                    self.host_pending_nbytes += t.nbytes
+                    t.transfer = self.engine.to_host(self.array(t))
+                else:
+                    file, offset = where = self._spill_slot(t)
+                    t.transfer = self.engine.to_disk(self._block(t), file, offset)
+                    t.transfer.spill = where
                 t.residency = Residency.SWAPPING_OUT
 
     def release(self, t: Tensor) -> None:
@@ -66,7 +78,7 @@ class Residencies:
         and free the tensor's arena block. A no-op unless the tensor is swapping out."""
         with self._lock:
             if t.residency is Residency.SWAPPING_OUT:
-                self._left(t, t.transfer.wait().host)
+                self._out_done(t)
 
     def swap_in(self, t: Tensor) -> None:
         """Take an arena block for a tensor on the host and start copying it in (a planned
@@ -85,8 +97,9 @@ class Residencies:
                 t.residency = Residency.DROPPED
 
     def evict(self, t: Tensor) -> None:
-        """Evict a resident, unpinned tensor now: a synchronous copy to the host (the reactive
-        path); for a read-only tensor, whose host copy is kept, a free. A no-op otherwise."""
+        """Evict a resident, unpinned tensor now: a synchronous copy to the host tier, or to the
+        disk tier when the host tier has no room (the reactive path); for a read-only tensor,
+        whose values are kept on the host or in its source, a free. A no-op otherwise."""
         with self._lock:
             if t.residency is Residency.DEVICE and not t.pins:
                 if t.readonly:
@@ -95,7 +108,10 @@ class Residencies:
                     self._account(t, cache_evictions=1)
                     return
                 self.pool.disturb(f"eviction of {t.slot} of job {t.job_id}")
-                self._left(t, self.device.to_host(self.array(t)))
+                if self._host_room(t.nbytes):
+                    self._left(t, host=self.device.to_host(self.array(t)))
+                else:
+                    self._left(t, spill=self._spill_now(t))
 
     def drop_device_copy(self, t: Tensor) -> None:
         """Free a read-only tensor's block once any load in flight has landed; its host copy
@@ -119,8 +135,16 @@ class Residencies:
         self._account(t, device=t.arena_nbytes)
         dropped = t.residency is Residency.DROPPED      # the job recomputes the values
         t.residency = Residency.DEVICE
-        if not dropped and t.host is not None:          # bring values back (swap-in or first load)
-            self.device.to_device(t.host, self.array(t))
+        if not dropped and (t.host is not None or t.spill is not None or t.source is not None):
+            if t.host is not None:                      # bring values back (swap-in or first load)
+                self.device.to_device(t.host, self.array(t))
+            else:                                       # from the disk tier or the source
+                try:
+                    self._read_now(t)
+                except BaseException:
+                    self._free_block(t)
+                    t.residency = Residency.HOST
+                    raise
             if self._landed(t):
                 self._account(t, passive_swap_ins=1)
                 self.pool.disturb(f"passive swap-in of {t.slot} of job {t.job_id}")
@@ -136,7 +160,10 @@ class Residencies:
             return False
         t.residency = Residency.SWAPPING_IN
         self._account(t, device=t.arena_nbytes)
-        t.transfer = self.engine.to_device(t.host, self.array(t, Residency.SWAPPING_IN), pinned=t.readonly)
+        if t.host is not None:
+            t.transfer = self.engine.to_device(t.host, self.array(t, Residency.SWAPPING_IN), pinned=t.readonly)
+        else:                                           # from the disk tier or the source
+            t.transfer = self.engine.from_disk(self._reader(t), self._block(t))
         return True
 
     def land_copies(self, call_off: bool = False) -> bool:
@@ -144,11 +171,17 @@ class Residencies:
         completes and, with ``call_off``, is called off (the tensor stays resident), else stays
         swapping out until released as planned. Returns whether any copy was in flight."""
         in_flight = [t for t in self._tensors.values() if t.transfer is not None]
-        for t in in_flight:
-            if call_off or t.residency is Residency.SWAPPING_IN:
-                self._settle(t)
-            else:
-                t.transfer.wait()
+        failed = None
+        for t in in_flight:                 # every copy lands; a failed one is called off (or left off)
+            try:
+                if call_off or t.residency is Residency.SWAPPING_IN:
+                    self._settle(t)
+                else:
+                    self._wait_out(t)
+            except Exception as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
         return bool(in_flight)
 
     def compact(self, movable: list[Tensor], need_nbytes: int | None = None) -> bool:
@@ -167,26 +200,69 @@ class Residencies:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _account(self, t: Tensor, device: int = 0, host: int = 0, **counts: int) -> None:
-        """The one place per-job counters change: device and host bytes held now (deltas,
-        bytes) and the cumulative ``counts`` (deltas of :class:`JobMemory` fields)."""
+    def _account(self, t: Tensor, device: int = 0, host: int = 0, disk: int = 0, **counts: int) -> None:
+        """The one place per-job counters change: device, host and disk bytes held now (deltas,
+        bytes; the manager's ``host_nbytes`` and ``disk_nbytes`` totals with them) and the
+        cumulative ``counts`` (deltas of :class:`JobMemory` fields)."""
         j = self.jobs[t.job_id]
         j.device_nbytes += device
         j.host_nbytes += host
-        assert j.device_nbytes >= 0 and j.host_nbytes >= 0
+        j.disk_nbytes += disk
+        self.host_nbytes += host
+        self.disk_nbytes += disk
+        assert j.device_nbytes >= 0 and j.host_nbytes >= 0 and j.disk_nbytes >= 0
+        self.host_peak_nbytes = max(self.host_peak_nbytes, self.host_used_nbytes())
         j.peak_nbytes = max(j.peak_nbytes, j.device_nbytes)
         for name, delta in counts.items():
             setattr(j, name, getattr(j, name) + delta)
 
     def _settle(self, t: Tensor) -> None:
         """Complete a copy in flight: a swap-in becomes resident; a swap-out is called off (the
-        device copy is still valid and is kept)."""
-        if t.residency in (Residency.SWAPPING_IN, Residency.SWAPPING_OUT):
-            t.transfer.wait()
-            loaded = t.residency is Residency.SWAPPING_IN
+        device copy is still valid and is kept). A swap-in whose read failed (a model file's
+        checksum) goes back to the host state, its block freed, and the error is raised."""
+        if t.residency is Residency.SWAPPING_OUT:
+            self._wait_out(t)
+            self._call_off(t)
+        elif t.residency is Residency.SWAPPING_IN:
+            try:
+                t.transfer.wait()
+            except BaseException:
+                t.transfer = None
+                self._free_block(t)
+                t.residency = Residency.HOST
+                raise
             t.transfer, t.residency = None, Residency.DEVICE
-            if loaded:
-                self._landed(t)
+            self._landed(t)
+
+    def _wait_out(self, t: Tensor) -> None:
+        """Wait for the swap-out in flight of ``t``; if it failed (a spill file's disk is full),
+        call it off, so the device copy stays, and raise the error."""
+        try:
+            t.transfer.wait()
+        except BaseException:
+            self._call_off(t)
+            raise
+
+    def _call_off(self, t: Tensor) -> None:
+        """A swap-out's copy is discarded: its host bytes or spill slot go back; ``t`` stays
+        resident."""
+        spill = getattr(t.transfer, "spill", None)
+        if spill is not None:
+            spill[0].release(spill[1], t.arena_nbytes)
+        else:
+            self.host_pending_nbytes -= t.nbytes
+        t.transfer, t.residency = None, Residency.DEVICE
+
+    def _out_done(self, t: Tensor) -> None:
+        """Finish the swap-out in flight of ``t`` (waiting for it): the copy is the host tier's
+        or the disk tier's now."""
+        self._wait_out(t)
+        spill = getattr(t.transfer, "spill", None)
+        if spill is not None:
+            self._left(t, spill=spill)
+        else:
+            self.host_pending_nbytes -= t.nbytes
+            self._left(t, host=t.transfer.host)
 
     def _landed(self, t: Tensor) -> bool:
         """A copy host -> device has completed: drop the host copy and count a swap-in if the
@@ -194,19 +270,30 @@ class Residencies:
         it was a swap-in. A read-only tensor keeps its host copy and counts a weight load."""
         if t.readonly:
             self._account(t, weight_loads=1, weight_loaded_nbytes=t.nbytes)
+            if t.id in self._host_cache:
+                self._host_cache.move_to_end(t.id)      # least recently used goes first
+            elif t.host is None and t.source is not None:
+                self._cache_host_copy(t)
             return False
-        t.host = None
-        if t.swapped_out:
-            self._account(t, host=-t.nbytes, swapped_in_nbytes=t.nbytes, swap_ins=1)
+        if t.spill is not None:
+            self._release_spill(t)
+            self._account(t, disk_read_nbytes=t.nbytes)
         else:
+            t.host = None
             self._account(t, host=-t.nbytes)
+        if t.swapped_out:
+            self._account(t, swapped_in_nbytes=t.nbytes, swap_ins=1)
         return t.swapped_out
 
-    def _left(self, t: Tensor, host: np.ndarray) -> None:
-        """A copy device -> host has completed into ``host``: free the block, count a swap-out."""
-        t.transfer, t.host = None, host
+    def _left(self, t: Tensor, host: np.ndarray | None = None, spill: tuple | None = None) -> None:
+        """A copy device -> host tier has completed into ``host``, or device -> disk tier into
+        the spill slot ``spill``: free the block, count a swap-out."""
+        t.transfer, t.host, t.spill = None, host, spill
         self._free_block(t)
-        self._account(t, host=t.nbytes, swapped_out_nbytes=t.nbytes, swap_outs=1)
+        if spill is None:
+            self._account(t, host=t.nbytes, swapped_out_nbytes=t.nbytes, swap_outs=1)
+        else:
+            self._account(t, disk=t.nbytes, spilled_nbytes=t.nbytes, swapped_out_nbytes=t.nbytes, swap_outs=1)
         t.residency, t.swapped_out = Residency.HOST, True
 
     def _place(self, t: Tensor, clean_only: bool = False) -> int:
@@ -282,13 +369,113 @@ class Residencies:
 
     def _drop(self, t: Tensor) -> None:
         if t.transfer is not None:                  # never free a block a copy still uses
-            t.transfer.wait()
+            try:
+                t.transfer.wait()
+            except BaseException:                   # a failed read or write: freed all the same
+                pass
+            spill = getattr(t.transfer, "spill", None)
+            if spill is not None:                   # a swap-out to the disk tier in flight
+                spill[0].release(spill[1], t.arena_nbytes)
+            elif t.residency is Residency.SWAPPING_OUT:
+                self.host_pending_nbytes -= t.nbytes
         if t.residency in (Residency.DEVICE, Residency.SWAPPING_OUT, Residency.SWAPPING_IN):
             self._free_block(t)
         if t.residency in (Residency.HOST, Residency.SWAPPING_IN) and t.host is not None and not t.readonly:
             self._account(t, host=-t.nbytes)
+        if t.spill is not None:
+            self._release_spill(t)
+        self._uncache_host_copy(t)
         t.residency, t.offset, t.host, t.transfer = Residency.FREED, None, None, None
         self._tensors.pop(t.id, None)
+
+    # -- the tiers under the device (the caller holds the lock) --------------------------------
+
+    def host_used_nbytes(self) -> int:
+        """Bytes the host tier holds or has promised: the jobs' swapped-out copies, the
+        swap-outs to the host in flight, the cached copies of read-only tensors and the jobs'
+        copies of their weights."""
+        return self.host_nbytes + self.host_pending_nbytes + self.host_cache_nbytes + self.host_copies_nbytes
+
+    def _host_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit the host budget, giving up cached host copies of
+        read-only tensors (least recently used first; their source keeps the values) to make
+        room. Always true without a host budget."""
+        if self.host_budget_nbytes is None:
+            return True
+        if self.host_used_nbytes() + nbytes > self.host_budget_nbytes:
+            for t in [t for t in self._tensors.values() if t.residency is Residency.SWAPPING_IN and not t.readonly
+                      and t.host is not None and t.transfer.done()]:
+                self._settle(t)             # swap-ins from the host tier that have landed give their room back
+        for t in list(self._host_cache.values()):
+            if self.host_used_nbytes() + nbytes <= self.host_budget_nbytes:
+                break
+            if t.transfer is None:                  # not being copied in from it now
+                self._uncache_host_copy(t)
+        return self.host_used_nbytes() + nbytes <= self.host_budget_nbytes
+
+    def _cache_host_copy(self, t: Tensor) -> None:
+        """Keep a host copy of the read-only tensor ``t``, just loaded from its source, if the
+        host tier has room: the next load of it reads no file."""
+        if self.host_budget_nbytes is not None and self.host_used_nbytes() + t.nbytes > self.host_budget_nbytes:
+            return
+        host = self.device.host_empty(t.shape, t.dtype)
+        host[...] = self.device.to_host(self.array(t))
+        t.host = host
+        self._host_cache[t.id] = t
+        self.host_cache_nbytes += t.nbytes
+        self.host_peak_nbytes = max(self.host_peak_nbytes, self.host_used_nbytes())
+
+    def _uncache_host_copy(self, t: Tensor) -> None:
+        if self._host_cache.pop(t.id, None) is not None:
+            t.host = None
+            self.host_cache_nbytes -= t.nbytes
+
+    def _spill_slot(self, t: Tensor) -> tuple:
+        """A slot of ``t``'s job's spill file for ``t``: (file, offset)."""
+        file = self._spill_files.get(t.job_id)
+        if file is None:
+            file = self._spill_files[t.job_id] = self.spill.open(f"job-{t.job_id}")
+        return file, file.reserve(t.arena_nbytes)
+
+    def _release_spill(self, t: Tensor) -> None:
+        file, offset = t.spill
+        file.release(offset, t.arena_nbytes)
+        t.spill = None
+        self._account(t, disk=-t.nbytes)
+
+    def _reader(self, t: Tensor):
+        """``read(out)``: fills a uint8 array of at least ``t.nbytes`` with ``t``'s values from its
+        spill slot or its source."""
+        if t.spill is not None:
+            file, offset = t.spill
+            return lambda out: file.read_into(offset, out, t.nbytes)
+        return lambda out: t.source.read_into(out[:t.nbytes])
+
+    def _spill_now(self, t: Tensor) -> tuple:
+        """Write ``t``'s block to a new slot of its job's spill file now (the reactive path) and
+        return the slot; on a failure the slot goes back and the error is raised."""
+        file, offset = where = self._spill_slot(t)
+        try:
+            if self.device.name == "cpu":       # the arena is host memory: straight from the block
+                file.write_from(offset, self._block(t))
+            else:                               # staged through page-locked memory
+                self.engine.to_disk(self._block(t), file, offset).wait()
+        except BaseException:
+            file.release(offset, t.arena_nbytes)
+            raise
+        return where
+
+    def _read_now(self, t: Tensor) -> None:
+        """Fill ``t``'s block from its spill slot or its source now (a passive load)."""
+        if self.device.name == "cpu":
+            self._reader(t)(self._block(t))
+        else:
+            self.engine.from_disk(self._reader(t), self._block(t)).wait()
+
+    def _block(self, t: Tensor):
+        """The raw bytes of ``t``'s arena block (``arena_nbytes``, uint8): what the disk tier
+        reads and writes, whole 512-byte units (Note [Spill I/O])."""
+        return self.device.view(self.buffer, t.offset, (t.arena_nbytes,), np.uint8)
 
 
 

@@ -23,7 +23,7 @@ from .transfer import Transfer
 class Residency(str, enum.Enum):
     DEVICE = "device"
     SWAPPING_OUT = "swapping out"    # being copied to the host; still holds its arena block
-    HOST = "host"
+    HOST = "host"                    # off the device, values kept: on the host tier, in the disk tier or a source
     SWAPPING_IN = "swapping in"      # holds its block; the copy from the host is in flight
     DROPPED = "dropped"              # values discarded; recomputed from its producer when needed
     FREED = "freed"
@@ -44,7 +44,9 @@ class Tensor:
     dtype: np.dtype
     residency: Residency = Residency.HOST
     offset: int | None = None            # arena offset, bytes, while it holds a block
-    host: np.ndarray | None = None       # host copy while on the host
+    host: np.ndarray | None = None       # host copy while on the host tier (a read-only tensor's: a cache if it has a source)
+    spill: tuple | None = None           # (SpillFile, offset) while its values are in the disk tier
+    source: object | None = None         # read-only: where its values are read from (read_into), when not on the host
     pins: int = 0                        # ops currently using it; pinned tensors are never evicted or moved
     swapped_out: bool = False            # has been swapped out at least once (a later load is a swap-in)
     transfer: Transfer | None = None     # the copy in flight while swapping out or in
@@ -72,6 +74,9 @@ class JobMemory:
     device_nbytes: int = 0          # arena bytes held now
     peak_nbytes: int = 0            # high-water mark of device_nbytes
     host_nbytes: int = 0            # bytes swapped out and held on the host now
+    disk_nbytes: int = 0            # bytes swapped out and held in the disk tier (its spill file) now
+    spilled_nbytes: int = 0         # bytes written to the disk tier, cumulative
+    disk_read_nbytes: int = 0       # bytes read back from the disk tier, cumulative
     swapped_out_nbytes: int = 0     # bytes copied device -> host by eviction, cumulative
     swapped_in_nbytes: int = 0      # bytes copied host -> device for evicted tensors, cumulative
     swap_outs: int = 0

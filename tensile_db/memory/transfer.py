@@ -1,4 +1,5 @@
-"""The swap engine: copies between the device arena and host memory, off the compute path.
+"""The swap engine: copies between the device arena, host memory and spill files, off the
+compute path.
 
 On ``cpu`` a single copy thread performs the copies (NumPy releases the GIL while copying, so they
 overlap the executor's arithmetic on another core). On ``cuda`` copies go to a copy stream per
@@ -11,6 +12,9 @@ queued on the simulated device's copy engine of its direction
 Copies in one direction are issued in order and run one at a time; :attr:`TransferEngine.duplex`
 says whether the two directions overlap (``cuda``, ``sim``) or share one channel (``cpu``), which
 is how the scheduler's cost model sees the channels (:mod:`tensile_db.scheduler.timeline`).
+Reads and writes of the disk tier (:mod:`tensile_db.memory.spill`) run on the same copy thread on
+``cpu``, so the cost model counts them on the one channel; on ``cuda`` a disk thread does the
+file I/O from and to page-locked buffers that the copy streams fill and drain.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ from ..runtime.device import pinned_empty
 
 
 class Transfer:
-    """A copy in flight. ``host`` is the destination host array of a device -> host copy."""
+    """A copy in flight. ``host`` is the destination host array of a device -> host copy;
+    ``spill`` the destination slot of a device -> disk copy."""
 
     def __init__(self, done, wait, host: np.ndarray | None = None):
         self._done, self._wait, self.host = done, wait, host
+        self.spill: tuple | None = None     # (SpillFile, offset) of a swap-out to the disk tier
 
     def done(self) -> bool:
         return self._done()
@@ -49,6 +55,9 @@ class TransferEngine:
             import cupy
             self._cupy = cupy
             self._streams = {"d2h": cupy.cuda.Stream(non_blocking=True), "h2d": cupy.cuda.Stream(non_blocking=True)}
+            self._disk = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-disk")
+            self._gpu = cupy.cuda.Device()     # the disk thread works on this one
+            self._stage = None                 # the disk thread's staging buffer
 
     def to_host(self, array) -> Transfer:
         """Start copying the device array ``array`` into a new host array (``Transfer.host``)."""
@@ -72,9 +81,59 @@ class TransferEngine:
             return Transfer(future.done, future.result)
         return self._cuda_copy(array, host, pinned)  # pragma: no cover - cuda only
 
+    def to_disk(self, array, file, offset: int) -> Transfer:
+        """Start writing the device array ``array`` (uint8, 1-D) to the spill file ``file`` (a
+        :class:`~tensile_db.memory.spill.SpillFile`) at ``offset``. On ``cpu`` the arena block
+        itself is written on the copy thread (Note [Spill I/O]); on ``cuda`` the disk thread
+        copies it into its page-locked staging buffer, then writes that."""
+        if self.device.name == "cpu":
+            future = self._pool.submit(file.write_from, offset, array)
+            return Transfer(future.done, future.result)
+        queued = self._cupy.cuda.get_current_stream().record()  # pragma: no cover - cuda only
+        future = self._disk.submit(self._cuda_to_disk, array, file, offset, queued)  # pragma: no cover
+        return Transfer(future.done, future.result)  # pragma: no cover - cuda only
+
+    def from_disk(self, read, array) -> Transfer:
+        """Start filling the device array ``array`` (uint8, 1-D) by ``read(out)``, which fills a
+        host uint8 array of the same length (a spill file's or a model file's read). On ``cpu``
+        ``read`` fills the arena block itself on the copy thread; on ``cuda`` the disk thread
+        reads into its page-locked staging buffer and copies that in, and the transfer is done
+        only once the copy is (the block must not move before)."""
+        if self.device.name == "cpu":
+            future = self._pool.submit(read, array)
+            return Transfer(future.done, future.result)
+        future = self._disk.submit(self._cuda_from_disk, read, array)  # pragma: no cover - cuda only
+        return Transfer(future.done, future.result)  # pragma: no cover - cuda only
+
+    def _staging(self, nbytes: int):  # pragma: no cover - cuda only
+        """The disk thread's page-locked buffer, grown to the largest tensor it has moved: the
+        disk tier's pinned memory is one tensor's, whatever the number of copies queued."""
+        if self._stage is None or self._stage.size < nbytes:
+            self._stage = pinned_empty(self._cupy, (nbytes,), np.uint8)
+        return self._stage[:nbytes]
+
+    def _cuda_to_disk(self, array, file, offset: int, queued) -> None:  # pragma: no cover - cuda only
+        with self._gpu:
+            stream = self._streams["d2h"]
+            stream.wait_event(queued)
+            stage = self._staging(array.nbytes)
+            array.get(stream=stream, out=stage)
+            stream.synchronize()
+            file.write_from(offset, stage)
+
+    def _cuda_from_disk(self, read, array) -> None:  # pragma: no cover - cuda only
+        with self._gpu:
+            stage = self._staging(array.nbytes)
+            read(stage)
+            stream = self._streams["h2d"]
+            array.set(stage, stream=stream)
+            stream.synchronize()
+
     def close(self) -> None:
         if self.device.name == "cpu":
             self._pool.shutdown(wait=True)
+        elif self.device.name == "cuda":  # pragma: no cover - cuda only
+            self._disk.shutdown(wait=True)
 
     def _sim_copy(self, direction: str, array, host=None) -> Transfer:
         copy, clock = self.device.start_copy(direction, array.nbytes), self.device.clock

@@ -12,10 +12,14 @@ The backend side of the ``predict`` protocol (the coordinator side is :mod:`tens
    encoding). An empty source — or one whose every row was skipped — gives no rows and never
    contacts the coordinator.
 3. Send a ``predict`` header naming the model by id and version, with the inputs ``x`` (N, F)
-   float32 before scaling (the coordinator applies the stored ``x_mean`` / ``x_std``). The coordinator answers ``need_weights`` when it does not hold that
-   version; only then are the weights read (``WHERE id = $1``) and sent as ``weights``. It then
+   float32 before scaling (the coordinator applies the stored ``x_mean`` / ``x_std``). The
+   coordinator answers ``need_weights`` when it does not hold that version (open, or in its model
+   file); only then are the weights read (``WHERE id = $1``) and sent as ``weights``. It then
    answers ``accepted`` and, once every batch has streamed through the layers, ``result`` with
    ``outputs`` (N, n_outputs) float32: class probabilities, or values in the label's units.
+   It answers ``reload`` instead when a layer read from its copy of the model (a file on its
+   disk) was corrupt: it has deleted that copy and returned nothing, so the backend repeats the
+   call once, sending the weights again, with a WARNING.
 4. Wait in slices so that a cancel reaches the backend (:func:`.session.await_result`); on any
    error the backend sends ``cancel`` and the coordinator stops the call between two layers and
    frees its device memory.
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InvalidArgument, ModelNotFound, ProtocolError
+from ..errors import CorruptModel, InvalidArgument, ModelNotFound, ProtocolError
 from ..runtime import model as models
 from ..runtime import preprocess
 from ..runtime.metrics import class_text
@@ -145,8 +149,29 @@ def _weights(plpy, GD, model: ModelRow) -> dict[str, np.ndarray]:
     return load_weights(rows[0]["weights"], model.spec, model.name)
 
 
+class _Reload(Exception):
+    """The coordinator found its copy of the model's weights corrupt and discarded it (message)."""
+
+
 def _infer(plpy, GD, s: dict, model: ModelRow, x: np.ndarray, window: int, opts: BatchOptions) -> np.ndarray:
-    """Run x (N, F) float32 through the model on the coordinator: outputs (N, n_outputs) float32."""
+    """Run x (N, F) float32 through the model on the coordinator: outputs (N, n_outputs) float32.
+    When the coordinator answers ``reload`` (a layer of its model file was corrupt; it returned
+    nothing), the call is repeated once, the weights read again from the registry; a second
+    ``reload`` raises CorruptModel."""
+    try:
+        return _infer_once(plpy, GD, s, model, x, window, opts)
+    except _Reload as exc:
+        plpy.warning(f"tensile: the coordinator's copy of model {model.name!r} was corrupt ({exc}); its weights "
+                     "were read again from tensile.models")
+    try:
+        return _infer_once(plpy, GD, s, model, x, window, opts)
+    except _Reload as exc:
+        raise CorruptModel(f"model {model.name!r}: the coordinator's copy of its weights was corrupt twice in a "
+                           f"row ({exc}); check the disk of the coordinator's models directory") from None
+
+
+def _infer_once(plpy, GD, s: dict, model: ModelRow, x: np.ndarray, window: int, opts: BatchOptions) -> np.ndarray:
+    """One exchange of :func:`_infer`. Raises _Reload when the coordinator asks for one."""
     client, _ = session.connect(plpy, GD, s=s)
     timeout_s = session.coordinator_timeout(plpy, GD)
     header = {"type": "predict", "model_name": model.name, "model_id": model.id, "model_version": model.version,
@@ -165,6 +190,8 @@ def _infer(plpy, GD, s: dict, model: ModelRow, x: np.ndarray, window: int, opts:
             raise ProtocolError(f"unexpected {reply['type']!r} message from the coordinator during prediction")
 
     def on_message(reply: dict, arrays: dict) -> None:
+        if reply["type"] == "reload":
+            raise _Reload(reply.get("message", ""))
         raise ProtocolError(f"unexpected {reply['type']!r} message from the coordinator during prediction")
 
     with client:

@@ -10,6 +10,12 @@ the budget every job shares, so no session may change them with ``SET``, ``ALTER
 - ``tensile.device``: ``cpu`` (default) or ``cuda``.
 - ``tensile.device_budget``: the device arena, with units as ``pg_size_bytes`` reads them
   (default ``1GB``).
+- ``tensile.host_budget``: host memory for the copies of swapped-out tensors, and for cached
+  copies of served models' layers, with units as ``pg_size_bytes`` reads them (default ``1GB``);
+  beyond it swapped-out tensors go to spill files (the disk tier).
+- ``tensile.spill_dir``: an absolute directory for the spill files, which the server's OS user can
+  write (default: ``tensile_coordinator/spill`` in the data directory). Files of a job are removed
+  when it ends, and those of a coordinator that died when the next one starts.
 - ``tensile.max_active_jobs``: jobs trained at once; more wait queued (default 8).
 - ``tensile.policy``: the scheduler policy, one of :data:`tensile_db.settings.POLICIES`
   (default ``tensile``).
@@ -68,6 +74,7 @@ from .. import settings as server_settings
 #: The tensile.* settings of the configuration files, by name, with their defaults.
 SERVER_SETTINGS = {"device": server_settings.DEFAULT_DEVICE,
                    "device_budget": str(server_settings.DEFAULT_BUDGET_NBYTES),
+                   "host_budget": str(server_settings.DEFAULT_HOST_BUDGET_NBYTES), "spill_dir": "",
                    "max_active_jobs": str(server_settings.DEFAULT_MAX_ACTIVE_JOBS),
                    "policy": server_settings.DEFAULT_POLICY, "pool": server_settings.DEFAULT_POOL,
                    "max_layers": str(Limits.max_layers),
@@ -139,12 +146,27 @@ def _start_spec(plpy, GD, s: dict) -> coordinator_client.StartSpec:
         if s[key] not in allowed:
             raise InvalidArgument(f"tensile.{key} is {s[key]!r}; it must be one of {', '.join(allowed)}: set it in "
                                   "the server's configuration files and reload them (SELECT pg_reload_conf())")
+    if size_bytes(plpy, GD, s, "host_budget") < 0:
+        raise InvalidArgument(f"tensile.host_budget is {s['host_budget']!r}; it must not be negative: set it in the "
+                              "server's configuration files and reload them (SELECT pg_reload_conf())")
     return coordinator_client.StartSpec(
         python=s["python"] or _default_python(), device=s["device"],
         budget_nbytes=size_bytes(plpy, GD, s, "device_budget"),
+        host_budget_nbytes=size_bytes(plpy, GD, s, "host_budget"), spill_dir=_spill_dir(s),
         max_active_jobs=_positive_int(s, "max_active_jobs"), policy=s["policy"], pool=s["pool"],
         postmaster_pid_file=os.path.join(os.getcwd(), "postmaster.pid"),
         python_path=str(Path(__file__).resolve().parent.parent.parent), limits=limits(plpy, GD, s))
+
+
+def _spill_dir(s: dict) -> str | None:
+    """``tensile.spill_dir`` of the settings ``s``, or None when it is not set. Raises
+    InvalidArgument for a relative path."""
+    text = s["spill_dir"].strip()
+    if text and not os.path.isabs(text):
+        raise InvalidArgument(f"tensile.spill_dir is {s['spill_dir']!r}; it must be an absolute directory the server's "
+                              "OS user can write: set it in the server's configuration files and reload them "
+                              "(SELECT pg_reload_conf())")
+    return text or None
 
 
 def connect(plpy, GD, start: bool = True, s: dict | None = None):

@@ -9,6 +9,7 @@ temporaries count against the budget too.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import threading
 import time
 
@@ -67,8 +68,13 @@ class Device:
         return self._compute if self._compute is not None else contextlib.nullcontext()
 
     def arena_buffer(self, nbytes: int):
-        """One contiguous uint8 buffer of ``nbytes`` bytes on the device."""
-        return self.xp.empty(nbytes, dtype=self.xp.uint8)
+        """One contiguous uint8 buffer of ``nbytes`` bytes on the device. On ``cpu`` it is
+        page-aligned anonymous memory (pages are committed as they are first touched), so every
+        512-byte arena block can be read from and written to a spill file with ``O_DIRECT``
+        (Note [Spill I/O] in :mod:`tensile_db.memory.spill`)."""
+        if self.xp is np:
+            return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), np.uint8)[:nbytes]
+        return self.xp.empty(nbytes, dtype=self.xp.uint8)  # pragma: no cover - cuda only
 
     def view(self, buffer, offset: int, shape: tuple[int, ...], dtype) -> object:
         """An array of ``shape`` and ``dtype`` over ``buffer[offset:]``; no copy."""

@@ -360,12 +360,13 @@ def finish(spec: ModelSpec, weights: dict[str, np.ndarray], h: np.ndarray) -> np
     return h
 
 
-def forward(spec: ModelSpec, weights: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
-    """Inference on the host: raw features x (N, F) float32 -> outputs (N, n_outputs) float32.
+def forward(spec: ModelSpec, weights, x: np.ndarray, chunk_rows: int = 256) -> np.ndarray:
+    """Inference on the host: raw features x (N, F) float32 -> outputs (N, n_outputs) float32,
+    ``chunk_rows`` rows at a time; ``weights`` maps each array's name to it.
 
     Classification outputs are class probabilities (softmax); regression outputs are in the
     label's units (standardisation undone). Batch normalisation uses its running statistics and
     dropout is the identity. The coordinator's demand-layered inference
     (:mod:`tensile_db.inference`) runs the same nodes (:func:`.network.evaluate`).
     """
-    return finish(spec, weights, spec.network.forward(weights, standardize(weights, x)))
+    return finish(spec, weights, spec.network.forward(weights, standardize(weights, x), chunk_rows))

@@ -400,9 +400,15 @@ class Network:
         """Float32 initial weights: He-uniform (relu) or Glorot-uniform (other activations) for
         dense and convolution weights, zero biases, batch norm gamma 1, beta 0, running mean 0,
         running variance 1. Fixed by ``seed``."""
+        return dict(self.iter_init_weights(seed))
+
+    def iter_init_weights(self, seed: int):
+        """The arrays of :meth:`init_weights` one at a time, as ``(name, array)`` in node order:
+        the same values, without holding every array at once (a training job adopts each as it
+        comes, so a model larger than the host budget goes to the disk tier array by array)."""
         rng = np.random.default_rng(seed)
-        weights = {}
         for node in self.nodes:
+            weights: dict[str, np.ndarray] = {}
             i = node.index
             if node.op in ("dense", "conv"):
                 shape = node.params[f"W{i}"]
@@ -419,7 +425,7 @@ class Network:
                 c = node.shape[0]
                 weights[f"gamma{i}"], weights[f"var{i}"] = np.ones(c, np.float32), np.ones(c, np.float32)
                 weights[f"beta{i}"], weights[f"mean{i}"] = np.zeros(c, np.float32), np.zeros(c, np.float32)
-        return weights
+            yield from weights.items()
 
     def forward(self, weights: dict[str, np.ndarray], x: np.ndarray, chunk_rows: int = 256) -> np.ndarray:
         """Inference on the host: network inputs x (N, F) float32 (already scaled) -> the output

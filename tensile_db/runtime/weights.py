@@ -44,27 +44,48 @@ def weight_shapes(spec: ModelSpec, names) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(spec: ModelSpec, weights: dict[str, np.ndarray], name: str) -> dict[str, np.ndarray]:
-    """The weights as float32 arrays, checked against ``spec``: exactly the arrays of
-    :func:`weight_shapes`, each of that shape, of a floating dtype, with finite values. Raises
-    CorruptModel naming the model and the first array that is missing, extra or wrong."""
-    shapes = weight_shapes(spec, weights)
-    extra = sorted(set(weights) - set(shapes))
+def check_declared(spec: ModelSpec, declared, name: str) -> dict[str, tuple[int, ...]]:
+    """Check arrays by what they declare, before their values are read: ``declared`` is
+    ``(name, dtype, shape)`` for each array, in any order. They must be exactly the arrays of
+    :func:`weight_shapes`, each once, of that shape and a floating dtype. Returns
+    :func:`weight_shapes`. Raises CorruptModel naming the model and the first array that is
+    missing, extra, repeated or wrong (as :func:`check_weights` does)."""
+    declared = list(declared)
+    names = [key for key, _, _ in declared]
+    shapes = weight_shapes(spec, names)
+    extra = sorted(set(names) - set(shapes))
     if extra:
         raise CorruptModel(f"model {name!r}: its weights hold arrays the architecture has no use for "
                            f"({', '.join(extra[:5])}); train the model again")
-    out = {}
+    repeated = sorted({key for key in names if names.count(key) > 1})
+    if repeated:
+        raise CorruptModel(f"model {name!r}: its weights hold {repeated[0]} more than once; train the model again")
+    got = {key: (np.dtype(dtype), tuple(shape)) for key, dtype, shape in declared}
     for key, shape in shapes.items():
-        a = weights.get(key)
-        if a is None or tuple(a.shape) != shape or a.dtype.kind != "f":
-            got = "nothing" if a is None else f"{a.dtype} {tuple(a.shape)}"
-            raise CorruptModel(f"model {name!r}: weight {key} must be a float array of shape {shape}, got {got}; "
+        dtype, have = got.get(key, (None, None))
+        if dtype is None or have != shape or dtype.kind != "f":
+            what = "nothing" if dtype is None else f"{dtype} {have}"
+            raise CorruptModel(f"model {name!r}: weight {key} must be a float array of shape {shape}, got {what}; "
                                "train the model again")
-        a = np.asarray(a, dtype=np.float32)
-        if not np.isfinite(a).all():
-            raise CorruptModel(f"model {name!r}: weight {key} has NaN or infinite values; train the model again")
-        out[key] = a
-    return out
+    return shapes
+
+
+def check_array(key: str, a: np.ndarray, name: str) -> np.ndarray:
+    """Array ``key`` of model ``name`` as float32 (no copy if it is one), checked for finite
+    values (its shape and dtype were checked by :func:`check_declared`). Raises CorruptModel."""
+    a = np.asarray(a, dtype=np.float32)
+    if not np.isfinite(a).all():
+        raise CorruptModel(f"model {name!r}: weight {key} has NaN or infinite values; train the model again")
+    return a
+
+
+def check_weights(spec: ModelSpec, weights: dict[str, np.ndarray], name: str) -> dict[str, np.ndarray]:
+    """The weights as float32 arrays, checked against ``spec``: exactly the arrays of
+    :func:`weight_shapes`, each of that shape, of a floating dtype (:func:`check_declared`), with
+    finite values (:func:`check_array`). Raises CorruptModel naming the model and the first array
+    that is missing, extra or wrong."""
+    shapes = check_declared(spec, ((k, np.asarray(a).dtype, np.shape(a)) for k, a in weights.items()), name)
+    return {key: check_array(key, weights[key], name) for key in shapes}
 
 
 def load_weights(data: bytes, spec: ModelSpec, name: str) -> dict[str, np.ndarray]:

@@ -4,33 +4,94 @@ TENSILE hard-codes a host/device bandwidth (12 MB/ms); here both directions are 
 the same transfer engine that performs the swaps (a copy thread on ``cpu``, the copy stream with
 pinned host buffers on ``cuda``). The cost of recomputing a tensor is the measured time of the
 ops that produce it (:mod:`tensile_db.scheduler.trace`).
+
+Note [Tiers]
+------------
+TENSILE's cost model has two tiers: a swapped-out tensor waits in host memory, and a swap costs a
+host <-> device copy. This one has three, device, host and disk, as the memory manager has: with
+a host budget (:attr:`CostModel.host_budget_nbytes`), a swap-out goes to the host tier if the
+bytes of swapped-out tensors held in host memory now plus its own fit the host budget, else to
+the disk tier (written to the spill file, :mod:`tensile_db.memory.spill`). Its swap-in reads it
+from where it went, and its host bytes are freed when its swap-in completes. Which tier a swap
+gets depends on when the other swaps are issued and complete, so the simulator decides it while
+it replays a plan (:class:`~tensile_db.scheduler.timeline.Simulator`); the cost model only says
+what a copy from or to either tier costs (:meth:`CostModel.swap_out_s`, :meth:`CostModel.swap_in_s`).
+Without a host budget the host tier is unbounded: two tiers, as in TENSILE.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..errors import InvalidArgument
 
 
 @dataclass(frozen=True)
 class CostModel:
     """Bandwidths in bytes per second, and a fixed latency per transfer in seconds. ``duplex``:
     swap-outs and swap-ins run on separate copy engines and overlap each other (a GPU's copy
-    engines, the simulated device's); else they share one channel (``cpu``'s copy thread)."""
+    engines, the simulated device's); else they share one channel (``cpu``'s copy thread).
+
+    ``host_budget_nbytes``: bytes of swapped-out tensors the host tier holds at most, None for
+    no limit (Note [Tiers]); with one, ``disk_read_bytes_per_s`` and ``disk_write_bytes_per_s``
+    (the spill file's, :func:`measure_disk`) price the swaps that go to the disk tier.
+
+    Raises:
+        InvalidArgument: a negative host budget, or a host budget without both disk bandwidths
+            (positive).
+    """
 
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
     latency_s: float = 0.0
     duplex: bool = False
+    host_budget_nbytes: int | None = None
+    disk_read_bytes_per_s: float | None = None
+    disk_write_bytes_per_s: float | None = None
 
-    def swap_in_s(self, nbytes: int) -> float:
-        """Seconds to copy ``nbytes`` host -> device."""
-        return self.latency_s + nbytes / self.h2d_bytes_per_s
+    def __post_init__(self):
+        if self.host_budget_nbytes is None:
+            return
+        if self.host_budget_nbytes < 0:
+            raise InvalidArgument(f"host budget {self.host_budget_nbytes:,} bytes is negative; use 0 or more, "
+                                  f"or None for an unbounded host tier")
+        for name in ("disk_read_bytes_per_s", "disk_write_bytes_per_s"):
+            value = getattr(self, name)
+            if value is None or not value > 0:
+                raise InvalidArgument(f"a host budget of {self.host_budget_nbytes:,} bytes needs the disk tier's "
+                                      f"{name}, got {value!r}; measure it with measure_disk")
 
-    def swap_out_s(self, nbytes: int) -> float:
-        """Seconds to copy ``nbytes`` device -> host."""
-        return self.latency_s + nbytes / self.d2h_bytes_per_s
+    def disk_read_s(self, nbytes: int) -> float:
+        """Seconds to read ``nbytes`` from the spill file."""
+        return self.latency_s + nbytes / self.disk_read_bytes_per_s
+
+    def disk_write_s(self, nbytes: int) -> float:
+        """Seconds to write ``nbytes`` to the spill file."""
+        return self.latency_s + nbytes / self.disk_write_bytes_per_s
+
+    def swap_in_s(self, nbytes: int, disk: bool = False) -> float:
+        """Seconds to swap ``nbytes`` in: copy them host -> device, or, from the disk tier
+        (``disk``), read them from the spill file (Note [Tiers]). ``nbytes`` may be an array."""
+        if not disk:
+            return self.latency_s + nbytes / self.h2d_bytes_per_s
+        if self.duplex:     # the device's memory is not host memory: read into host, then copy
+            return self.disk_read_s(nbytes) + self.swap_in_s(nbytes)
+        return self.disk_read_s(nbytes)      # cpu: the read goes straight into the arena
+
+    def swap_out_s(self, nbytes: int, disk: bool = False) -> float:
+        """Seconds to swap ``nbytes`` out: copy them device -> host, or, to the disk tier
+        (``disk``), write them to the spill file (Note [Tiers]). ``nbytes`` may be an array."""
+        if not disk:
+            return self.latency_s + nbytes / self.d2h_bytes_per_s
+        # A separate device's memory (duplex copy engines: cuda, sim) is copied to host memory and
+        # then written, one after the other on the swap engine's thread: the sum of the two. On
+        # cpu the arena is host memory and the write goes straight from it.
+        if self.duplex:
+            return self.swap_out_s(nbytes) + self.disk_write_s(nbytes)
+        return self.disk_write_s(nbytes)
 
 
 def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) -> CostModel:
@@ -38,7 +99,7 @@ def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) 
     :class:`~tensile_db.memory.transfer.TransferEngine`): the best of ``repeats`` copies of
     ``nbytes`` bytes each way, and the latency (best of a 512-byte copy each way); the bandwidth
     is the slope between the two sizes, or ``nbytes`` over the large copy's time when noise makes
-    the slope meaningless. Returns a :class:`CostModel`.
+    the slope meaningless. Returns a :class:`CostModel` with an unbounded host tier.
     """
     host = device.host_empty((nbytes,), np.uint8)
     host[...] = 1
@@ -63,3 +124,37 @@ def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) 
 
     return CostModel(h2d_bytes_per_s=bandwidth(h2d), d2h_bytes_per_s=bandwidth(d2h), latency_s=latency,
                      duplex=engine.duplex)
+
+
+#: alignment of :func:`measure_disk`'s buffer, bytes: a page, what O_DIRECT asks of user buffers
+_DISK_ALIGN_NBYTES = 4096
+
+
+def measure_disk(spill_file, nbytes: int = 32 << 20, repeats: int = 3) -> tuple[float, float]:
+    """Measure the disk tier: (read, write) bandwidth of ``spill_file`` in bytes per second, each
+    ``nbytes`` over the best of ``repeats`` blocking transfers of ``nbytes`` bytes, wall-clock.
+
+    ``spill_file`` is a :class:`~tensile_db.memory.spill.SpillFile` (the same I/O the spill tier
+    does: ``reserve``, ``write_from``, ``read_into``, ``release``); the bytes reserved are
+    released again, and the file stays open (its owner closes it). The buffer is page-aligned, as
+    O_DIRECT asks. The per-transfer latency is the cost model's ``latency_s``, not measured here.
+    """
+    raw = np.empty(nbytes + _DISK_ALIGN_NBYTES, np.uint8)
+    skip = -raw.ctypes.data % _DISK_ALIGN_NBYTES
+    buffer = raw[skip:skip + nbytes]
+    buffer[...] = 1
+    offset = spill_file.reserve(nbytes)
+    try:
+        def best(io) -> float:
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                io(offset, buffer)
+                times.append(time.perf_counter() - start)
+            return max(min(times), 1e-9)          # a clock that did not tick: 1 ns, not 0
+
+        write_s = best(spill_file.write_from)
+        read_s = best(spill_file.read_into)
+    finally:
+        spill_file.release(offset, nbytes)
+    return nbytes / read_s, nbytes / write_s

@@ -37,7 +37,7 @@ import concurrent.futures
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from ..errors import InvalidArgument
 from ..memory.arena import UNIT_NBYTES
 from ..settings import DEFAULT_POLICY, POLICIES
 from .baselines import BASELINE_PLANNERS
-from .cost import CostModel, measure_bandwidth
+from .cost import CostModel, measure_bandwidth, measure_disk
 from .planners import ACTIONS, MAX_PLAN_SECONDS, Plan, plan_swap_score, plan_tensile, plan_vdnn
 from .reactive import FarthestNextUse
 from .timeline import JobTrace, Timeline, iterations_per_period, round_of
@@ -98,7 +98,7 @@ class Scheduler:
             manager.limit_nbytes = int(manager.budget_nbytes * (1.0 - headroom)) // UNIT_NBYTES * UNIT_NBYTES
         # On cpu the buffers are plain host memory; on cuda they come from the arena.
         nbytes = 16 << 20 if manager.device.name == "cpu" else min(16 << 20, max(manager.budget_nbytes // 4, 4096))
-        self.cost = cost or measure_bandwidth(manager.device, manager.engine, nbytes=nbytes)
+        self.cost = cost or self._measure(manager, nbytes)
         # Fields below are used by the executor's thread only, except ``plan`` (read by describe()).
         self.jobs: dict[int, object] = {}                 # running jobs, in admission order
         self.sequences: dict[int, AccessSequence] = {}
@@ -115,6 +115,22 @@ class Scheduler:
         self._planning = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-plan")
         self._pending: concurrent.futures.Future | None = None
         self._request: _Request | None = None
+
+    @staticmethod
+    def _measure(manager, nbytes: int) -> CostModel:
+        """The cost model measured through the manager's swap engine (copies of ``nbytes``
+        bytes) and, where it has a disk tier, its spill I/O, with its host budget."""
+        cost = measure_bandwidth(manager.device, manager.engine, nbytes=nbytes)
+        spill = getattr(manager, "spill", None)
+        disk = (None, None)
+        if spill is not None:
+            scratch = spill.open_scratch()
+            try:
+                disk = measure_disk(scratch)
+            finally:
+                scratch.close()
+        return replace(cost, host_budget_nbytes=getattr(manager, "host_budget_nbytes", None),
+                       disk_read_bytes_per_s=disk[0], disk_write_bytes_per_s=disk[1])
 
     # -- job lifecycle -------------------------------------------------------------------------
 
@@ -305,6 +321,8 @@ class Scheduler:
             "policy": self.policy,
             "h2d_bytes_per_s": self.cost.h2d_bytes_per_s,
             "d2h_bytes_per_s": self.cost.d2h_bytes_per_s,
+            "disk_read_bytes_per_s": self.cost.disk_read_bytes_per_s,
+            "disk_write_bytes_per_s": self.cost.disk_write_bytes_per_s,
             "plans_made": self.plans_made,
             "predicted_peak_nbytes": plan.predicted_peak_nbytes if plan else None,
             "predicted_extra_s": plan.predicted_extra_s if plan else None,

@@ -30,6 +30,11 @@ actions are keyed by period position, so each iteration gets its own swaps and r
   convolution's) input is swapped out
   after its last forward use, released when the next layer's forward starts, and prefetched when
   the backward pass of the layer above starts, whatever the budget.
+
+With a host budget (Note [Tiers] in :mod:`~tensile_db.scheduler.cost`), the planners still time
+and rank candidate swaps by the host tier's copy times: which tier a swap gets depends on the
+other swaps in flight, so the simulation, which decides it, is what compares the candidates
+(:func:`plan_tensile`) and predicts the plan's time and its bytes on disk.
 """
 
 from __future__ import annotations
@@ -104,6 +109,11 @@ class Plan:
     @property
     def predicted_extra_s(self) -> float | None:
         return self.simulation.extra_s if self.simulation else None
+
+    @property
+    def predicted_disk_nbytes(self) -> int | None:
+        """Bytes the plan swaps out to the disk tier per period, predicted (0 without a host budget)."""
+        return self.simulation.disk_nbytes if self.simulation else None
 
 
 # --- absences -------------------------------------------------------------------------------------

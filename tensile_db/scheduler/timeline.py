@@ -36,7 +36,10 @@ one always; a planned absence (a :class:`Decision`) removes a cyclic window of e
 swap-out's bytes are freed at a fixed event (the executor waits there if the copy is late) and a
 swap-in's are taken at a fixed event, memory over the timeline depends only on the plan, not on
 timing; only the predicted time does, which :func:`simulate` computes with one FIFO copy channel,
-or one per direction where the cost model says the copies are duplex (a GPU's copy engines).
+or one per direction where the cost model says the copies are duplex (a GPU's copy engines). With a
+host budget, a swap-out goes to the host tier or to the disk tier by how many swapped-out bytes the
+host holds when it is issued (Note [Tiers] in :mod:`~tensile_db.scheduler.cost`), which also
+depends on timing; so the simulation decides each swap's tier as it replays the period.
 TENSILE plans each job against the sum of the per-job peaks; planning against the combined
 timeline sees that the jobs' peaks fall at different times.
 """
@@ -258,6 +261,7 @@ class Simulation:
     recompute_s: float = 0.0
     transfer_nbytes: int = 0            # bytes copied per period, both directions
     channel_busy_s: float = 0.0
+    disk_nbytes: int = 0                # bytes swapped out to the disk tier per period (each read back once)
 
     @property
     def extra_s(self) -> float:
@@ -267,7 +271,8 @@ class Simulation:
 def simulate(timeline: Timeline, decisions: list[Decision], cost: CostModel) -> Simulation:
     """Predict the timing of ``decisions`` on ``timeline``: ops run back to back on the compute
     stream; swaps run one at a time on the copy channel in issue order (swap-outs and swap-ins on
-    separate channels when ``cost.duplex``); the op that next accesses
+    separate channels when ``cost.duplex``), each to and from the tier the host budget gives it
+    (Note [Tiers] in :mod:`~tensile_db.scheduler.cost`); the op that next accesses
     a swapped tensor waits for its swap-in, a release waits for its swap-out, and a recompute adds
     the producing ops' measured times before the op that needs the tensor (:class:`Simulator`)."""
     return Simulator(timeline, cost, decisions).simulate()
@@ -283,6 +288,16 @@ class Simulator:
     issued; each in the order of the decisions. Only the events with such actions are visited one
     by one; between them the clock adds the ops' times in order (the same sums, to the last bit,
     as visiting every event).
+
+    Tiers (Note [Tiers] in :mod:`~tensile_db.scheduler.cost`), with ``cost.host_budget_nbytes``
+    set: at each swap-out, in the order they are issued on the clock, the bytes the host tier
+    holds are those of the swaps sent there whose swap-ins have not completed by then; the
+    swap-out goes to the host tier if they and its own bytes fit the host budget, else to the
+    disk tier, and its swap-in costs the copy from that tier. A disk copy runs on the same copy
+    channel as a host one (the swap engine's threads do both). The swaps whose absence wraps
+    around the end of the period are out when a simulation starts: they get their tiers by the
+    same rule, in the order of their swap-outs, before the first period. Without a host budget
+    every swap goes to the host tier, as in TENSILE.
     """
 
     def __init__(self, timeline: Timeline, cost: CostModel, decisions: Sequence[Decision] = ()):
@@ -290,10 +305,14 @@ class Simulator:
         self.cost = cost
         self.decisions: list[Decision] = []
         # (event, releases, swap-ins, waits for a swap-in, swap-outs) for every event with an
-        # action, by event: decision indices, with the copy's seconds for the two that issue one
+        # action, by event: decision indices, and for the two that issue a copy (decision index,
+        # the copy's seconds from or to the host tier, and from or to the disk tier, its bytes)
         # (None for none). The lists are never changed in place, so a copy of the list may be
         # changed apart.
         self._steps: list[tuple] = []
+        # (a, decision index, bytes) of the swaps whose swap-in comes before their swap-out in a
+        # period, by event ``a`` (of the swap-out) and index: out when a simulation starts
+        self._wrapping: list[tuple[int, int, int]] = []
         self._recompute_s = np.zeros(timeline.n)          # seconds of recomputes before each op
         self._transfer_nbytes = 0
         self._durations = timeline.durations_s.tolist()
@@ -304,8 +323,14 @@ class Simulator:
     def _merge(self, steps: list[tuple], d: Decision, i: int) -> None:
         """Put the actions of ``d``, the ``i``-th decision, into ``steps``, in place."""
         if d.method == "swap":
-            actions = [(d.free, 0, i), (d.back, 1, (i, self.cost.swap_in_s(d.nbytes))), (d.b, 2, i),
-                       (d.a, 3, (i, self.cost.swap_out_s(d.nbytes)))]
+            cost, nbytes = self.cost, d.nbytes
+            in_s, out_s = cost.swap_in_s(nbytes), cost.swap_out_s(nbytes)
+            if cost.host_budget_nbytes is None:           # one tier: the disk's seconds are never read
+                disk_in_s, disk_out_s = in_s, out_s
+            else:
+                disk_in_s, disk_out_s = cost.swap_in_s(nbytes, disk=True), cost.swap_out_s(nbytes, disk=True)
+            actions = [(d.free, 0, i), (d.back, 1, (i, in_s, disk_in_s, nbytes)), (d.b, 2, i),
+                       (d.a, 3, (i, out_s, disk_out_s, nbytes))]
         else:
             actions = [(d.b, None, None)]                 # visited for its recompute
         for k, which, entry in actions:
@@ -317,8 +342,16 @@ class Simulator:
                 step[1 + which] = (step[1 + which] or []) + [entry]
                 steps[at] = tuple(step)
 
+    @staticmethod
+    def _wraps(d: Decision) -> bool:
+        """Whether ``d`` is a swap whose swap-in is issued before its swap-out in a period (at
+        one event, swap-ins come first)."""
+        return d.method == "swap" and d.back <= d.a
+
     def add(self, d: Decision) -> None:
         """Append ``d`` to the decisions."""
+        if self._wraps(d):
+            bisect.insort(self._wrapping, (d.a, len(self.decisions), d.nbytes))
         self._merge(self._steps, d, len(self.decisions))
         self.decisions.append(d)
         if d.method == "swap":
@@ -328,21 +361,26 @@ class Simulator:
 
     def simulate(self, also: Decision | None = None) -> Simulation:
         """Predict the timing of the decisions, and of ``also`` after them if given (not added)."""
-        steps, recompute_s, nbytes = self._steps, self._recompute_s, self._transfer_nbytes
+        steps, recompute_s, nbytes, wrapping = self._steps, self._recompute_s, self._transfer_nbytes, self._wrapping
         if also is not None:
             steps = steps.copy()
             self._merge(steps, also, len(self.decisions))
             if also.method == "swap":
                 nbytes += 2 * also.nbytes
+                if self._wraps(also):
+                    wrapping = sorted([*wrapping, (also.a, len(self.decisions), also.nbytes)])
             else:
                 recompute_s = recompute_s.copy()
                 recompute_s[also.b] += also.recipe_s
-        start_s, period_s, stall_s, busy_s = self._replay(steps, recompute_s.tolist(), len(self.decisions) + 1)
-        return Simulation(start_s, period_s, self._compute_s, stall_s, float(recompute_s.sum()), nbytes, busy_s)
+        start_s, period_s, stall_s, busy_s, disk_nbytes = self._replay(steps, recompute_s.tolist(), wrapping,
+                                                                       len(self.decisions) + 1)
+        return Simulation(start_s, period_s, self._compute_s, stall_s, float(recompute_s.sum()), nbytes, busy_s,
+                          disk_nbytes)
 
-    def _replay(self, steps: list, recompute: list[float], transfers: int) -> tuple[np.ndarray, float, float, float]:
+    def _replay(self, steps: list, recompute: list[float], wrapping: list[tuple[int, int, int]],
+                transfers: int) -> tuple[np.ndarray, float, float, float, int]:
         """Two periods of ``steps``; (the second's start times, its length, stall and copy
-        channel's busy time), seconds."""
+        channel's busy time, seconds; bytes it swaps out to the disk tier)."""
         durations = self._durations
         out_end = [0.0] * transfers
         in_end = [0.0] * transfers
@@ -350,8 +388,22 @@ class Simulator:
         t = period_start = stall = busy = 0.0
         free = [0.0, 0.0]                   # when each copy channel is next free: swap-ins', swap-outs'
         out = 1 if self.cost.duplex else 0  # one channel for both directions unless duplex
+        # Tiers: only with a host budget; without one every swap is a host tier's, as before.
+        budget = self.cost.host_budget_nbytes
+        tiered = budget is not None
+        on_disk = [False] * transfers       # each swap's tier, from its last swap-out
+        held = 0                            # bytes of swapped-out tensors in the host tier now
+        # (seconds, bytes) the host tier frees when a swap-in from it completes, in order of time
+        # (the swap-ins' channel is FIFO); frees[:freed] have happened
+        frees: list[tuple[float, int]] = []
+        freed = 0
+        spilled = 0                         # bytes swapped out to the disk tier in this period
+        for _, i, nbytes in wrapping if tiered else ():
+            on_disk[i] = held + nbytes > budget
+            if not on_disk[i]:
+                held += nbytes
         for rep in range(2):
-            period_start, stall, busy, done = t, 0.0, 0.0, 0
+            period_start, stall, busy, done, spilled = t, 0.0, 0.0, 0, 0
             for k, releases, swap_ins, waits, swap_outs in steps:
                 if rep:                     # the ops before this event, each at the clock's time
                     starts.extend(itertools.accumulate(durations[done:k], initial=t))
@@ -364,10 +416,14 @@ class Simulator:
                             stall += out_end[i] - t
                             t = out_end[i]
                 if swap_ins:
-                    for i, seconds in swap_ins:
+                    for i, seconds, disk_s, nbytes in swap_ins:
+                        if on_disk[i]:
+                            seconds = disk_s
                         free[0] = (free[0] if free[0] > t else t) + seconds
                         busy += seconds
                         in_end[i] = free[0]
+                        if tiered and not on_disk[i]:
+                            frees.append((free[0], nbytes))
                 if waits:
                     for i in waits:
                         if in_end[i] > t:
@@ -378,7 +434,17 @@ class Simulator:
                     starts.append(t)
                 t += durations[k]
                 if swap_outs:
-                    for i, seconds in swap_outs:
+                    for i, seconds, disk_s, nbytes in swap_outs:
+                        if tiered:
+                            while freed < len(frees) and frees[freed][0] <= t:
+                                held -= frees[freed][1]
+                                freed += 1
+                            on_disk[i] = held + nbytes > budget
+                            if on_disk[i]:
+                                seconds = disk_s
+                                spilled += nbytes
+                            else:
+                                held += nbytes
                         free[out] = (free[out] if free[out] > t else t) + seconds
                         busy += seconds
                         out_end[i] = free[out]
@@ -388,4 +454,4 @@ class Simulator:
                 t = starts.pop()
             else:
                 t = functools.reduce(operator.add, durations[done:], t)
-        return np.array(starts) - period_start, t - period_start, stall, busy
+        return np.array(starts) - period_start, t - period_start, stall, busy, spilled
