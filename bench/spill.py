@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -172,6 +173,11 @@ def main() -> int:
         print(f"spill directory measured at start: read {bw['disk_read'] / 1e9:.2f} GB/s, "
               f"write {bw['disk_write'] / 1e9:.2f} GB/s")
     print(f"results bit-identical across all {2 * args.repeats} runs: {len(digests) == 1}")
+    unlimited_peak = max(r["peak_device"] for r in runs["unlimited"])
+    print(f"MSR (device) = 1 - {max(r['peak_device'] for r in lim) / MIB:.0f} / {unlimited_peak / MIB:.0f} MiB = "
+          f"{1 - max(r['peak_device'] for r in lim) / unlimited_peak:.1%}; peak RSS saved "
+          f"{1 - max(r['peak_rss'] for r in lim) / max(r['peak_rss'] for r in runs['unlimited']):.1%}")
+    shutil.rmtree(root, ignore_errors=True)
     for r in lim:
         if r["peak_rss"] > bound:
             failures.append(f"peak RSS {r['peak_rss']:,} bytes over the bound {bound:,}")
