@@ -24,9 +24,11 @@ Memory saved is ``1 - device peak / the reference's device peak`` (the arena's h
 weights and activations); delay is ``time / the reference's time - 1``. Runs are interleaved and
 repeated; the table prints medians with [min, max]. A run's peak resident set must stay within
 device budget + host budget + a fixed overhead, which the output states: the process's resident
-set before the call (the interpreter, NumPy, the package, the call's rows), one batch's host
-copies (the standardised inputs and the manager's copy of them, the outputs) and the largest
-layer once more (a host copy made as it lands).
+set before the store opens the model (the interpreter, NumPy, the package, the call's rows; the
+peak counts from the process's start, so a model read whole at open would show), one batch's
+host copies (the standardised inputs and the manager's copy of them, the outputs) and the
+largest packed layer once more (a host copy made as it lands). The child fixes glibc's mmap
+threshold as the coordinator does.
 
     python bench/disk_layering.py [--dir DIR] [--repeats 5] [--layers 160] [--width 1024]
 """
@@ -47,6 +49,7 @@ import zlib
 import numpy as np
 from tabulate import tabulate
 
+from tensile_db.coordinator.__main__ import fix_mmap_threshold
 from tensile_db.coordinator.address import resident_set
 from tensile_db.inference.files import ModelFiles
 from tensile_db.inference.service import InferenceService
@@ -107,6 +110,8 @@ def run_once(args) -> dict:
     reference = args.run == "resident"
     model_nbytes = sum(math.prod(s) * 4 for s in spec.network.weight_shapes().values())
     device_nbytes = model_nbytes + (64 << 20) if reference else args.device_mib << 20
+    fix_mmap_threshold()                       # as the coordinator does
+    base_rss, _ = resident_set()               # before the store opens anything
     with tempfile.TemporaryDirectory(prefix="tensile-bench-spill-", dir=args.dir) as spill_root:
         spill = SpillDir(spill_root)
         manager = MemoryManager(Device("cpu"), device_nbytes, host_budget_nbytes=args.host_mib << 20, spill=spill)
@@ -117,9 +122,8 @@ def run_once(args) -> dict:
         if reference:                          # every layer loaded into the arena before the timed call
             svc.predict(model, x[:args.batch], window, args.batch, cache=True)
             model = svc.store.checkout(MODEL_ID, VERSION)
-        base_rss, _ = resident_set()
-        with open("/proc/self/clear_refs", "w") as f:         # the high-water mark starts here
-            f.write("5\n")
+            with open("/proc/self/clear_refs", "w") as f:     # its high-water mark starts here
+                f.write("5\n")
         started = time.perf_counter()
         outputs, stats = svc.predict(model, x, window, args.batch, cache=reference)
         elapsed = time.perf_counter() - started
@@ -173,7 +177,7 @@ def main() -> None:
         return
 
     spec = make_spec(args.layers, args.width)
-    layer_nbytes = max(math.prod(s) * 4 for s in spec.network.weight_shapes().values())
+    layer_nbytes = max(sum(math.prod(s) * 4 for s in node.weights.values()) for node in spec.network.layered)
     with tempfile.TemporaryDirectory(prefix="tensile-bench-models-", dir=args.dir) as models_dir:
         os.chmod(models_dir, 0o700)
         args.models_dir = models_dir
@@ -224,7 +228,9 @@ def main() -> None:
           f"{file_nbytes:,} bytes, written in {write_s:.1f} s), {args.batches} batches of {args.batch} rows per "
           f"call; device budget {args.device_mib} MiB, host budget {args.host_mib} MiB: the model is "
           f"{file_nbytes / budgets:.1f}x their sum")
-    how = "O_DIRECT (from the disk, not the page cache)" if direct else "buffered I/O (the page cache: O_DIRECT refused)"
+    read_direct = [r["direct"] for s in samples.values() for r in s]
+    how = ("O_DIRECT (from the disk, not the page cache) in every run" if all(read_direct) else
+           f"buffered I/O in {read_direct.count(False)} of {len(read_direct)} runs (the page cache: O_DIRECT refused)")
     print(f"layers read with {how} "
           f"on {file_system(models_dir)} at {os.path.dirname(models_dir)}; each layer's CRC-32 verified; "
           f"{args.repeats} interleaved runs, each in a fresh process, medians [min, max]")
@@ -232,7 +238,7 @@ def main() -> None:
                                    "RSS saved", "RSS bound MiB / within"],
                    colalign=("left", "right", "right", "right", "right", "right", "right", "right")))
     base = max(r["base_rss_nbytes"] for run in runs[1:] for r in samples[run])
-    print(f"RSS bound = device budget + host budget + fixed overhead: the resident set before the call "
+    print(f"RSS bound = device budget + host budget + fixed overhead: the resident set before the store opens the model "
           f"(interpreter, NumPy, package, rows; at most {base / 2**20:.0f} MiB) + one batch's host copies "
           f"({batch_nbytes / 2**20:.1f} MiB) + the largest layer ({layer_nbytes / 2**20:.1f} MiB)")
     print(f"least delay: window {ranked[0]}" + ("" if decided else f", within the spread of window {ranked[1]}: "

@@ -407,3 +407,21 @@ def test_a_job_cancelled_while_holding_copies_of_its_weights_gives_them_back(spi
     finally:
         ex.stop()
     assert os.listdir(spill.directory) == ["lock"] and mm.host_used_nbytes() == 0
+
+
+def test_a_failed_read_is_met_by_its_owner_not_by_whoever_lets_the_copies_land(spill):
+    mm = manager(spill)
+    mm.register_job(2)
+    v = values(1024, 1)
+    layer = mm.adopt_source(JOB, "layer", Kind.WEIGHT, v.shape, v.dtype, Source(v, corrupt=True))
+    mm.cache.prefetch(layer)
+    other = mm.adopt(2, "w", Kind.WEIGHT, values(1024, 2))
+    with mm._lock:
+        assert mm.land_copies() is True                 # another job's path: the failure is not raised there
+    mm.acquire(2, [other], [])
+    mm.unpin([other])
+    assert layer.residency is Residency.HOST and layer.offset is None
+    with pytest.raises(CorruptModel):                   # the owner meets it on its own access
+        mm.acquire(JOB, [layer], [])
+    mm.check()
+    mm.close()

@@ -23,7 +23,7 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_NBYTES = 1 << 20
 
 
-def _fix_mmap_threshold() -> None:
+def fix_mmap_threshold() -> None:
     """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD_NBYTES`. By default glibc raises the
     threshold to the size of each large block freed (up to 32 MiB), after which arrays of that
     size come from the heap and stay resident when freed: the host copies and reads of the tiers
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("max_active_jobs", "max_layers", "max_parameters", "max_job_bytes"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    _fix_mmap_threshold()
+    fix_mmap_threshold()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s tensile-coordinator[%(process)d] %(levelname)s %(message)s")
     coordinator = Coordinator(args.socket_dir, args.device, args.budget, args.max_active_jobs,

@@ -48,7 +48,8 @@ def recv(conn) -> tuple[dict, dict[str, np.ndarray]]:
     """Receive one message: ``(header, arrays)``. Raises ProtocolError on a malformed message
     and EOFError when the peer has closed."""
     header, stream = recv_stream(conn)
-    return header, dict(stream)
+    with stream:                # a malformed array still leaves the connection at the next message
+        return header, dict(stream)
 
 
 def recv_stream(conn) -> tuple[dict, ArrayStream]:

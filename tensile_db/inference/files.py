@@ -210,7 +210,12 @@ class ModelFile:
                  layers: list[Region], scaling: dict[str, np.ndarray]):
         self.files, self.path, self.name, self.version = files, path, name, version
         self.layers, self.scaling = layers, scaling
-        self.direct = direct
+        self.direct, self.align_nbytes = direct, 1     # direct reads, and the alignment they need, bytes
+        if direct:
+            self.align_nbytes = _read_alignment(fd)
+            if not self.align_nbytes:               # direct reads refused whatever the alignment
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                self.direct, self.align_nbytes = False, 1
         st = os.fstat(fd)
         self.nbytes, self.identity = st.st_size, (st.st_dev, st.st_ino)
         self.corrupt = False
@@ -252,23 +257,24 @@ class ModelFile:
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-            # The file system wants larger alignment than DIRECT_NBYTES: read this file buffered.
+            # Refused at the probed alignment after all: read this file buffered.
             fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             self.direct = False
-            log.info("%s: O_DIRECT refused a %d-byte-aligned read; reading it buffered", self.path, DIRECT_NBYTES)
+            log.info("%s: O_DIRECT refused a %d-byte-aligned read; reading it buffered", self.path, self.align_nbytes)
             self._all(view, offset, n)
 
     def _read_direct(self, view: memoryview, offset: int) -> None:
         n = len(view)
         address = np.frombuffer(view, np.uint8).ctypes.data if n else 0
-        start = n - n % DIRECT_NBYTES if address % DIRECT_NBYTES == 0 else 0
+        align = self.align_nbytes
+        start = n - n % align if address % align == 0 else 0
         self._all(view[:start], offset, start)
         if start == n:
             return
         with _bounce_buffer(n - start) as bounce:     # the tail, or everything when unaligned
             while start < n:
                 part = min(len(bounce), n - start)
-                self._all(bounce[:_round_up(part, DIRECT_NBYTES)], offset + start, part)
+                self._all(bounce[:_round_up(part, align)], offset + start, part)
                 view[start:start + part] = bounce[:part]
                 start += part
 
@@ -390,9 +396,12 @@ class ModelFiles:
             os.ftruncate(fd, layout.end_nbytes)
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)     # on disk now: no need to keep it in RAM too
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
             os.unlink(path)
+            if isinstance(exc, OSError):        # a full disk: said, not taken for a closed connection
+                raise TensileError(f"cannot write model file {path}: {exc.strerror or exc}; free space in "
+                                   f"{self.directory} or remove old model files there") from None
             raise
         os.close(fd)
         return Pending(path, int(model_id), version, name)
@@ -402,8 +411,11 @@ class ModelFiles:
         open the file. Raises TensileError if it cannot be read back."""
         final = self.path(pending.model_id, pending.version)
         with self._lock:
-            os.rename(pending.path, final)
-            _fsync_dir(self.directory)
+            try:
+                os.rename(pending.path, final)
+                _fsync_dir(self.directory)
+            except OSError as exc:
+                raise TensileError(f"cannot store model file {final}: {exc.strerror or exc}") from None
         file = self.open(pending.model_id, pending.version, pending.name, spec)
         if file is None:
             raise TensileError(f"model file {final} was written but could not be read back; see the coordinator's log")
@@ -421,6 +433,8 @@ class ModelFiles:
             fd, direct = _open_direct(path)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise TensileError(f"cannot open model file {path}: {exc.strerror or exc}") from None
         try:
             layers, scaling = _read_header(fd, path, int(model_id), version, spec)
             return ModelFile(self, path, fd, direct, name, version, layers, scaling)
@@ -447,6 +461,24 @@ class ModelFiles:
                     os.unlink(path)
             except FileNotFoundError:
                 pass
+
+
+def _read_alignment(fd: int) -> int:
+    """The least alignment (512 or 4096 bytes) a direct read of ``fd`` accepts, or 0 for none: a
+    disk of 4096-byte sectors refuses 512."""
+    with mmap.mmap(-1, ALIGN_NBYTES) as buffer:
+        view = memoryview(buffer)
+        try:
+            for align in (DIRECT_NBYTES, ALIGN_NBYTES):
+                try:
+                    os.preadv(fd, [view[:align]], 0)
+                    return align
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+            return 0
+        finally:
+            view.release()
 
 
 def _open_direct(path: str) -> tuple[int, bool]:

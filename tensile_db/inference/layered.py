@@ -250,8 +250,11 @@ def run(mm: MemoryManager, model: ServedModel, x: np.ndarray, window: int, batch
     finally:
         for t in acts.values():
             mm.free(t)
-        for j in held:
-            mm.cache.unwant(model.layers[j], keep=cache)
+        for j in held:                  # each let go, whatever a failed load of another raises
+            try:
+                mm.cache.unwant(model.layers[j], keep=cache)
+            except Exception:           # the call's own error, if any, is the one raised
+                pass
     stats.time_s = time.perf_counter() - started
     return models.finish(model.spec, model.scaling, logits), stats
 

@@ -186,6 +186,8 @@ class ModelStore:
 
     def checkin(self, m: ServedModel) -> None:
         """A call is done with ``m``."""
+        if m.corrupt:                   # its file went under a call that did not fail: never serve it again
+            self.discard(m)
         with self._lock:
             m.users -= 1
             if not m.users and self._models.get(m.key) is not m:      # discarded while in use
