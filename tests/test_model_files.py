@@ -417,6 +417,31 @@ def test_the_store_holds_no_layer_in_host_memory(model_dir, tmp_path):
     svc.manager.close()
 
 
+def test_a_call_served_from_a_file_never_holds_the_model_in_host_memory(model_dir, tmp_path):
+    """Python's and NumPy's allocations (traced) while a restarted store opens a model from its
+    file and a call streams every layer through a window of one stay far below the model's size:
+    only a layer in flight and a batch are ever on the host (the arena is a mapping of its own)."""
+    spec = spec_of(hidden=[{"dense": 512}] * 12, n_features=64)
+    w, x = weights_of(spec), features(spec, n=256)
+    model_nbytes = sum(p.nbytes for p in packed(spec, w))                      # about 12 MB
+    first = service(model_dir, budget=1 << 24)
+    first.store.checkin(first.store.add(1, "v", "m", spec, w))
+    first.manager.close()
+    del w
+    svc = service(model_dir, budget=1 << 24, host_budget_nbytes=0, spill=SpillDir(str(tmp_path / "spill")))
+    tracemalloc.start()
+    try:
+        model = svc.store.checkout(1, "v", "m", spec)
+        svc.predict(model, x, 1, 64, cache=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    largest = max(p.nbytes for p in packed(spec, weights_of(spec)))
+    assert peak < 3 * largest < model_nbytes / 3, (peak, largest, model_nbytes)
+    svc.store.checkin(model)
+    svc.manager.close()
+
+
 def test_a_retired_version_s_file_is_deleted_once_no_call_uses_it(model_dir):
     spec = spec_of()
     svc = service(model_dir)
