@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -425,3 +426,35 @@ def test_a_failed_read_is_met_by_its_owner_not_by_whoever_lets_the_copies_land(s
         mm.acquire(JOB, [layer], [])
     mm.check()
     mm.close()
+
+
+def test_training_a_model_larger_than_the_host_budget_never_holds_it_in_host_memory(spill):
+    """Python's and NumPy's allocations (traced; the arena is a mapping of its own) while a job
+    trains a model whose weights and Adam state are 80x the host budget, and returns its result,
+    stay within the host budget plus a few tensors and the rows: initial weights are adopted one
+    at a time, swap-outs beyond the host tier go to disk, and the result is kept in a spill file."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(640, 16)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    spec = models.ModelSpec(models.parse_architecture({"layers": [{"dense": 256}] * 8}), 16, 2, "classification")
+    options = models.parse_options({"epochs": 2, "batch_size": 64, "optimizer": "adam", "seed": 1})
+    host_budget = 64 << 10
+    mm = MemoryManager(Device("cpu"), 2 << 20, host_budget_nbytes=host_budget, spill=spill)
+    ex = Executor(mm)
+    ex.start()
+    tracemalloc.start()
+    try:
+        job = TrainingJob(JobInfo(1, "tester", "wide"), spec, options, x, y)
+        ex.submit(job)
+        while job.events.get(timeout=120)[0] == "progress":
+            pass
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        ex.stop()
+    assert job.state is JobState.DONE and not job.result.in_memory
+    state = sum(t.nbytes for t in job.program.slots.values() if t.kind.persistent)
+    largest = max(s.nbytes for s in job.program.slots.values())
+    assert state > 80 * host_budget
+    assert peak < host_budget + 8 * largest + 4 * x.nbytes < state / 2, (peak, state, largest)
+    job.discard_result()

@@ -354,15 +354,47 @@ class Residencies:
             else:
                 self.device.copy_within(self.buffer, old, new, t.arena_nbytes)
             t.offset = new
-        view = lambda t, offset: self.device.view(self.buffer, offset, (t.nbytes,), np.uint8)  # noqa: E731
-        staged = [self.device.to_host(view(t, t.offset)) for t, _ in pending]
-        for (t, new), host in zip(pending, staged):
-            self.device.to_device(host, view(t, new))
-            t.offset = new
+        self._stage_moves(pending)
         for t in layout.placed:
             t.planned = t.key in live_keys
         self.allocator.relayout(layout.used)
         return layout.base
+
+    def _stage_moves(self, pending: list) -> None:
+        """Move each ``(tensor, new offset)`` of ``pending`` (whose places overlap each other's)
+        through a copy outside the arena: all copied out, then all copied in. The copies are host
+        memory when the host tier has room for them all (counted in it while they exist), else
+        slots of the tensors' spill files, so a region install never takes host memory beyond the
+        host budget."""
+        nbytes = sum(t.arena_nbytes for t, _ in pending)
+        if not pending:
+            return
+        if self._host_room(nbytes):
+            self.host_copies_nbytes += nbytes
+            self.host_peak_nbytes = max(self.host_peak_nbytes, self.host_used_nbytes())
+            try:
+                staged = [self.device.to_host(self._block(t)) for t, _ in pending]
+                for (t, new), host in zip(pending, staged):
+                    t.offset = new
+                    self.device.to_device(host, self._block(t))
+            finally:
+                self.host_copies_nbytes -= nbytes
+            return
+        slots = []
+        try:
+            for t, _ in pending:
+                slots.append(self._spill_now(t))
+        except BaseException:
+            for (t, _), (file, offset) in zip(pending, slots):
+                file.release(offset, t.arena_nbytes)
+            raise
+        for (t, new), (file, offset) in zip(pending, slots):
+            t.offset = new
+            if self.device.name == "cpu":
+                file.read_into(offset, self._block(t))
+            else:
+                self.engine.from_disk(lambda out, f=file, o=offset: f.read_into(o, out), self._block(t)).wait()
+            file.release(offset, t.arena_nbytes)
 
     def _dissolve_region(self) -> None:
         """Turn the planned region back into general-pool blocks: each live planned block stays
