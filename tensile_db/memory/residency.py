@@ -251,7 +251,7 @@ class Residencies:
     def _call_off(self, t: Tensor) -> None:
         """A swap-out's copy is discarded: its host bytes or spill slot go back; ``t`` stays
         resident."""
-        spill = getattr(t.transfer, "spill", None)
+        spill = t.transfer.spill
         if spill is not None:
             spill[0].release(spill[1], t.arena_nbytes)
         else:
@@ -262,7 +262,7 @@ class Residencies:
         """Finish the swap-out in flight of ``t`` (waiting for it): the copy is the host tier's
         or the disk tier's now."""
         self._wait_out(t)
-        spill = getattr(t.transfer, "spill", None)
+        spill = t.transfer.spill
         if spill is not None:
             self._left(t, spill=spill)
         else:
@@ -366,9 +366,9 @@ class Residencies:
         memory when the host tier has room for them all (counted in it while they exist), else
         slots of the tensors' spill files, so a region install never takes host memory beyond the
         host budget."""
-        nbytes = sum(t.arena_nbytes for t, _ in pending)
         if not pending:
             return
+        nbytes = sum(t.arena_nbytes for t, _ in pending)
         if self._host_room(nbytes):
             self.host_copies_nbytes += nbytes
             self.host_peak_nbytes = max(self.host_peak_nbytes, self.host_used_nbytes())
@@ -410,7 +410,7 @@ class Residencies:
                 t.transfer.wait()
             except BaseException:                   # a failed read or write: freed all the same
                 pass
-            spill = getattr(t.transfer, "spill", None)
+            spill = t.transfer.spill
             if spill is not None:                   # a swap-out to the disk tier in flight
                 spill[0].release(spill[1], t.arena_nbytes)
             elif t.residency is Residency.SWAPPING_OUT:
@@ -455,9 +455,11 @@ class Residencies:
         host tier has room: the next load of it reads no file."""
         if self.host_budget_nbytes is not None and self.host_used_nbytes() + t.nbytes > self.host_budget_nbytes:
             return
-        host = self.device.host_empty(t.shape, t.dtype)
-        host[...] = self.device.to_host(self.array(t))
-        t.host = host
+        t.host = self.device.host_empty(t.shape, t.dtype)     # page-locked on cuda: loads copy straight from it
+        if self.device.xp is np:
+            np.copyto(t.host, self.array(t))
+        else:  # pragma: no cover - cuda only
+            t.host[...] = self.device.to_host(self.array(t))
         self._host_cache[t.id] = t
         self.host_cache_nbytes += t.nbytes
         self.host_peak_nbytes = max(self.host_peak_nbytes, self.host_used_nbytes())
