@@ -151,7 +151,8 @@ class TrainingJob:
 
         ``hooks.before(job, position)`` runs before each op and ``hooks.after(job, position,
         seconds)`` after it, with the op's measured compute time in seconds. On completion
-        ``self.result`` holds the trained weights and scaling on the host.
+        ``self.result`` holds the trained weights and scaling (a :class:`WeightsCopy`: in host memory,
+        or in a spill file when the host tier has no room for them); :meth:`discard_result` gives it back.
         """
         weights = list(self.spec.network.weight_shapes())     # the arrays a stored model holds
         initial = () if device.simulated else self.spec.network.iter_init_weights(self.options.seed)
