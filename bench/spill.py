@@ -52,6 +52,7 @@ from tabulate import tabulate
 
 from tensile_db.coordinator import client as coordinator_client
 from tensile_db.coordinator.address import LOG_NAME
+from tensile_db.memory import spill
 from tensile_db.memory.spill import SpillFile
 from tensile_db.runtime import model as models
 from tensile_db.runtime.builder import build_training_program
@@ -63,7 +64,7 @@ UNLIMITED_BUDGET = 2048 * MIB
 FEATURES, CLASSES, ROWS, WIDTH, DEPTH = 256, 10, 512, 1024, 23
 OPTIONS = {"epochs": 2, "batch_size": 64, "optimizer": "adam", "lr": 0.0005, "seed": 0}
 ARCHITECTURE = {"layers": [{"dense": WIDTH}] * DEPTH}
-BOUNCE_NBYTES = 3 * MIB        # one 1 MiB bounce buffer per thread: the executor's, the copy thread, the connection's
+BOUNCE_NBYTES = 3 * spill.BOUNCE_NBYTES   # one per thread: the executor's, the copy thread, the connection's
 
 
 def data() -> tuple[np.ndarray, np.ndarray]:

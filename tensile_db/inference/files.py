@@ -33,11 +33,12 @@ refused.
 
 Note [Layer I/O]: a layer is read with ``os.preadv`` at its region's offset, from a file opened
 with ``O_DIRECT`` (buffered where the file system refuses it: tmpfs answers ``EINVAL``), straight
-into the caller's buffer (the arena block on ``cpu``) when that is aligned to
-:data:`DIRECT_NBYTES`, the unaligned tail (or a whole unaligned buffer, in pieces of at most
-:data:`BOUNCE_NBYTES`) through a page-aligned bounce buffer mapped for that read only; then
-``zlib.crc32`` over the buffer. A file system that wants more alignment (``EINVAL``) has the file
-read buffered from then on. Chosen by ``python bench/layer_io.py --repeats 5`` (as root, so the
+into the caller's buffer (the arena block on ``cpu``) when that is aligned to what the disk
+accepts (512 or 4096 bytes, probed when the file is opened by
+:func:`~tensile_db.memory.spill.direct_alignment`, the rule spill files follow too), the
+unaligned tail (or a whole unaligned buffer, in pieces of at most :data:`BOUNCE_NBYTES`) through
+a page-aligned bounce buffer mapped for that read only; then ``zlib.crc32`` over the buffer. A
+file whose direct reads are refused after all is read buffered from then on. Chosen by ``python bench/layer_io.py --repeats 5`` (as root, so the
 page cache is dropped for the cold runs; 20 layers of 32 MiB read in order, each verified, 5
 interleaved runs, medians [min, max], ext4 on this project's virtual disk, 2 cores)::
 
@@ -86,6 +87,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CorruptModel, TensileError
+from ..memory.spill import ALIGN_NBYTES, direct_alignment, round_up as _round_up   # regions start at ALIGN_NBYTES
 from ..runtime import model as models
 from ..runtime.weights import check_array, check_declared, weight_shapes
 
@@ -93,10 +95,6 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"TNSLMODL"
 FORMAT_VERSION = 1
-#: Regions start at multiples of this, bytes: what ``O_DIRECT`` asks of file offsets.
-ALIGN_NBYTES = 4096
-#: ``O_DIRECT``'s requirement on buffer addresses and lengths on the file systems we meet, bytes.
-DIRECT_NBYTES = 512
 #: Most bytes of the page-aligned bounce buffer a read of an unaligned buffer maps, bytes.
 BOUNCE_NBYTES = 8 << 20
 #: Longest header body accepted when a file is opened, bytes.
@@ -106,10 +104,6 @@ TEMP_PREFIX = ".tmp-"
 #: The fixed start of a model file: magic, format version, body bytes, body crc32, reserved.
 PREFIX = struct.Struct("<8sIIII")       # magic, format version, body bytes, body crc32, reserved
 _SCALING = ("x_mean", "x_std", "y_mean", "y_std")
-
-
-def _round_up(n: int, unit: int) -> int:
-    return -(-n // unit) * unit
 
 
 def file_name(model_id: int, version: str) -> str:
@@ -212,7 +206,7 @@ class ModelFile:
         self.layers, self.scaling = layers, scaling
         self.direct, self.align_nbytes = direct, 1     # direct reads, and the alignment they need, bytes
         if direct:
-            self.align_nbytes = _read_alignment(fd)
+            self.align_nbytes = direct_alignment(fd, write=False)
             if not self.align_nbytes:               # direct reads refused whatever the alignment
                 fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
                 self.direct, self.align_nbytes = False, 1
@@ -461,24 +455,6 @@ class ModelFiles:
                     os.unlink(path)
             except FileNotFoundError:
                 pass
-
-
-def _read_alignment(fd: int) -> int:
-    """The least alignment (512 or 4096 bytes) a direct read of ``fd`` accepts, or 0 for none: a
-    disk of 4096-byte sectors refuses 512."""
-    with mmap.mmap(-1, ALIGN_NBYTES) as buffer:
-        view = memoryview(buffer)
-        try:
-            for align in (DIRECT_NBYTES, ALIGN_NBYTES):
-                try:
-                    os.preadv(fd, [view[:align]], 0)
-                    return align
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-            return 0
-        finally:
-            view.release()
 
 
 def _open_direct(path: str) -> tuple[int, bool]:

@@ -65,8 +65,33 @@ STARTING = ".starting-"
 STARTING_S = 600
 
 
-def _round_up(n: int, unit: int) -> int:
+def round_up(n: int, unit: int) -> int:
+    """``n`` rounded up to a multiple of ``unit``."""
     return -(-n // unit) * unit
+
+
+def direct_alignment(fd: int, write: bool) -> int:
+    """The least alignment (512 or 4096 bytes) that direct I/O on ``fd`` (opened with
+    ``O_DIRECT``) accepts for buffer addresses, lengths and offsets, or 0 when it refuses both:
+    a disk of 4096-byte sectors refuses 512. Probed at offset 0 with a write of zeros
+    (``write``, a new file) or a read. Raises OSError for an error other than ``EINVAL``.
+    The one owner of this rule: spill files and model files both ask it."""
+    with mmap.mmap(-1, ALIGN_NBYTES) as buffer:
+        view = memoryview(buffer)
+        try:
+            for align in (DIRECT_NBYTES, ALIGN_NBYTES):
+                try:
+                    if write:
+                        os.pwrite(fd, view[:align], 0)
+                    else:
+                        os.preadv(fd, [view[:align]], 0)
+                    return align
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+            return 0
+        finally:
+            view.release()
 
 
 class SpillFile:
@@ -88,7 +113,11 @@ class SpillFile:
                 raise TensileError(f"cannot create spill file {path}: {exc.strerror}; check tensile.spill_dir") from None
             self._fd = os.open(path, flags, 0o600)        # a file system without direct I/O (tmpfs)
         if self.direct:
-            self.align_nbytes = self._probe_alignment()
+            try:
+                self.align_nbytes = direct_alignment(self._fd, write=True)
+            except OSError as exc:
+                os.close(self._fd)
+                raise TensileError(f"cannot write spill file {path}: {exc.strerror}; check tensile.spill_dir") from None
             if not self.align_nbytes:                     # direct I/O opened but refused: buffered
                 os.close(self._fd)
                 self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -99,24 +128,10 @@ class SpillFile:
         self.in_use_nbytes = 0                    # bytes of slots handed out; guarded by _lock
         self._bounce = threading.local()
 
-    def _probe_alignment(self) -> int:
-        """The least alignment (512 or 4096 bytes) a direct write accepts here, or 0 for none: a
-        disk of 4096-byte sectors refuses 512."""
-        buffer = memoryview(mmap.mmap(-1, ALIGN_NBYTES))
-        for align in (DIRECT_NBYTES, ALIGN_NBYTES):
-            try:
-                os.pwrite(self._fd, buffer[:align], 0)
-                return align
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise TensileError(f"cannot write spill file {self.path}: {exc.strerror}; check "
-                                       "tensile.spill_dir") from None
-        return 0
-
     @staticmethod
     def slot_nbytes(nbytes: int) -> int:
         """Bytes of the slot that :meth:`reserve` hands out for ``nbytes``."""
-        return _round_up(max(nbytes, 1), ALIGN_NBYTES)
+        return round_up(max(nbytes, 1), ALIGN_NBYTES)
 
     def reserve(self, nbytes: int) -> int:
         """A free slot of at least ``nbytes`` bytes: its file offset, bytes."""
@@ -145,7 +160,7 @@ class SpillFile:
         bounce = self._bounce_buffer()
         for start in range(0, len(view), BOUNCE_NBYTES):
             part = view[start:start + BOUNCE_NBYTES]
-            length = _round_up(len(part), self.align_nbytes)
+            length = round_up(len(part), self.align_nbytes)
             bounce[:len(part)] = part
             self._all(os.pwritev, bounce[:length], offset + start)
 
@@ -161,7 +176,7 @@ class SpillFile:
         need_nbytes = len(view) if need_nbytes is None else need_nbytes
         for start in range(0, len(view), BOUNCE_NBYTES):
             n = min(BOUNCE_NBYTES, len(view) - start)
-            length = _round_up(n, self.align_nbytes)
+            length = round_up(n, self.align_nbytes)
             self._all(os.preadv, bounce[:length], offset + start, need=max(0, min(n, need_nbytes - start)))
             view[start:start + n] = bounce[:n]
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgument
+from ..memory.spill import ALIGN_NBYTES
 
 
 @dataclass(frozen=True)
@@ -126,10 +127,6 @@ def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) 
                      duplex=engine.duplex)
 
 
-#: alignment of :func:`measure_disk`'s buffer, bytes: a page, what O_DIRECT asks of user buffers
-_DISK_ALIGN_NBYTES = 4096
-
-
 def measure_disk(spill_file, nbytes: int = 32 << 20, repeats: int = 3) -> tuple[float, float]:
     """Measure the disk tier: (read, write) bandwidth of ``spill_file`` in bytes per second, each
     ``nbytes`` over the best of ``repeats`` blocking transfers of ``nbytes`` bytes, wall-clock.
@@ -139,8 +136,8 @@ def measure_disk(spill_file, nbytes: int = 32 << 20, repeats: int = 3) -> tuple[
     released again, and the file stays open (its owner closes it). The buffer is page-aligned, as
     O_DIRECT asks. The per-transfer latency is the cost model's ``latency_s``, not measured here.
     """
-    raw = np.empty(nbytes + _DISK_ALIGN_NBYTES, np.uint8)
-    skip = -raw.ctypes.data % _DISK_ALIGN_NBYTES
+    raw = np.empty(nbytes + ALIGN_NBYTES, np.uint8)
+    skip = -raw.ctypes.data % ALIGN_NBYTES
     buffer = raw[skip:skip + nbytes]
     buffer[...] = 1
     offset = spill_file.reserve(nbytes)
