@@ -27,6 +27,7 @@ from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.program import Op
 from tensile_db.scheduler import POLICIES
 from tensile_db.scheduler.cost import CostModel
+from tensile_db.scheduler.curves import plan_global
 from tensile_db.scheduler.planners import plan_swap_score, plan_tensile, plan_vdnn
 from tensile_db.scheduler.reactive import FarthestNextUse
 from tensile_db.scheduler.timeline import (MAX_STRETCH, JobTrace, Timeline, iterations_per_period, period_of,
@@ -191,7 +192,7 @@ def test_a_timeline_holds_every_iteration_of_the_period():
     assert alone.vanilla_peak_nbytes() == short_seq.program.vanilla_peak_nbytes()
 
 
-@pytest.mark.parametrize("planner", [plan_tensile, plan_swap_score, plan_vdnn])
+@pytest.mark.parametrize("planner", [plan_tensile, plan_global, plan_swap_score, plan_vdnn])
 def test_planners_plan_every_iteration_of_a_job_in_the_period(planner):
     k = 3
     tl = Timeline([JobTrace(1, sequence(), 0, 0), JobTrace(2, sequence(seconds=2e-3), 7, 1, repeats=k)],
@@ -246,7 +247,7 @@ def _assert_valid(plan, timeline: Timeline) -> None:
             assert timeline.cyclic(start, k) >= length, f"{d.slot} absent at its access at period position {q}"
 
 
-@pytest.mark.parametrize("planner", [plan_tensile, plan_swap_score])
+@pytest.mark.parametrize("planner", [plan_tensile, plan_global, plan_swap_score])
 @pytest.mark.parametrize("fraction", [0.7, 0.5])
 def test_planners_reach_a_reachable_target(planner, fraction):
     seqs = [sequence(), sequence(seconds=2e-3)]
@@ -379,7 +380,7 @@ def test_replans_on_arrival_and_departure_without_losing_a_job():
             time.sleep(0.001)
 
     mm, ex = run(jobs, budget_of(jobs, 0.5), "tensile", between=after_two_iterations)
-    reasons = [reason for why, _ in ex.scheduler.history for reason in why]
+    reasons = [reason for record in ex.scheduler.history for reason in record["reasons"]]
     for job in jobs:
         assert job.state is JobState.DONE
         assert f"job {job.id} arrived" in reasons

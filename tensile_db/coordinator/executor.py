@@ -190,6 +190,15 @@ class Executor:
         """The scheduler's figures for ``tensile.memory`` (see :meth:`Scheduler.describe`)."""
         return self.scheduler.describe()
 
+    def traces(self) -> tuple[list, int]:
+        """(traces, period): the measured running jobs as the planners see them now
+        (:meth:`Scheduler.traces`) and the executor's rounds per period, so that
+        ``Timeline(traces, period)`` is the timeline a plan would be made on. Call it from the
+        executor's thread (a scheduler hook), where the paces cannot change under it."""
+        phases = {job_id: pace.start % self.period for job_id, pace in self._pace.items()}
+        repeats = {job_id: pace.repeats for job_id, pace in self._pace.items()}
+        return self.scheduler.traces(phases, repeats), self.period
+
     def iterations_per_period(self) -> dict[int, int]:
         """Running job id -> its iterations per period now."""
         with self._cond:

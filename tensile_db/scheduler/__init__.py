@@ -4,7 +4,10 @@
 - ``cost.py``: the cost model, host<->device bandwidth measured at start.
 - ``timeline.py``: the combined timeline of all running jobs, the executor's pace (fair sharing:
   iterations per period of each job) and the simulator of a plan.
-- ``planners.py``: TENSILE's planner, the swap selection of arXiv 1903.06631, and vDNN.
+- ``planners.py``: TENSILE's greedy planner, the swap selection of arXiv 1903.06631, and vDNN.
+- ``curves.py``: the global planner (policy ``tensile``): per-model curves of the greedy, combined over
+  all running jobs.
+- ``work.py``: the planners' work, counted, and the planning time it is modelled to take.
 - ``reactive.py``: farthest next use, the fallback that keeps every job inside the budget.
 - ``engine.py``: the :class:`Scheduler` the executor runs around every op.
 - ``allocations.py``: a job's recurring allocations under a swap schedule, for the offline lifetime

@@ -190,7 +190,9 @@ def plan_tensile_published(timeline: Timeline, cost: CostModel, target_nbytes: i
     seconds = None if max_seconds is None else max_seconds / len(targets)
     for job_id, alone in job_timelines(timeline).items():
         to_combined = [timeline.index[event] for event in alone.events]
-        for d in plan_tensile(alone, cost, targets[job_id], seconds).decisions:
+        decided = plan_tensile(alone, cost, targets[job_id], seconds).decisions
+        timeline.work.add(alone.work)
+        for d in decided:
             a = to_combined[d.a]
             free = to_combined[d.free] if d.method == "swap" else (a + 1) % timeline.n   # a drop frees at once
             decisions.append(replace(d, a=a, b=to_combined[d.b], free=free, back=to_combined[d.back]))

@@ -20,12 +20,24 @@ are now known), when a job leaves, and when a job's measured iteration time has 
 than ``drift`` since the plan was made. The executor calls :meth:`Scheduler.replan` between two
 rounds when :attr:`Scheduler.replan_reasons` is not empty; the plan is made on a planning thread
 from a snapshot of the access sequences and installed by :meth:`Scheduler.poll` when it is
-ready, so jobs never wait for the planner. On the simulated device (:mod:`tensile_db.runtime.simulated`)
-planning is synchronous and bounded by decisions, not seconds, so that a run does not depend on
-the speed of the machine that simulates it; its wall-clock time is still measured
-(:attr:`Scheduler.plan_seconds`) but costs no virtual time.
+ready, so jobs never wait for the planner.
 
-Policies (:data:`POLICIES`): ``tensile`` (the planner of :func:`~.planners.plan_tensile`),
+Note [Paid planning]
+--------------------
+A plan is work the coordinator does while the jobs run on under the plan they have (or under the
+reactive fallback): it takes effect only when it is made. On the simulated device
+(:mod:`tensile_db.runtime.simulated`) the plan is made at once, in the executor's thread, bounded
+by decisions rather than seconds so that a run does not depend on the machine that simulates
+it, and is *installed* only once its modelled planning time
+(:meth:`~.work.PlanWork.seconds`, Note [Planning cost model] in :mod:`~.work`) has passed on
+the virtual clock, as one planning worker would: a request waits while an earlier one is being
+made; a request superseded before it started costs nothing; one superseded while being made still
+occupies the worker to its end. :attr:`Scheduler.history` keeps, per request, its reasons, the
+virtual seconds it was asked at and installed at, and the modelled and wall seconds of its
+planning. Source of the rule: a real coordinator's planner is a CPU computation of that length
+beside the device (TENSILE, arXiv 2105.13336, section 5, measures its planning time too).
+
+Policies (:data:`POLICIES`): ``tensile`` (the global planner of :func:`~.curves.plan_global`),
 ``swap_score`` (arXiv 1903.06631), ``vdnn`` (vDNN_all), the baselines of :mod:`.baselines`
 (``capuchin``, ``checkpoint``, ``tensile_published``) and ``reactive`` (no plan). Unlimited
 memory ("vanilla") is the reactive policy with a budget above the combined peak.
@@ -46,17 +58,19 @@ from ..memory.arena import UNIT_NBYTES
 from ..settings import DEFAULT_POLICY, POLICIES
 from .baselines import BASELINE_PLANNERS
 from .cost import CostModel, measure_bandwidth, measure_disk
-from .planners import ACTIONS, MAX_PLAN_SECONDS, Plan, plan_swap_score, plan_tensile, plan_vdnn
+from .curves import plan_global
+from .planners import ACTIONS, MAX_PLAN_SECONDS, Plan, plan_swap_score, plan_vdnn
 from .reactive import FarthestNextUse
 from .timeline import JobTrace, Timeline, iterations_per_period, round_of
 from .trace import SETTLE_ITERATIONS, AccessSequence
+from .work import PlanWork
 
 log = logging.getLogger(__name__)
 
 #: most delays :meth:`Scheduler.stagger` compares (a period may be tens of thousands of rounds)
 STAGGER_CANDIDATES = 256
 #: policy -> planner(timeline, cost, target bytes, max_seconds: None for no time limit)
-_PLANNERS = {"tensile": plan_tensile, "swap_score": plan_swap_score,
+_PLANNERS = {"tensile": plan_global, "swap_score": plan_swap_score,
              "vdnn": lambda timeline, cost, target, max_seconds: plan_vdnn(timeline, cost, target),
              **BASELINE_PLANNERS}
 #: What each plan action does to its tensor: the memory manager's operation of that name.
@@ -106,10 +120,15 @@ class Scheduler:
         self._period, self._repeats = 1, {}               # the executor's pace, as last reported to paced()
         self.plan: Plan | None = None
         self.plans_made = 0
-        self.plan_seconds = 0.0                           # time spent planning, cumulative
+        self.plan_seconds = 0.0                           # wall time spent planning, cumulative
+        self.modelled_plan_seconds = 0.0                  # modelled planning time (simulated device), cumulative
         self.replan_reasons: list[str] = []              # why the next re-plan is wanted
-        # recent re-plan requests: [reasons, decisions of the plan installed, or None if superseded]
-        self.history: list[list] = []
+        # recent re-plan requests (_Request.record): reasons, decisions of the plan installed (None
+        # if superseded), virtual seconds asked at and installed at, modelled and wall seconds
+        self.history: list[dict] = []
+        self._worker_free_s = 0.0                         # simulated device: when the planning worker is free
+        self._worker_request: _Request | None = None      # simulated device: the request last given to it
+        self._curves: dict = {}                           # the global planner's curves (planning thread only)
         self._plan_times: dict[int, np.ndarray] = {}
         self._plan_iteration: dict[int, int] = {}         # job id -> its iterations at the last plan
         self._planning = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-plan")
@@ -257,36 +276,64 @@ class Scheduler:
             floor = max(j.min_working_set_nbytes for j in measured)
             request.target = max(int((self.mm.budget_nbytes - reserve) * (1.0 - self.headroom)), floor)
             request.period = period
-            order = {job_id: i for i, job_id in enumerate(self.jobs)}
-            request.traces = [JobTrace(j.id, self.sequences[j.id].snapshot(), phases[j.id], order[j.id],
-                                       (repeats or {}).get(j.id, 1)) for j in measured]
+            request.traces = self.traces(phases, repeats)
+        request.record["asked_s"] = self.mm.device.now()
         self._request = request
         self.history = (self.history + [request.record])[-64:]
         if self._pending is not None:
             self._pending.cancel()                       # superseded: skip it if not started yet
         self._pending = self._planning.submit(self._make, request)
-        if wait or self.deterministic:
+        if self.deterministic:
+            self._pending.result()
+            self._schedule_on_worker(request)
+        if wait:
+            request.ready_s = None
             self._pending.result()
             self.poll()
+
+    def traces(self, phases: dict[int, int], repeats: dict[int, int] | None = None) -> list[JobTrace]:
+        """The measured running jobs on the combined timeline, in admission order, with snapshots
+        of their access sequences: what a plan is made from (``phases`` and ``repeats`` as for
+        :meth:`replan`). ``Timeline(traces, period)`` is the timeline the planners see."""
+        order = {job_id: i for i, job_id in enumerate(self.jobs)}
+        return [JobTrace(j.id, self.sequences[j.id].snapshot(), phases[j.id], order[j.id], (repeats or {}).get(j.id, 1))
+                for j in self.jobs.values() if self.sequences[j.id].measured]
+
+    def _schedule_on_worker(self, request: "_Request") -> None:
+        """The simulated device: when ``request``, made already, would be ready on one planning
+        worker (Note [Paid planning]), after the request it supersedes if that one had started."""
+        now = self.mm.device.now()
+        previous = self._worker_request
+        if previous is not None and previous.ready_s is not None and previous.started_s > now:
+            self._worker_free_s = previous.started_s     # it never started: called off, no cost
+        request.started_s = max(now, self._worker_free_s)
+        request.ready_s = request.started_s + request.modelled_s
+        self._worker_free_s = request.ready_s
+        self._worker_request = request
 
     def poll(self) -> bool:
         """Install a finished plan (the executor calls this every round); True if one was."""
         future = self._pending
         if future is None or not future.done():
             return False
+        request = self._request
+        if request.ready_s is not None and self.mm.device.now() < request.ready_s:
+            return False                                 # still being made (Note [Paid planning])
         self._pending = None
         request, plan, seconds = future.result()
         if request is not self._request:
             return False                                 # superseded by a newer request
+        request.record["installed_s"] = self.mm.device.now()
         self.plan = plan
         self.plan_seconds += seconds
+        self.modelled_plan_seconds += request.modelled_s
         self.plans_made += plan is not None
         self._plan_times = {t.job_id: t.sequence.times_s for t in request.traces}
         self._plan_iteration = request.iterations
         for j in self.jobs.values():
             j.schedule = ("planned" if plan is not None and j.id in plan.timeline.traces
                           else "reactive" if self.policy == "reactive" else "cold start")
-        request.record[1] = len(plan.decisions) if plan else 0
+        request.record["decisions"] = len(plan.decisions) if plan else 0
         if plan is not None:
             log.info("plan %d (%s, %s): %d decisions, predicted peak %d of target %d bytes, "
                      "predicted extra %.4f s per period, %.3f s to plan", self.plans_made, self.policy,
@@ -301,14 +348,22 @@ class Scheduler:
     def _make(self, request: "_Request"):
         started = time.perf_counter()
         plan = None
+        work = PlanWork()
         if request.traces:
             try:
-                plan = _PLANNERS[self.policy](Timeline(request.traces, request.period), self.cost, request.target,
-                                              None if self.deterministic else MAX_PLAN_SECONDS)
+                timeline = Timeline(request.traces, request.period)
+                work = timeline.work
+                planner = _PLANNERS[self.policy]
+                if planner is plan_global:          # its curves are kept across re-plans
+                    planner = functools.partial(plan_global, memo=self._curves)
+                plan = planner(timeline, self.cost, request.target, None if self.deterministic else MAX_PLAN_SECONDS)
             except Exception:  # a failed plan leaves the jobs under the reactive fallback
                 log.exception("planning failed (%s); jobs run reactively until the next plan",
                               "; ".join(request.reasons))
-        return request, plan, time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        request.modelled_s = work.seconds()
+        request.record.update(modelled_s=request.modelled_s, wall_s=seconds)
+        return request, plan, seconds
 
     def _want_replan(self, reason: str) -> None:
         if self.policy != "reactive":                   # reactive never plans
@@ -339,10 +394,14 @@ class _Request:
     traces: list[JobTrace] = field(default_factory=list)
     target: int = 0
     period: int | None = None
-    record: list = field(default_factory=list)
+    record: dict = field(default_factory=dict)
+    modelled_s: float = 0.0             # the planning time the cost model gives its work, seconds
+    started_s: float = 0.0              # simulated device: virtual seconds the worker starts it at
+    ready_s: float | None = None        # simulated device: virtual seconds it may be installed at
 
     def __post_init__(self):
-        self.record = [self.reasons, None]
+        self.record = {"reasons": self.reasons, "decisions": None, "asked_s": None, "installed_s": None,
+                       "modelled_s": None, "wall_s": None}
 
 
 @functools.lru_cache(maxsize=64)

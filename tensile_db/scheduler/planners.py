@@ -245,6 +245,7 @@ class _State:
                 gaps.append(g)
                 rows.append((g.a, g.b, self.tl.cyclic(g.a, g.b) or self.tl.n, g.tensor.nbytes, ti << 32 | j,
                              math.nan if g.recipe is None else g.recipe[1], True))
+        self.tl.work.items += len(gaps)
         new = np.empty(len(gaps), dtype=object)
         new[:] = gaps
         self._gaps = np.concatenate([self._gaps, new])
@@ -255,6 +256,7 @@ class _State:
         ``timeline.tensors`` (each tensor's in the order of its accesses); their
         :meth:`options` are computed with them."""
         rows = self._rows
+        self.tl.work.rows += len(rows)
         after = (k - rows["a"]) % self.tl.n
         index = np.flatnonzero(rows["live"] & (after > 0) & (after < rows["span"]))
         index = index[np.argsort(rows["order"][index], kind="stable")]
@@ -345,6 +347,7 @@ class _State:
 
     def add(self, d: Decision) -> None:
         self.decisions.append(d)
+        self.tl.work.decisions += 1
         self.taken.add((d.job_id, d.slot, d.a))
         window = d.window(self.tl.n)
         self.tl.add_decision(self.use, d)
@@ -361,27 +364,35 @@ class _State:
         self._set_sim(trial[1] if trial is not None and trial[0] is d else self._simulator.simulate())
 
 
-def _greedy(policy: str, timeline: Timeline, cost: CostModel, target_nbytes: int, choose,
-            max_seconds: float | None) -> Plan:
-    state = _State(timeline, cost)
+def _greedy_steps(state: _State, target_nbytes: int, choose, max_seconds: float | None):
+    """Take decisions into ``state`` while its peak is above ``target_nbytes``: at the peak event,
+    ``choose(state, candidates, k)`` picks one (None: the target is out of reach). Yields after
+    each decision taken; stops at :data:`MAX_DECISIONS` or after ``max_seconds`` (None: no limit)."""
     deadline = time.monotonic() + (math.inf if max_seconds is None else max_seconds)
     while len(state.decisions) < MAX_DECISIONS and time.monotonic() < deadline:
         k = int(np.argmax(state.use))
         if state.use[k] <= target_nbytes:
-            break
+            return
         candidates = state.candidates(k)
         decision = choose(state, candidates, k) if candidates else None
         if decision is None:
-            break                               # the target is out of reach; reactive covers the rest
+            return                              # the target is out of reach; reactive covers the rest
         state.add(decision)
+        yield decision
+
+
+def _greedy(policy: str, timeline: Timeline, cost: CostModel, target_nbytes: int, choose,
+            max_seconds: float | None) -> Plan:
+    state = _State(timeline, cost)
+    for _ in _greedy_steps(state, target_nbytes, choose, max_seconds):
+        pass
     return Plan.build(policy, timeline, state.decisions, cost, target_nbytes)
 
 
-def plan_tensile(timeline: Timeline, cost: CostModel, target_nbytes: int,
-                 max_seconds: float | None = MAX_PLAN_SECONDS) -> Plan:
-    """TENSILE's planner over the combined timeline (see the module docstring). ``target_nbytes``
-    is the combined peak to reach, bytes; ``max_seconds`` bounds the time spent choosing (None:
-    only :data:`MAX_DECISIONS` does, so the plan does not depend on the machine's speed)."""
+def tensile_choice(cost: CostModel, target_nbytes: int):
+    """TENSILE's choice at a peak (see the module docstring), as ``choose(state, gaps, k)`` for
+    :func:`_greedy_steps`: the decision that adds the least simulated time per byte of what the
+    peak still needs above ``target_nbytes``."""
 
     def choose(state: _State, gaps: list[_Gap], k: int) -> Decision | None:
         # Option 2i is gap i's swap, 2i + 1 its recompute where the program allows one. Swaps are
@@ -417,7 +428,15 @@ def plan_tensile(timeline: Timeline, cost: CostModel, target_nbytes: int,
             tried[o % 2] += 1
         return best
 
-    return _greedy("tensile", timeline, cost, target_nbytes, choose, max_seconds)
+    return choose
+
+
+def plan_tensile(timeline: Timeline, cost: CostModel, target_nbytes: int,
+                 max_seconds: float | None = MAX_PLAN_SECONDS) -> Plan:
+    """TENSILE's planner over the combined timeline (see the module docstring). ``target_nbytes``
+    is the combined peak to reach, bytes; ``max_seconds`` bounds the time spent choosing (None:
+    only :data:`MAX_DECISIONS` does, so the plan does not depend on the machine's speed)."""
+    return _greedy("tensile", timeline, cost, target_nbytes, tensile_choice(cost, target_nbytes), max_seconds)
 
 
 def plan_swap_score(timeline: Timeline, cost: CostModel, target_nbytes: int,

@@ -57,6 +57,7 @@ import numpy as np
 
 from .cost import CostModel
 from .trace import AccessSequence
+from .work import PlanWork
 
 #: most ops of one job in a period, as a multiple of the longest program (Note [Fair sharing])
 MAX_STRETCH = 4
@@ -159,6 +160,8 @@ class Timeline:
         index: (job_id, q) -> event index.
         durations_s: (n,) float64 seconds, each op's measured time.
         tensors: every tensor of every job, as :class:`TensorInfo`.
+        work: the planning work done on this timeline so far, its own construction included
+            (:class:`~.work.PlanWork`; the simulator and the planners add theirs).
 
     Raises:
         ValueError: no traces, or a period shorter than some job's ops per period.
@@ -194,6 +197,7 @@ class Timeline:
                 for i in range(t.repeats):
                     self.tensors.append(TensorInfo(t.job_id, name, slot.arena_nbytes, False,
                                                    tuple(i * n_prog + p for p in pos), i))
+        self.work = PlanWork(items=self.n + len(self.tensors))
 
     def program(self, job_id: int):
         return self.traces[job_id].sequence.program
@@ -228,6 +232,7 @@ class Timeline:
         use = np.zeros(self.n, dtype=np.int64)
         for t in self.tensors:
             self.add_window(use, *self.lifetime(t), t.nbytes)
+        self.work.items += len(self.tensors)
         use.flags.writeable = False
         return use
 
@@ -236,6 +241,7 @@ class Timeline:
         use = self._vanilla_usage.copy()
         for d in decisions:
             self.add_decision(use, d)
+        self.work.events += self.n
         return use
 
     def add_decision(self, use: np.ndarray, d: Decision) -> None:
@@ -382,6 +388,8 @@ class Simulator:
         """Two periods of ``steps``; (the second's start times, its length, stall and copy
         channel's busy time, seconds; bytes it swaps out to the disk tier)."""
         durations = self._durations
+        self.timeline.work.events += 2 * len(durations)
+        self.timeline.work.steps += 2 * len(steps)
         out_end = [0.0] * transfers
         in_end = [0.0] * transfers
         starts: list[float] = []            # the second period's op start times, on one clock

@@ -1,0 +1,172 @@
+"""The global planner: per-model curves of memory against time, combined over all running jobs.
+
+Note [Curves and their combination]
+-----------------------------------
+A plan is paid for on the clock (Note [Paid planning] in :mod:`~tensile_db.scheduler.engine`): a
+planner that takes a second is a second of jobs run without its plan, longer than many a job.
+The greedy planner of :func:`~.planners.plan_tensile` over the combined timeline of four
+ResNet-50 jobs took about 0.6 s of this machine's time and the mixed arrival of four models
+several seconds, at every arrival and departure. This planner splits the work in two:
+
+1. **A curve per model** (:func:`job_curve`): one job alone (one iteration, its measured op
+   times) planned by TENSILE's choice at each peak (:func:`~.planners.tensile_choice`) from no
+   plan down to as far as its absences allow, recording after each decision the job's peak and
+   the simulated extra seconds of its iteration. Jobs of the same program with op times within
+   :data:`TIMES_BUCKET` of each other share one curve, and a coordinator keeps its curves
+   (``memo``) across re-plans: an arrival, a departure or a new pace re-plans from them.
+2. **The combination** (:func:`plan_global`): every job's curve carried onto the combined
+   timeline (each of its iterations in the period, at its phase); starting from no decision,
+   while the combined peak is above the target, the job whose next steps free the peak event at
+   the least extra seconds per byte advances to them. A job whose memory at the combined peak is
+   low, because its own peak falls elsewhere (the executor staggers arrivals so that peaks do not
+   coincide: Zico, Lim et al., USENIX ATC 2021), is cut less than its share: the combined
+   timeline, not the sum of per-job peaks that TENSILE (arXiv 2105.13336, section 4) budgets.
+
+The choice between swapping and recomputing is made within each curve by simulation (the
+greedy's), so a curve's early steps are the swaps its copy engines hide and the cheap recomputes.
+Limitations: each curve assumes the copy engines are its job's alone; on the combined timeline a
+job's ops are spread over a longer period, so its copies have as much more time as other jobs'
+copies take, which holds while the jobs' copy demands are alike. The combined plan is simulated
+once at the end (its predicted extra time), not while combining.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .cost import CostModel
+from .planners import MAX_DECISIONS, Plan, _greedy_steps, _State, tensile_choice
+from .timeline import Decision, JobTrace, Timeline
+
+#: op times within this factor of each other share a curve (relative, on the iteration's time)
+TIMES_BUCKET = 1.10
+#: a curve goes down to this fraction of its job's peak (or its smallest working set, if larger):
+#: its last steps are its most expensive to plan and, with staggered peaks, rarely needed
+CURVE_DEPTH = 0.25
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One job's plans alone, each a prefix of :attr:`decisions` (events are its op positions in
+    one iteration). ``peak_nbytes[i]`` and ``extra_s[i]``: its peak (bytes) and simulated extra
+    seconds per iteration with the first ``i`` decisions, for ``i`` from 0 to ``len(decisions)``
+    ((d + 1,) int64 and float64)."""
+
+    decisions: tuple[Decision, ...]
+    peak_nbytes: np.ndarray
+    extra_s: np.ndarray
+
+
+def _signature(trace: JobTrace) -> tuple:
+    """What makes two jobs' curves the same: the program's structure and the bucket of its
+    iteration time."""
+    program = trace.sequence.program
+    key = getattr(program, "_curve_key", None)
+    if key is None:
+        key = hash((tuple((op.name, op.reads, op.writes) for op in program.ops),
+                    tuple((name, slot.kind, slot.shape, slot.dtype) for name, slot in program.slots.items())))
+        program._curve_key = key
+    seconds = float(np.nansum(trace.sequence.times_s))
+    return key, round(math.log(seconds) / math.log(TIMES_BUCKET)) if seconds > 0 else 0
+
+
+def job_curve(trace: JobTrace, cost: CostModel, work=None) -> Curve:
+    """The curve of the job of ``trace`` alone (Note [Curves and their combination]): TENSILE's
+    choice at each peak, from no plan down to :data:`CURVE_DEPTH` of its peak (or its smallest
+    working set) or until nothing frees the peak. ``work``: a :class:`~.work.PlanWork` that counts
+    the work too."""
+    alone = Timeline([replace(trace, phase=0, order=0, repeats=1)])
+    state = _State(alone, cost)
+    floor = max(trace.sequence.program.min_working_set_nbytes, int(CURVE_DEPTH * state.use.max()))
+    peaks, extras = [int(state.use.max())], [state.sim.extra_s]
+    for _ in _greedy_steps(state, floor, tensile_choice(cost, floor), None):
+        peaks.append(int(state.use.max()))
+        extras.append(state.sim.extra_s)
+    if work is not None:
+        work.add(alone.work)
+    return Curve(tuple(state.decisions), np.array(peaks, dtype=np.int64), np.array(extras))
+
+
+def _carry(curve: Curve, timeline: Timeline, job_id: int) -> dict[str, np.ndarray | list]:
+    """The curve's decisions on the combined timeline: each one in each of the job's iterations
+    of the period (a decision whose absence wraps from the end of an iteration goes on to the next
+    one, the last to the first). Returns the decisions and, per decision, its curve index, first
+    absent event, absent events and bytes."""
+    trace, n_prog = timeline.traces[job_id], timeline.n_program_ops(job_id)
+    out, index = [], []
+    for i, d in enumerate(curve.decisions):
+        for r in range(trace.repeats):
+            def at(p: int) -> int:
+                later = p <= d.a                       # after the wrap: the next iteration
+                return timeline.index[(job_id, ((r + later) % trace.repeats) * n_prog + p)]
+            a = timeline.index[(job_id, r * n_prog + d.a)]
+            b = at(d.b)
+            if d.method == "swap":
+                carried = replace(d, a=a, b=b, free=at(d.free), back=at(d.back))
+            else:                                      # a drop frees at once
+                carried = replace(d, a=a, b=b, free=(a + 1) % timeline.n, back=b)
+            out.append(carried)
+            index.append(i)
+    windows = np.array([c.window(timeline.n) for c in out], dtype=np.int64).reshape(-1, 2)
+    return {"decisions": out, "index": np.array(index, dtype=np.int64), "free": windows[:, 0],
+            "length": windows[:, 1], "nbytes": np.array([c.nbytes for c in out], dtype=np.int64)}
+
+
+def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_seconds: float | None = None,
+                memo: dict | None = None) -> Plan:
+    """The global planner (Note [Curves and their combination]). ``target_nbytes``: the combined
+    peak to reach, bytes; ``memo``: curves kept by the caller across re-plans (a dict it owns;
+    None: none kept); ``max_seconds`` is accepted for the planners' common signature and unused:
+    the work is bounded by the curves' decisions (:data:`~.planners.MAX_DECISIONS` each).
+
+    Returns a :class:`~.planners.Plan` whose predicted peak may stay above the target when no
+    curve frees the peak event any more (the reactive fallback covers the rest)."""
+    memo = {} if memo is None else memo
+    work = timeline.work
+    carried = {}
+    for job_id, trace in timeline.traces.items():
+        key = _signature(trace)
+        work.items += len(trace.sequence.program.ops) + len(trace.sequence.program.slots)
+        if key not in memo:
+            memo[key] = job_curve(trace, cost, work)
+        carried[job_id] = (memo[key], _carry(memo[key], timeline, job_id))
+        work.items += len(carried[job_id][1]["decisions"])
+    use = timeline.usage([])
+    level = {job_id: 0 for job_id in carried}           # decisions of its curve taken
+    chosen: list[Decision] = []
+    n = timeline.n
+    for _ in range(MAX_DECISIONS):
+        k = int(np.argmax(use))
+        if use[k] <= target_nbytes:
+            break
+        best = None
+        for job_id, (curve, c) in carried.items():
+            repeats = timeline.traces[job_id].repeats
+            work.rows += len(c["index"])
+            covers = (c["index"] >= level[job_id]) & ((k - c["free"]) % n < c["length"])
+            if not covers.any():
+                continue
+            # each candidate end of the step: a curve index whose decisions free event k
+            per_index = np.bincount(c["index"][covers], weights=c["nbytes"][covers])
+            ends = np.flatnonzero(per_index)
+            freed = np.cumsum(per_index[ends])
+            extra = np.maximum(curve.extra_s[ends + 1] - curve.extra_s[level[job_id]], 0.0) * repeats
+            ratio = extra / freed
+            i = int(np.argmin(ratio))
+            if best is None or (ratio[i], -freed[i]) < (best[0], -best[1]):
+                best = (ratio[i], freed[i], job_id, int(ends[i]) + 1)
+        if best is None:
+            break                                       # nothing frees the peak: reactive covers the rest
+        _, _, job_id, upto = best
+        c = carried[job_id][1]
+        for j in np.flatnonzero((c["index"] >= level[job_id]) & (c["index"] < upto)).tolist():
+            d = c["decisions"][j]
+            timeline.add_decision(use, d)
+            chosen.append(d)
+        work.items += upto - level[job_id]              # a window added each: not the greedy's bookkeeping
+        work.events += n
+        level[job_id] = upto
+    return Plan.build("tensile", timeline, chosen, cost, target_nbytes)

@@ -1,0 +1,82 @@
+"""The global planner (``tensile_db.scheduler.curves``), the planners' counted work
+(``tensile_db.scheduler.work``) and paid planning on the simulated device.
+
+- jobs of one program share one curve, kept across re-plans; a curve's peaks fall and its
+  decisions are a valid plan of the job alone;
+- the combination reaches a target the greedy reaches, on jobs in different phases;
+- the counted work grows with the timeline and the model prices it;
+- on the simulated device a plan is installed only once its modelled planning time has passed on
+  the virtual clock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_scheduler import FAST, _assert_valid, sequence
+from test_simulated import image_job, run_sim
+from tensile_db.scheduler.curves import job_curve, plan_global
+from tensile_db.scheduler.planners import plan_tensile
+from tensile_db.scheduler.timeline import JobTrace, Timeline
+from tensile_db.scheduler.work import PLAN_OVERHEAD_S, SECONDS_PER_UNIT, PlanWork
+
+
+def test_jobs_of_one_program_share_one_curve_across_replans():
+    seq = sequence()
+    memo = {}
+    tl = Timeline([JobTrace(1, seq, 0, 0), JobTrace(2, seq.snapshot(), 9, 1)])
+    plan_global(tl, FAST, int(0.6 * tl.vanilla_peak_nbytes()), memo=memo)
+    assert len(memo) == 1
+    again = Timeline([JobTrace(1, seq, 0, 0), JobTrace(2, seq.snapshot(), 9, 1), JobTrace(3, seq.snapshot(), 3, 2)])
+    cold = Timeline(list(again.traces.values()))
+    plan_global(again, FAST, int(0.6 * again.vanilla_peak_nbytes()), memo=memo)
+    plan_global(cold, FAST, int(0.6 * cold.vanilla_peak_nbytes()), memo={})
+    assert len(memo) == 1
+    assert again.work.decisions < cold.work.decisions       # the kept curve is not planned again
+
+
+def test_a_curve_lowers_its_peak_step_by_step_with_valid_decisions():
+    trace = JobTrace(1, sequence())
+    curve = job_curve(trace, FAST)
+    assert len(curve.decisions) > 0 and len(curve.peak_nbytes) == len(curve.decisions) + 1
+    assert curve.peak_nbytes[-1] < curve.peak_nbytes[0]
+    assert np.all(np.diff(curve.peak_nbytes) <= 0)
+    alone = Timeline([trace])
+    assert int(alone.usage(list(curve.decisions)).max()) == curve.peak_nbytes[-1]
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.6])
+def test_the_combination_reaches_what_the_greedy_reaches_on_staggered_jobs(fraction):
+    tl = Timeline([JobTrace(1, sequence(), 0, 0), JobTrace(2, sequence(seconds=2e-3), 11, 1, repeats=2)])
+    target = int(fraction * tl.vanilla_peak_nbytes())
+    greedy = plan_tensile(Timeline(list(tl.traces.values())), FAST, target, None)
+    plan = plan_global(tl, FAST, target)
+    _assert_valid(plan, tl)
+    assert greedy.predicted_peak_nbytes <= target
+    assert plan.predicted_peak_nbytes <= target
+
+
+def test_counted_work_grows_with_the_timeline_and_is_priced():
+    small = Timeline([JobTrace(1, sequence())])
+    large = Timeline([JobTrace(j, sequence(), 3 * j, j) for j in range(1, 4)])
+    for tl in (small, large):
+        plan_tensile(tl, FAST, int(0.6 * tl.vanilla_peak_nbytes()), None)
+    assert all(large.work.counts()[u] >= small.work.counts()[u] for u in ("items", "events", "rows"))
+    assert large.work.seconds() > small.work.seconds() > PLAN_OVERHEAD_S
+    work = PlanWork(items=10, decisions=2)
+    assert work.seconds() == pytest.approx(PLAN_OVERHEAD_S + 10 * SECONDS_PER_UNIT["items"]
+                                           + 2 * SECONDS_PER_UNIT["decisions"])
+    work.add(PlanWork(items=5))
+    assert work.items == 15
+
+
+def test_a_plan_on_the_simulated_device_takes_effect_after_its_planning_time():
+    jobs = [image_job("resnet50", (3, 64, 64), 40, seed, width=0.25) for seed in (1, 2)]
+    _, executor, _ = run_sim(jobs, 0.5, "tensile")
+    history = executor.scheduler.history
+    installed = [r for r in history if r["installed_s"] is not None]
+    assert any(r["decisions"] for r in installed)
+    for r in installed:
+        assert r["installed_s"] >= r["asked_s"] + r["modelled_s"] - 1e-12
+    assert executor.scheduler.modelled_plan_seconds == pytest.approx(sum(r["modelled_s"] for r in installed))
