@@ -8,6 +8,8 @@
 - ``curves.py``: the global planner (policy ``tensile``): per-model curves of the greedy, combined over
   all running jobs.
 - ``work.py``: the planners' work, counted, and the planning time it is modelled to take.
+- ``bound.py``: a lower bound on the extra time of any plan that meets a target, the planners'
+  optimal reference (linear programs, ``docs/bound.md``).
 - ``reactive.py``: farthest next use, the fallback that keeps every job inside the budget.
 - ``engine.py``: the :class:`Scheduler` the executor runs around every op.
 - ``allocations.py``: a job's recurring allocations under a swap schedule, for the offline lifetime
