@@ -2,7 +2,9 @@
 
 The first half checks the program as an access sequence: data flow (nothing is read before it
 is written), lifetimes (``frees_after``), next uses (wrapping for weights and optimizer state),
-and the peak and working-set figures, against straightforward recomputations.
+and the peak and working-set figures, against straightforward recomputations; and that a
+program's skeleton (no kernels, picklable) answers every question a planner asks as the program
+does, for MLPs, a small CNN and every named network.
 
 The second half checks the key invariant of the memory manager: training under a tight budget,
 with real swapping, gives bit-identical weights to training with unlimited memory, alone or with
@@ -11,6 +13,7 @@ other jobs sharing the device.
 
 from __future__ import annotations
 
+import pickle
 import queue
 
 import numpy as np
@@ -18,11 +21,12 @@ import pytest
 
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
-from tensile_db.errors import DeviceOutOfMemory
+from tensile_db.errors import DeviceOutOfMemory, InvalidArgument
 from tensile_db.memory.arena import UNIT_NBYTES, round_up
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime.device import Device
-from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
+from tensile_db.runtime import zoo
+from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions, parse_architecture
 from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.program import Kind, Op, Program, Slot
 
@@ -157,6 +161,81 @@ def test_unaccessed_slot_is_rejected():
         Program(slots, [])
     with pytest.raises(ValueError, match="'b'"):
         Program(slots, [Op("load", (), ("a",), lambda a, ctx: None)])
+
+
+# --- the skeleton --------------------------------------------------------------------------------
+
+SMALL_CNN = ModelSpec(parse_architecture({"input": {"shape": [3, 8, 8]}, "layers": [
+    {"conv": 4, "padding": 1}, {"batch_norm": {}, "activation": "relu"}, {"max_pool": 2},
+    {"residual": [{"conv": 4, "padding": 1}, {"batch_norm": {}}], "activation": "relu"},
+    {"concat": [[], [{"conv": 2, "kernel": 1}]]}, {"global_avg_pool": {}}, {"dense": 8, "dropout": 0.2}]}),
+    192, 3, "classification")
+#: named networks at small inputs, an eighth of their width: (model, square input side)
+NAMED_SMALL = {"vgg16": 32, "resnet50": 32, "inception_v3": 75, "densenet121": 32}
+
+
+def _named_spec(name: str) -> ModelSpec:
+    side = NAMED_SMALL[name]
+    return ModelSpec(parse_architecture({"model": name, "width": 0.125, "input": {"shape": [3, side, side]}}),
+                     3 * side * side, 5, "classification")
+
+
+SKELETON_SPECS = {**{name: spec for name, (spec, _) in SPECS.items()}, "small-cnn": SMALL_CNN,
+                  **{name: _named_spec(name) for name in NAMED_SMALL}}
+
+
+def test_every_named_network_has_a_skeleton_case():
+    assert set(NAMED_SMALL) == set(zoo.NAMED)
+
+
+def _op_fields(op: Op | None):
+    if op is None:
+        return None
+    return op.name, op.reads, op.writes, op.flops, op.nbytes, op.unit, _op_fields(op.replay)
+
+
+def _planner_answers(prog: Program) -> dict:
+    """Everything a planner asks of a program, as plain values."""
+    n = len(prog.ops)
+    recipes = {name: prog.recipe(name) for name in prog.slots}
+    return {
+        "slots": prog.slots,
+        "ops": [_op_fields(op) for op in prog.ops],
+        "replay": [_op_fields(prog.replay(i)) for i in range(n)],
+        "positions": prog.positions,
+        "frees_after": prog.frees_after,
+        "recipes": recipes,
+        "recipe_inputs": {name: prog.recipe_inputs_of(r, name) for name, r in recipes.items() if r},
+        "recipe_workspace": {name: prog.recipe_workspace_nbytes(r) for name, r in recipes.items() if r},
+        "working_sets": [prog.working_set_nbytes(i) for i in range(n)],
+        "min_working_set": prog.min_working_set_nbytes,
+        "persistent": prog.persistent_nbytes,
+        "vanilla_peak": prog.vanilla_peak_nbytes(),
+        "next_use": {(name, p): prog.next_use(name, p) for name, pos in prog.positions.items()
+                     for p in {-1, n - 1, *pos, *(q + 1 for q in pos if q + 1 < n)}},
+    }
+
+
+@pytest.mark.parametrize("name", list(SKELETON_SPECS))
+def test_skeleton_answers_as_the_program_does(name):
+    prog = build_training_program(SKELETON_SPECS[name], TrainOptions(optimizer="adam"), 2)
+    skeleton = prog.skeleton()
+    assert skeleton is prog.skeleton() and skeleton.skeleton() is skeleton        # made once
+    assert all(op.run is None and (op.replay is None or op.replay.run is None) for op in skeleton.ops)
+    assert any(op.replay is not None for op in prog.ops) == (name not in SPECS and name != "vgg16")
+    expected = _planner_answers(prog)
+    assert expected["recipe_inputs"]                   # something to compare: some slot recomputes
+    assert _planner_answers(skeleton) == expected
+    assert _planner_answers(pickle.loads(pickle.dumps(skeleton))) == expected   # as a planning process sees it
+
+
+def test_skeleton_does_not_run_and_a_program_does_not_pickle():
+    spec, options = SPECS["clf-none-sgd"]
+    prog = build_training_program(spec, options, BATCH)
+    with pytest.raises(InvalidArgument, match="op 'load_batch' has no kernel.*skeleton"):
+        Device("cpu").execute(prog.skeleton().ops[0], {}, None)
+    with pytest.raises(TypeError, match="send its skeleton"):
+        pickle.dumps(prog)
 
 
 # --- training under a budget ---------------------------------------------------------------------

@@ -52,7 +52,14 @@ class Device:
 
     def execute(self, op, arrays: dict, ctx) -> None:
         """Run ``op`` (a :class:`~.program.Op`) on ``arrays`` (slot -> device array) and wait for
-        it to complete, so that :meth:`now` around this call times the op."""
+        it to complete, so that :meth:`now` around this call times the op.
+
+        Raises:
+            InvalidArgument: ``op`` has no kernel (an op of a program's skeleton).
+        """
+        if op.run is None:
+            raise InvalidArgument(f"op {op.name!r} has no kernel: it is an op of a program's skeleton, which "
+                                  f"plans but does not run; run the program the skeleton was made from")
         op.run(arrays, ctx)
         self.synchronize()
 

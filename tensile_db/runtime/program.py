@@ -2,11 +2,12 @@
 
 A *slot* is a tensor of an iteration (``x``, ``h0``, ``W1``, ``dW1`` ...) with its kind, shape and
 dtype. An :class:`Op` names the slots it reads and writes and carries a ``run`` function that calls
-the kernels on the slots' arrays (:mod:`.builder` builds the program of a network). Because a
-training iteration is static, the program is
-also the job's **access sequence** (TENSILE, arXiv 2105.13336, section 3): for each slot the op
-indices at which it is accessed, from which lifetimes, next uses and working sets follow exactly,
-from the very first iteration.
+the kernels on the slots' arrays (:mod:`.builder` builds the program of a network). A program's
+:meth:`~Program.skeleton` is the same program without the kernels: it pickles, so a planning
+process (:mod:`tensile_db.scheduler.worker`) can plan for it. Because a training iteration is
+static, the program is also the job's **access sequence** (TENSILE, arXiv 2105.13336, section 3):
+for each slot the op indices at which it is accessed, from which lifetimes, next uses and working
+sets follow exactly, from the very first iteration.
 
 Lifetimes: a non-persistent slot is allocated by the first op that writes it and freed after its
 last access in the iteration; persistent slots (weights and optimizer state) live across
@@ -16,7 +17,7 @@ iterations.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -78,10 +79,11 @@ UNITS = ("conv", "matmul", "elementwise", "optimizer", "load")
 
 @dataclass(frozen=True)
 class Op:
-    """One operator: reads and writes slots by name; ``run(arrays, ctx)`` does the arithmetic.
-    ``replay``, when given, is the op a recompute runs instead: it writes only the op's first
-    output, from slots that the op saved (batch normalisation replays from its saved batch
-    statistics rather than updating the running ones again).
+    """One operator: reads and writes slots by name; ``run(arrays, ctx)`` does the arithmetic
+    (None in a program's :meth:`~Program.skeleton`, which only plans). ``replay``, when given, is
+    the op a recompute runs instead: it writes only the op's first output, from slots that the op
+    saved (batch normalisation replays from its saved batch statistics rather than updating the
+    running ones again).
 
     Its cost, for the simulated device's roofline (:mod:`tensile_db.runtime.simulated`):
     ``flops`` floating-point operations, ``nbytes`` bytes of device memory read plus written
@@ -92,7 +94,7 @@ class Op:
     name: str
     reads: tuple[str, ...]
     writes: tuple[str, ...]
-    run: Callable[[dict, StepContext], None] = field(repr=False, compare=False)
+    run: Callable[[dict, StepContext], None] | None = field(default=None, repr=False, compare=False)
     replay: "Op | None" = field(default=None, repr=False, compare=False)
     flops: int = field(default=0, compare=False)
     nbytes: int = field(default=0, compare=False)
@@ -128,6 +130,27 @@ class Program:
             if not slots[name].kind.persistent:
                 self.frees_after[pos[-1]].append(name)
         self._recipes: dict[str, tuple[int, ...] | None] = {}   # recipe(), memoised: a program never changes
+        self._skeleton: Program | None = None                     # skeleton(), made once
+
+    def skeleton(self) -> "Program":
+        """This program without its kernels: the same slots and ops (names, reads, writes, cost,
+        replays) with every ``run`` None, made once. It answers everything a planner asks
+        (positions, lifetimes, next uses, recipes, working sets, peaks) as this program does and,
+        unlike it, pickles; a device refuses to run its ops."""
+        if self._skeleton is None:
+            def bare(op: Op | None) -> Op | None:
+                return None if op is None else replace(op, run=None, replay=bare(op.replay))
+
+            self._skeleton = Program(dict(self.slots), [bare(op) for op in self.ops])
+            self._skeleton._skeleton = self._skeleton
+        return self._skeleton
+
+    def __getstate__(self) -> dict:
+        # Pickled whole, derived fields included: unpickling them is four times faster than
+        # deriving them again, and a plan's unpickling costs the executor's thread its GIL.
+        if any(op.run is not None or (op.replay is not None and op.replay.run is not None) for op in self.ops):
+            raise TypeError("a program with kernels does not pickle; send its skeleton() instead")
+        return self.__dict__
 
     def next_use(self, name: str, position: int) -> int:
         """Ops from ``position`` (the op just run, or -1 before the first) until the next access

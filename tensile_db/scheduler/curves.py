@@ -124,6 +124,8 @@ def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_sec
 
     Returns a :class:`~.planners.Plan` whose predicted peak may stay above the target when no
     curve frees the peak event any more (the reactive fallback covers the rest)."""
+    if timeline.vanilla_peak_nbytes() <= target_nbytes:         # nothing to plan: no curve is worth its cost
+        return Plan.build("tensile", timeline, [], cost, target_nbytes)
     memo = {} if memo is None else memo
     work = timeline.work
     carried = {}
