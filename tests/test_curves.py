@@ -26,8 +26,10 @@ def test_jobs_of_one_program_share_one_curve_across_replans():
     seq = sequence()
     memo = {}
     tl = Timeline([JobTrace(1, seq, 0, 0), JobTrace(2, seq.snapshot(), 9, 1)])
-    plan_global(tl, FAST, int(0.6 * tl.vanilla_peak_nbytes()), memo=memo)
+    plan = plan_global(tl, FAST, int(0.6 * tl.vanilla_peak_nbytes()), memo=memo)
     assert len(memo) == 1
+    _assert_valid(plan, tl)                              # each job's decisions are its own
+    assert {d.job_id for d in plan.decisions} == {1, 2}
     again = Timeline([JobTrace(1, seq, 0, 0), JobTrace(2, seq.snapshot(), 9, 1), JobTrace(3, seq.snapshot(), 3, 2)])
     cold = Timeline(list(again.traces.values()))
     plan_global(again, FAST, int(0.6 * again.vanilla_peak_nbytes()), memo=memo)

@@ -104,10 +104,10 @@ def _carry(curve: Curve, timeline: Timeline, job_id: int) -> dict[str, np.ndarra
                 return timeline.index[(job_id, ((r + later) % trace.repeats) * n_prog + p)]
             a = timeline.index[(job_id, r * n_prog + d.a)]
             b = at(d.b)
-            if d.method == "swap":
-                carried = replace(d, a=a, b=b, free=at(d.free), back=at(d.back))
+            if d.method == "swap":                     # the curve may be another job's of the same model
+                carried = replace(d, job_id=job_id, a=a, b=b, free=at(d.free), back=at(d.back))
             else:                                      # a drop frees at once
-                carried = replace(d, a=a, b=b, free=(a + 1) % timeline.n, back=b)
+                carried = replace(d, job_id=job_id, a=a, b=b, free=(a + 1) % timeline.n, back=b)
             out.append(carried)
             index.append(i)
     windows = np.array([c.window(timeline.n) for c in out], dtype=np.int64).reshape(-1, 2)
