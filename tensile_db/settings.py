@@ -7,13 +7,18 @@ scheduler or the memory manager.
   planned over the combined timeline), ``reactive`` (no plan: evict the farthest next use), and
   the published baselines it is measured against: ``vdnn`` (vDNN_all), ``swap_score`` (the swap
   selection of arXiv 1903.06631), ``capuchin`` (Peng et al., ASPLOS 2020), ``checkpoint`` (sqrt(n)
-  segments, arXiv 1604.06174) and ``tensile_published`` (TENSILE with each job planned alone).
+  segments, arXiv 1604.06174), ``tensile_published`` (TENSILE with each job planned alone) and
+  ``dtr`` (Dynamic Tensor Rematerialization, Kirisame et al., ICLR 2021: no plan; evict the
+  tensor of least cost / (bytes x staleness), dropping what recomputes).
+- ``UNPLANNED_POLICIES``: the policies of ``POLICIES`` that make no plan: they decide only when
+  an allocation does not fit.
 - ``DEVICES``: ``tensile.device``: ``cpu`` (NumPy) or ``cuda`` (CuPy).
 - ``POOLS``: ``tensile.pool``: ``planned`` (recurring allocations at lifetime-planned offsets) or
   ``general`` (the best-fit pool only).
 """
 
-POLICIES = ("tensile", "reactive", "vdnn", "swap_score", "capuchin", "checkpoint", "tensile_published")
+POLICIES = ("tensile", "reactive", "vdnn", "swap_score", "capuchin", "checkpoint", "tensile_published", "dtr")
+UNPLANNED_POLICIES = ("reactive", "dtr")
 DEVICES = ("cpu", "cuda")
 POOLS = ("planned", "general")
 

@@ -32,6 +32,14 @@ def wait_until(predicate, timeout_s=10.0) -> bool:
     return False
 
 
+def wait_done(job, what: str, timeout_s: float = 120.0) -> None:
+    """Read the events of the in-process ``job`` until its last, and assert that it finished;
+    ``what`` names the job in the failure."""
+    while (event := job.events.get(timeout=timeout_s))[0] == "progress":
+        pass
+    assert event[0] == "done", f"{what}: {event[1]!r}"
+
+
 def _have_postgres() -> bool:
     try:
         from tensile_db.cluster import pg_bindir

@@ -26,7 +26,7 @@ from tensile_db.runtime.device import Device
 from tensile_db.runtime.model import ModelSpec, parse_architecture
 from tensile_db.runtime.program import Kind, Slot
 
-from conftest import wait_until
+from conftest import wait_done, wait_until
 from test_scheduler import FAST, make_job
 
 HIDDEN = [{"dense": 96}, {"dense": 64, "activation": "tanh"}, {"dense": 128}, {"dense": 48, "activation": "sigmoid"},
@@ -247,9 +247,7 @@ def test_a_cnn_call_shares_a_tight_budget_with_a_training_job_without_overlap():
     try:
         ex.submit(job)
         outs = [predict(svc, 1, spec, w, x, window=window, batch_size=64)[0] for window in (1, 2, 5)]
-        while (event := job.events.get(timeout=120))[0] == "progress":
-            pass
-        assert event[0] == "done", event
+        wait_done(job, f"job {job.id}")
     finally:
         ex.stop()
     assert all(np.array_equal(out, expected) for out in outs)
@@ -394,9 +392,7 @@ def test_concurrent_calls_and_a_training_job_share_a_small_budget_without_overla
         for t in threads:
             t.join()
         assert not errors, errors
-        while (event := job.events.get(timeout=120))[0] == "progress":
-            pass
-        assert event[0] == "done", event
+        wait_done(job, f"job {job.id}")
     finally:
         ex.stop()
     for k in range(8):

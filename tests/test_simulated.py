@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from conftest import wait_done
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.errors import InvalidArgument
@@ -116,9 +117,7 @@ def run_sim(jobs, fraction: float, policy: str, check_every: int = 0, **device_o
     ex.start()
     try:
         for job in jobs:
-            while (event := job.events.get(timeout=600))[0] == "progress":
-                pass
-            assert event[0] == "done", f"{job.info.model_name} under {policy}: {event[1]!r}"
+            wait_done(job, f"{job.info.model_name} under {policy}", timeout_s=600)
     finally:
         ex.stop()
     assert mm.in_use_nbytes == 0

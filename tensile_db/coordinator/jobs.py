@@ -4,9 +4,11 @@ A :class:`TrainingJob` holds the caller's data on the host, the training program
 sequence), and the tensors it registered with the memory manager. :meth:`TrainingJob.ops` is a
 generator that runs exactly one op of the program per ``next()``, so the executor can interleave
 the ops of all running jobs on the device; the scheduler's hooks run before and after each op
-(planned swaps) and receive the op's measured time. A tensor the plan dropped is recomputed by
-re-running the forward ops that produced it, with the same inputs and dropout seed, before the op
-that reads it. Progress (epoch, loss, device bytes) is published to
+(planned swaps) and receive the op's measured time. A tensor dropped (by a plan, or by an eviction
+under ``dtr``) is recomputed by re-running the forward ops that produced it, with the same inputs
+and dropout seed, before the op that reads it; the op's inputs are kept
+(:meth:`MemoryManager.keep`) from that check to the op's acquire, so no eviction in between drops
+one again. Progress (epoch, loss, device bytes) is published to
 the job's event queue, which the connection thread of its backend relays.
 """
 
@@ -250,12 +252,15 @@ class TrainingJob:
 
     def _run_op(self, mm: MemoryManager, position: int, op, ctx: StepContext) -> tuple[float | None, float]:
         """Run op ``position``; returns (the loss if the op computes it, the op's seconds)."""
-        for s in op.reads:
-            if s in self.tensors and self.tensors[s].residency is Residency.DROPPED:
-                self._recompute(mm, s, ctx)
-        live = [self.tensors[s] for s in op.accesses if s in self.tensors]
-        new = [self.program.slots[s] for s in op.writes if s not in self.tensors]
-        created = mm.acquire(self.id, live, new, what=f"op {op.name} of job {self.id}", wait=True)
+        reads = [self.tensors[s] for s in op.reads if s in self.tensors]
+        mm.keep(reads)
+        try:
+            self._recompute_dropped(mm, reads, ctx)
+            live = [self.tensors[s] for s in op.accesses if s in self.tensors]
+            new = [self.program.slots[s] for s in op.writes if s not in self.tensors]
+            created = mm.acquire(self.id, live, new, what=f"op {op.name} of job {self.id}", wait=True)
+        finally:
+            mm.let_go(reads)
         for t in created:
             self.tensors[t.slot] = t
         try:
@@ -274,7 +279,9 @@ class TrainingJob:
     def _recompute(self, mm: MemoryManager, name: str, ctx: StepContext) -> None:
         """Re-run the forward ops that produced the dropped tensor ``name`` (their replays, the
         program's recipe), with fresh workspaces; their inputs are unchanged since the first run,
-        so the values are identical."""
+        so the values are identical. The caller keeps ``name`` (:meth:`MemoryManager.keep`), so
+        it is not dropped again between two of its writers; each replay's inputs are kept from
+        the recompute of those that were dropped to the replay's acquire."""
         recipe = self.program.recipe(name)
         if recipe is None:
             raise TensileError(f"internal error: tensor {name!r} of job {self.id} was dropped but "
@@ -282,13 +289,16 @@ class TrainingJob:
         target = self.tensors[name]
         for p in recipe:
             op = self.program.replay(p)
-            for s in op.reads:
-                if s != name and s in self.tensors and self.tensors[s].residency is Residency.DROPPED:
-                    self._recompute(mm, s, ctx)
-            live = [self.tensors[s] for s in op.accesses if s in self.tensors]
-            workspaces = [self.program.slots[s] for s in op.writes if s not in self.tensors]
-            created = mm.acquire(self.id, live, workspaces, what=f"recompute of {name} by op {op.name} of job "
-                                 f"{self.id}", wait=True)
+            inputs = [self.tensors[s] for s in op.reads if s != name and s in self.tensors]
+            mm.keep(inputs)
+            try:
+                self._recompute_dropped(mm, inputs, ctx)
+                live = [self.tensors[s] for s in op.accesses if s in self.tensors]
+                workspaces = [self.program.slots[s] for s in op.writes if s not in self.tensors]
+                created = mm.acquire(self.id, live, workspaces, what=f"recompute of {name} by op {op.name} of job "
+                                     f"{self.id}", wait=True)
+            finally:
+                mm.let_go(inputs)
             try:
                 arrays = {t.slot: mm.array(t) for t in live + created}
                 with mm.device.computing():
@@ -298,6 +308,12 @@ class TrainingJob:
                 for t in created:
                     mm.free(t)
         mm.note_recompute(target)
+
+    def _recompute_dropped(self, mm: MemoryManager, tensors: list[Tensor], ctx: StepContext) -> None:
+        """Recompute those of ``tensors`` (kept by the caller) that are dropped."""
+        for t in tensors:
+            if t.residency is Residency.DROPPED:
+                self._recompute(mm, t.slot, ctx)
 
     def describe(self, mm: MemoryManager | None) -> JobRow:
         """The job's row of ``tensile.jobs``."""

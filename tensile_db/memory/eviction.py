@@ -1,18 +1,20 @@
 """The eviction policy: which tensor leaves the arena when a block does not fit, and when to compact.
 
 Correctness never depends on a plan. When an allocation does not fit, :meth:`Eviction.make_room`
-swaps out unpinned resident tensors in the order of Note [Eviction order] until the block fits.
+evicts unpinned resident tensors in the order of Note [Eviction order] until the block fits: a
+swap-out, or a drop where the scheduler's ``droppable`` says the tensor's job recomputes it.
 When the free bytes would suffice but no free block does, it compacts the arena instead (after
 letting the copies in flight land, so that their blocks can move too). If the free space is too
-fragmented for an op's working set even then, :meth:`Eviction.pack` swaps everything else out and
+fragmented for an op's working set even then, :meth:`Eviction.pack` evicts everything else and
 places the working set from offset 0, largest first.
 
 The policy owns no state. It talks to the manager's core
 (:class:`~tensile_db.memory.manager.MemoryManager`) through a narrow interface, always with the
 manager's lock held: ``tensors()``, ``held(t)``, ``evict(t)``, ``release(t)``, ``land_copies()``,
 ``compact(movable)``, ``make_resident(t)``, the ``allocator`` and its ``limit_nbytes`` and
-``budget_nbytes``, the planned pool's state, ``next_use`` (the scheduler's distances) and the
-weight cache's ranking (:mod:`tensile_db.memory.cache`).
+``budget_nbytes``, the planned pool's state, ``next_use`` (the scheduler's eviction scores),
+``droppable`` (the scheduler's choice of a drop over a swap-out) and the weight cache's ranking
+(:mod:`tensile_db.memory.cache`).
 
 Note [Eviction order]
 ---------------------
@@ -20,11 +22,14 @@ Rank, highest evicted first: (1) read-only tensors no call holds in its prefetch
 recently used first: a free, and a later load if they are used again; (2) read-only tensors in
 some call's window: a free and a certain reload, cheaper than any copy out; most recently used
 first, since a call streams its layers in order and the one it used last is the one it needs
-last; (3) the other tensors, farthest next use first (Belady's rule across jobs, the scheduler's
-``next_use``), larger first among equals: a copy out and a copy back. So a training job that
-needs memory takes the device weight cache first. A prefetch evicts only (1): it never pushes out
-a layer a window holds. The ranks of (1) and (2) are the weight cache's
-(:meth:`tensile_db.memory.cache.WeightCache.rank`).
+last; (3) the other tensors, by the scheduler's ``next_use``, highest first, larger first among
+equals: under every policy but ``dtr`` the farthest next use (Belady's rule across jobs), a copy
+out and a copy back; under ``dtr`` the least h = cost / (bytes x staleness) (Kirisame et al.,
+ICLR 2021; :mod:`tensile_db.scheduler.dtr`), where a tensor its job can recompute exactly, and
+whose writers have all run, is dropped (cost: its recompute) and any other is copied out (cost:
+the copy out and back). So a training job that needs memory takes the device weight cache first.
+A prefetch evicts only (1): it never pushes out a layer a window holds. The ranks of (1) and (2)
+are the weight cache's (:meth:`tensile_db.memory.cache.WeightCache.rank`).
 """
 
 from __future__ import annotations
@@ -98,7 +103,8 @@ class Eviction:
                 continue
             if not victims:
                 raise Fragmented
-            mm.evict(max(victims, key=self.rank))
+            victim = max(victims, key=self.rank)
+            mm.evict(victim, drop=mm.droppable(victim))
 
     def _evict_clean(self, size: int, ceiling: int, unwanted_only: bool = False) -> int | None:
         """A block of ``size`` bytes with the bytes in use within ``ceiling``, evicting read-only
@@ -127,7 +133,7 @@ class Eviction:
 
     def pack(self, working_set: list[Tensor], what: str) -> None:
         """Last resort when nothing is left to evict: let the copies in flight land (calling the
-        swap-outs off), swap out every other unpinned tensor, then place the working set largest
+        swap-outs off), evict every other unpinned tensor, then place the working set largest
         first (compacting the arena as needed).
 
         Raises:
@@ -137,7 +143,7 @@ class Eviction:
         mm.land_copies(call_off=True)
         for t in [t for t in mm.tensors() if t.residency is Residency.DEVICE and not t.pins]:
             if not mm.held(t):
-                mm.evict(t)
+                mm.evict(t, drop=mm.droppable(t))
         try:
             for t in sorted(working_set, key=lambda t: -t.arena_nbytes):
                 mm.make_resident(t)

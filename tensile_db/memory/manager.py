@@ -64,13 +64,17 @@ class MemoryManager(Residencies):
     Args:
         device: a :class:`tensile_db.runtime.device.Device`.
         budget_nbytes: arena size, bytes (rounded down to the arena unit).
-        next_use: distance to a tensor's next access (any unit common to all jobs); larger is
-            evicted first. Unknown tensors should return ``math.inf``.
+        next_use: the eviction score of a tensor that is not read-only: larger is evicted first
+            (the scheduler's distance to its next access, in any unit common to all jobs, or
+            under ``dtr`` minus its h). Unknown tensors should return ``math.inf``.
         pool: ``"planned"`` (recurring allocations from a lifetime-planned region once one
             period has been recorded; the default) or ``"general"`` (the best-fit pool only).
 
     Raises:
         InvalidArgument: an unknown ``pool``.
+
+    ``droppable(t)`` (default: never; the scheduler's under ``dtr``) says whether an eviction
+    drops ``t`` (its job recomputes it) rather than copying it out.
 
     ``limit_nbytes`` (default: the budget) is where eviction starts: a scheduler that keeps
     headroom for fragmentation lowers it. An op whose working set needs more still gets up to the
@@ -107,6 +111,7 @@ class MemoryManager(Residencies):
         self.compactions = 0           # times the arena was defragmented; guarded by _lock
         self.compacted_nbytes = 0      # bytes moved by defragmenting, cumulative; guarded by _lock
         self.next_use: NextUse = next_use or (lambda t: math.inf)   # set by the scheduler before the first op
+        self.droppable: Callable[[Tensor], bool] = lambda t: False   # likewise; read under _lock
         self.jobs: dict[int, JobMemory] = {}     # guarded by _lock, and so is every JobMemory in it
         self._tensors: dict[int, Tensor] = {}    # id -> tensor; guarded by _lock
         self._ids = itertools.count(1)           # guarded by _lock
@@ -244,11 +249,11 @@ class MemoryManager(Residencies):
                 for t in created:
                     self._drop(t)
                 raise
-            me, tick = threading.get_ident(), next(self._ticks)
+            me, tick, now = threading.get_ident(), next(self._ticks), self.device.now()
             for t in working:
                 t.pins += 1
                 t.pin_owners.append(me)
-                t.last_used = tick
+                t.last_used, t.accessed_s = tick, now
             return created
 
     def _make_working_set_resident(self, working: list[Tensor], need: int, what: str, wait: bool) -> None:
@@ -299,6 +304,23 @@ class MemoryManager(Residencies):
                 t.pins -= 1
                 t.pin_owners.remove(me if me in t.pin_owners else t.pin_owners[0])
             self._unpinned.notify_all()
+
+    def keep(self, tensors: list[Tensor]) -> None:
+        """Hold on to the values of ``tensors`` until :meth:`let_go`: an eviction may copy them
+        out but never drops them. A job keeps an op's inputs from its check for dropped ones to
+        its acquire, so that recomputing one input (or another thread's eviction) cannot drop
+        another, nor a tensor between the ops of its own recompute; a tensor found not dropped
+        once kept stays so."""
+        with self._lock:
+            for t in tensors:
+                t.keeps += 1
+
+    def let_go(self, tensors: list[Tensor]) -> None:
+        """End a :meth:`keep`. Raises AssertionError for a tensor not kept."""
+        with self._lock:
+            for t in tensors:
+                assert t.keeps > 0, f"let_go of {t.slot} of job {t.job_id}, which is not kept"
+                t.keeps -= 1
 
     def free(self, t: Tensor) -> None:
         """Forget a tensor: its arena block or host copy is released."""
@@ -443,7 +465,8 @@ class MemoryManager(Residencies):
     # -- internals ----------------------------------------------------------------------------
 
     def _new(self, job_id: int, slot: str, kind: Kind, shape, dtype, fixed: bool = False) -> Tensor:
-        t = Tensor(next(self._ids), job_id, slot, kind, tuple(shape), np.dtype(dtype), fixed=fixed)
+        t = Tensor(next(self._ids), job_id, slot, kind, tuple(shape), np.dtype(dtype), fixed=fixed,
+                   accessed_s=self.device.now())
         self._tensors[t.id] = t
         return t
 

@@ -7,7 +7,7 @@ The transitions of :class:`~tensile_db.memory.tensors.Residency`, each written o
     DEVICE --swap_out--> SWAPPING_OUT --release--> HOST           (a planned swap-out)
     SWAPPING_OUT --settle--> DEVICE                               (an access calls the swap-out off)
     DEVICE --evict--> HOST                                        (reactive; a free for read-only)
-    DEVICE --drop--> DROPPED;  any --free--> FREED
+    DEVICE --drop, evict(drop=True)--> DROPPED;  any --free--> FREED
 
 :class:`Residencies` is the base class of :class:`~tensile_db.memory.manager.MemoryManager` and
 works on the manager's fields (the registry, the allocator, the planned pool, the swap engine),
@@ -93,16 +93,21 @@ class Residencies:
 
     def drop(self, t: Tensor) -> None:
         """Discard a resident, unpinned tensor's values and free its block; the owning job
-        recomputes it before its next access. A no-op for a tensor in any other state."""
+        recomputes it before its next access. A no-op for a tensor in any other state, or one
+        whose values are kept (:meth:`~tensile_db.memory.manager.MemoryManager.keep`)."""
         with self._lock:
-            if t.residency is Residency.DEVICE and not t.pins:
+            if t.residency is Residency.DEVICE and not t.pins and not t.keeps:
                 self._free_block(t)
                 t.residency = Residency.DROPPED
+                self._account(t, drops=1)
 
-    def evict(self, t: Tensor) -> None:
+    def evict(self, t: Tensor, drop: bool = False) -> None:
         """Evict a resident, unpinned tensor now: a synchronous copy to the host tier, or to the
         disk tier when the host tier has no room (the reactive path); for a read-only tensor,
-        whose values are kept on the host or in its source, a free. A no-op otherwise."""
+        whose values are kept on the host or in its source, a free. With ``drop`` (the eviction
+        policy's choice for a tensor its job can recompute) its values are discarded instead, as
+        :meth:`drop` does, unless they are kept; then it is copied out all the same. A no-op for
+        a tensor that is not resident or is pinned."""
         with self._lock:
             if t.residency is Residency.DEVICE and not t.pins:
                 if t.readonly:
@@ -111,7 +116,9 @@ class Residencies:
                     self._account(t, cache_evictions=1)
                     return
                 self.pool.disturb(f"eviction of {t.slot} of job {t.job_id}")
-                if self._host_room(t.nbytes):
+                if drop and not t.keeps:
+                    self.drop(t)
+                elif self._host_room(t.nbytes):
                     self._left(t, host=self.device.to_host(self.array(t)))
                 else:
                     self._left(t, spill=self._spill_now(t))

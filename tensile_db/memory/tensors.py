@@ -57,6 +57,8 @@ class Tensor:
     pin_owners: list = field(default_factory=list)   # thread ident of each pin
     wanted: int = 0                      # read-only: prefetch windows of running calls that hold it (the weight cache's)
     last_used: int = 0                   # tick of its last acquire (least recently used goes first)
+    accessed_s: float = 0.0              # device time (Device.now(), seconds) of its registration or last acquire
+    keeps: int = 0                       # holds on its values (MemoryManager.keep): while positive, never dropped
 
     nbytes: int = field(init=False)        # from shape and dtype, which never change
     arena_nbytes: int = field(init=False)  # nbytes rounded up to the arena unit
@@ -83,6 +85,7 @@ class JobMemory:
     swap_ins: int = 0               # planned + passive
     planned_swap_ins: int = 0       # issued ahead of the access by a plan
     passive_swap_ins: int = 0       # made when an op needed the tensor: misses of the plan
+    drops: int = 0                  # tensors dropped (values discarded, recomputed at their next access)
     recomputes: int = 0             # dropped tensors recomputed
     weight_loads: int = 0           # read-only tensors copied host -> device
     weight_loaded_nbytes: int = 0   # their bytes, cumulative

@@ -39,7 +39,8 @@ beside the device (TENSILE, arXiv 2105.13336, section 5, measures its planning t
 
 Policies (:data:`POLICIES`): ``tensile`` (the global planner of :func:`~.curves.plan_global`),
 ``swap_score`` (arXiv 1903.06631), ``vdnn`` (vDNN_all), the baselines of :mod:`.baselines`
-(``capuchin``, ``checkpoint``, ``tensile_published``) and ``reactive`` (no plan). Unlimited
+(``capuchin``, ``checkpoint``, ``tensile_published``), and, making no plan, ``reactive`` and
+``dtr`` (:mod:`.dtr`: evict the least h, dropping what recomputes). Unlimited
 memory ("vanilla") is the reactive policy with a budget above the combined peak.
 """
 
@@ -55,10 +56,11 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from ..memory.arena import UNIT_NBYTES
-from ..settings import DEFAULT_POLICY, POLICIES
+from ..settings import DEFAULT_POLICY, POLICIES, UNPLANNED_POLICIES
 from .baselines import BASELINE_PLANNERS
 from .cost import CostModel, measure_bandwidth, measure_disk
 from .curves import plan_global
+from .dtr import Rematerialization
 from .planners import ACTIONS, MAX_PLAN_SECONDS, Plan, plan_swap_score, plan_vdnn
 from .reactive import FarthestNextUse
 from .timeline import JobTrace, Timeline, iterations_per_period, round_of
@@ -116,6 +118,9 @@ class Scheduler:
         # Fields below are used by the executor's thread only, except ``plan`` (read by describe()).
         self.jobs: dict[int, object] = {}                 # running jobs, in admission order
         self.sequences: dict[int, AccessSequence] = {}
+        if policy == "dtr":                               # evict the least h (Note [Eviction order])
+            manager.next_use = Rematerialization(self.reactive, self.sequences, self.cost, manager.device.now)
+            manager.droppable = manager.next_use.drops
         self._repeat: dict[int, int] = {}                 # job id -> its iteration of the period (0 to k - 1)
         self._period, self._repeats = 1, {}               # the executor's pace, as last reported to paced()
         self.plan: Plan | None = None
@@ -158,7 +163,7 @@ class Scheduler:
         self.sequences[job.id] = AccessSequence(job.program)
         self.reactive.track(job.id, job.program)
         job.policy = self.policy
-        job.schedule = "reactive" if self.policy == "reactive" else "cold start"
+        job.schedule = self.policy if self.policy in UNPLANNED_POLICIES else "cold start"
         self._want_replan(f"job {job.id} arrived")
 
     def forget(self, job) -> None:
@@ -366,7 +371,7 @@ class Scheduler:
         return request, plan, seconds
 
     def _want_replan(self, reason: str) -> None:
-        if self.policy != "reactive":                   # reactive never plans
+        if self.policy not in UNPLANNED_POLICIES:      # reactive and dtr never plan
             self.replan_reasons.append(reason)
 
     def describe(self) -> dict:

@@ -52,6 +52,12 @@ class FarthestNextUse:
         with self._lock:
             self._jobs.pop(job_id, None)
 
+    def position(self, job_id: int) -> int | None:
+        """The op of the job's iteration it has just run (-1 before its first); None for a job
+        not followed. Read without the lock, as :meth:`__call__` reads."""
+        entry = self._jobs.get(job_id)
+        return None if entry is None else entry[1]
+
     def __call__(self, tensor) -> float:
         entry = self._jobs.get(tensor.job_id)
         if entry is None or tensor.slot not in entry[0].slots:
