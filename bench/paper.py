@@ -14,7 +14,7 @@ ResNet-50 jobs and the mixed arrival). Budgets: 70%, 50% and 35% of the vanilla 
 with ``--all``, per policy, the smallest budget of :data:`FLOOR_FRACTIONS` at which it still
 completes every job. Runs go to ``--processes`` processes at once; each is deterministic, so the
 tables do not depend on how many. Policies: vanilla (unlimited memory), reactive (farthest next use),
-vdnn (vDNN, Rhu et al. 2016: every convolution's and dense layer's input swapped), swap_score
+dtr (Dynamic Tensor Rematerialization, Kirisame et al., ICLR 2021), vdnn (vDNN, Rhu et al. 2016: every convolution's and dense layer's input swapped), swap_score
 (arXiv 1903.06631), capuchin (Peng et al., ASPLOS 2020), checkpoint (sqrt(n) segments, Chen et
 al., arXiv 1604.06174), tensile_published (TENSILE with each job planned alone, memory the sum of
 per-job plans) and tensile (this project's global planner).
@@ -24,7 +24,13 @@ extra overhead ratio: each job's seconds per iteration from its ``WARMUP``-th it
 start, planning and pacing done) to its last, over the same job's in the vanilla run, averaged
 over the jobs, minus 1; CBR = MSR / EOR; bytes copied device -> host and host
 -> device; FLOPs recomputed; passive swap-ins (accesses the plan did not cover); whether every
-job completed. Then a summary of who wins at each budget, the PASS / FAIL lines of the targets,
+job completed; "over bound", the EOR less the bound's. Each budget opens with a ``bound`` row:
+the lower bound of :func:`~tensile_db.scheduler.bound.lower_bound` (``docs/bound.md``) on the
+vanilla run's recorded combined timeline of the highest unplanned peak (one is recorded per set of
+jobs measured at once): no plan of swaps and recomputes on that timeline meets the budget with
+less extra time. It leaves out what happens while a job is still unmeasured (its first
+iteration), where a staggered arrival's transient peak can lie. Then a summary of who wins at
+each budget, every policy's EOR over the bound, the PASS / FAIL lines of the targets,
 the planned pool against the best-fit pool and a simulation of CuPy's default ``MemoryPool`` on
 the periods the planned pool recorded in the vanilla runs, and, last, planning wall time.
 
@@ -60,6 +66,8 @@ from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import model as models
 from tensile_db.runtime.gpus import PROFILES
 from tensile_db.runtime.simulated import SimDevice
+from tensile_db.scheduler.bound import lower_bound
+from tensile_db.scheduler.timeline import Timeline
 
 IMAGE = (3, 224, 224)
 BATCH, CLASSES = 16, 1000
@@ -79,9 +87,9 @@ WORKLOADS = {
 DEFAULT_WORKLOADS = ["1x resnet50", "4x resnet50", "mixed"]
 STAGGERED = {"mixed"}
 ARRIVAL_ITERATIONS = 1          # solo iterations of the first job between two arrivals
-POLICIES = ("reactive", "vdnn", "swap_score", "capuchin", "checkpoint", "tensile_published", "tensile")
-#: what users would pick instead: the published planners and PyTorch-style checkpointing
-RIVALS = ("vdnn", "swap_score", "capuchin", "checkpoint", "tensile_published")
+POLICIES = ("reactive", "dtr", "vdnn", "swap_score", "capuchin", "checkpoint", "tensile_published", "tensile")
+#: what users would pick instead: the published planners, PyTorch-style checkpointing and DTR
+RIVALS = ("vdnn", "swap_score", "capuchin", "checkpoint", "dtr", "tensile_published")
 #: tensile's EOR may exceed a rival's by this much and still count as no loss
 NO_LOSS_EOR = 0.01
 BUDGETS = (0.70, 0.50, 0.35)
@@ -118,6 +126,9 @@ class Run:
     replans: list = field(default_factory=list)
     samples: list = field(default_factory=list)     # (virtual s, job label -> device bytes)
     pool_history: list = field(default_factory=list)
+    #: vanilla only: fraction of its peak -> the lower bound (:func:`lower_bound`) at that target,
+    #: on the recorded combined timeline (one per set of jobs measured at once) of the highest peak
+    bounds: dict = field(default_factory=dict)
 
 
 def spec_of(model: str) -> models.ModelSpec:
@@ -165,8 +176,15 @@ def run(workload: str, policy: str, fraction: float | None, vanilla_peak: int | 
     scheduler = executor.scheduler
     iteration_done, after, note_recompute = scheduler.iteration_done, scheduler.after, manager.note_recompute
 
+    recorded = {}                    # vanilla: measured jobs -> the first combined timeline of them
+
     def on_iteration(job) -> bool:
         done.append((device.now(), job.id, job.iterations))
+        if fraction is None:
+            traces, period = executor.traces()
+            key = frozenset(t.job_id for t in traces)
+            if traces and key not in recorded:
+                recorded[key] = Timeline(traces, period)
         return iteration_done(job)
 
     def on_after(job, position, seconds) -> None:
@@ -213,6 +231,9 @@ def run(workload: str, policy: str, fraction: float | None, vanilla_peak: int | 
             last = max(mine)
             result.iteration_s[job.info.model_name] = (mine[last] - mine[WARMUP]) / (last - WARMUP)
     result.samples = [(t, {by.info.model_name: b.get(by.id, 0) for by in jobs}) for t, b in result.samples]
+    if recorded:                     # the budget binds hardest where the jobs' unplanned peak is highest
+        timeline = max(recorded.values(), key=Timeline.vanilla_peak_nbytes)
+        result.bounds = {f: lower_bound(timeline, scheduler.cost, int(result.peak_nbytes * f)) for f in BUDGETS}
     return result
 
 
@@ -238,13 +259,24 @@ def measures(r: Run, vanilla: Run) -> tuple[float, float, float]:
 def row(r: Run, vanilla: Run) -> list:
     msr, eor, cbr = measures(r, vanilla)
     budget = "vanilla" if r.fraction is None else f"{r.fraction:.0%}"
+    bound = vanilla.bounds.get(r.fraction)
+    gap = f"{eor - bound.eor:+.3f}" if bound is not None and r.completed and bound.feasible else "-"
     return [r.workload, budget, r.policy, f"{r.peak_nbytes / GiB:.3f}", f"{msr:.3f}",
-            f"{eor:+.3f}" if r.completed else "-", f"{cbr:.2f}" if r.completed else "-",
+            f"{eor:+.3f}" if r.completed else "-", gap, f"{cbr:.2f}" if r.completed else "-",
             f"{r.d2h_nbytes / GiB:.2f}", f"{r.h2d_nbytes / GiB:.2f}", f"{r.recomputed_flops / 1e9:.1f}",
             r.passive_swap_ins, "yes" if r.completed else f"no ({r.error[:60]})"]
 
 
-HEADERS = ["workload", "budget", "policy", "peak GiB", "MSR", "EOR", "CBR", "d2h GiB", "h2d GiB",
+def bound_row(vanilla: Run, fraction: float) -> list:
+    """The lower bound's row: no plan of swaps and recomputes on the recorded timeline meets
+    the budget with less extra time (Run.bounds)."""
+    b = vanilla.bounds.get(fraction)
+    eor = "-" if b is None else f"{b.eor:+.3f}" if b.feasible else "none fits"
+    return [vanilla.workload, f"{fraction:.0%}", "bound", f"{fraction * vanilla.peak_nbytes / GiB:.3f}",
+            f"{1 - fraction:.3f}", eor, "", "", "", "", "", "", ""]
+
+
+HEADERS = ["workload", "budget", "policy", "peak GiB", "MSR", "EOR", "over bound", "CBR", "d2h GiB", "h2d GiB",
            "recomputed GFLOP", "passive swap-ins", "completed"]
 
 
@@ -274,8 +306,6 @@ def losses_to_rivals(results: dict, budgets) -> list[str]:
                 continue
             msr, eor, _ = measures(mine, vanilla)
             for rival in RIVALS:
-                if rival == "tensile_published" and len(WORKLOADS[workload]) == 1:
-                    continue                    # one job alone: the same plan by definition
                 other = runs.get((rival, fraction))
                 if other is None or not other.completed:
                     continue
@@ -296,8 +326,8 @@ def targets(results: dict, pool_rows: list, profile: str) -> list[str]:
     far = []
     for workload, runs in results.items():
         for fraction in BUDGETS:
-            bound, mine = runs.get(("bound", fraction)), runs.get(("tensile", fraction))
-            if bound is None or mine is None or not math.isfinite(bound.eor):
+            bound, mine = runs["vanilla"].bounds.get(fraction), runs.get(("tensile", fraction))
+            if bound is None or mine is None or not bound.feasible:
                 continue
             eor = measures(mine, runs["vanilla"])[1]
             if not eor <= max(1.25 * bound.eor, bound.eor + 0.03):
@@ -350,11 +380,29 @@ def planning_summary(runs: dict) -> list[list]:
     the virtual clock) and the longest one's."""
     rows = []
     for key, r in runs.items():
-        if key == "vanilla" or key[0] in ("bound", "reactive", "dtr") or not r.replans:
+        if key == "vanilla" or key[0] in ("reactive", "dtr") or not r.replans:
             continue
         modelled = [rec["modelled_s"] or 0.0 for rec in r.replans]
         rows.append([key[0], f"{key[1]:.0%}", len(r.replans), sum(rec["installed_s"] is not None for rec in r.replans),
                      f"{sum(modelled) * 1e3:.1f}", f"{max(modelled) * 1e3:.1f}"])
+    return rows
+
+
+def gap_table(results: dict) -> list[list]:
+    """Per workload and budget: the bound's EOR and each policy's EOR over it ("-": the policy did
+    not complete, or no bound)."""
+    rows = []
+    for workload, runs in results.items():
+        vanilla = runs["vanilla"]
+        for fraction in BUDGETS:
+            b = vanilla.bounds.get(fraction)
+            if b is None or not b.feasible:
+                continue
+            gaps = []
+            for p in POLICIES:
+                r = runs.get((p, fraction))
+                gaps.append(f"{measures(r, vanilla)[1] - b.eor:+.3f}" if r is not None and r.completed else "-")
+            rows.append([workload, f"{fraction:.0%}", f"{b.eor:+.3f}"] + gaps)
     return rows
 
 
@@ -440,7 +488,8 @@ def main() -> None:
             else:
                 floors = {}
         results[workload] = runs
-        table = [row(vanilla, vanilla)] + [row(runs[(p, f)], vanilla) for f in BUDGETS for p in POLICIES]
+        table = [row(vanilla, vanilla)] + [r for f in BUDGETS
+                                           for r in [bound_row(vanilla, f)] + [row(runs[(p, f)], vanilla) for p in POLICIES]]
         largest = max(j.min_working_set_nbytes for j in make_jobs(workload, device))
         print(f"## {workload}\n")
         print(f"Vanilla peak {vanilla.peak_nbytes / GiB:.3f} GiB; the largest working set of one op "
@@ -466,6 +515,8 @@ def main() -> None:
     print("## Who wins (least EOR among the policies that complete)\n")
     print(tabulate([w for f in BUDGETS for w in winners(results, f)], ["workload", "budget", "policy", "EOR"],
                    tablefmt="github"))
+    print("\n## EOR over the lower bound (docs/bound.md; on the recorded timeline of the highest unplanned peak)\n")
+    print(tabulate(gap_table(results), ["workload", "budget", "bound"] + list(POLICIES), tablefmt="github"))
     rows = pool_table(results)
     print("\n## Planned pool on the recorded periods of the vanilla runs\n")
     print(tabulate(rows, ["workload", "jobs", "allocations", "max live GiB", "planned / max live",
