@@ -6,7 +6,9 @@
 - the combination reaches a target the greedy reaches, on jobs in different phases;
 - the counted work grows with the timeline and the model prices it;
 - on the simulated device a plan is installed only once its modelled planning time has passed on
-  the virtual clock.
+  the virtual clock;
+- a job in its cold start gets op times predicted from other jobs' measured ops, and is planned
+  with them when it arrives.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import pytest
 
 from test_scheduler import FAST, _assert_valid, sequence
 from test_simulated import image_job, run_sim
+from tensile_db.runtime.simulated import SimDevice
 from tensile_db.scheduler.curves import job_curve, plan_global
 from tensile_db.scheduler.planners import plan_tensile
 from tensile_db.scheduler.timeline import JobTrace, Timeline
+from tensile_db.scheduler.trace import AccessSequence, estimated
 from tensile_db.scheduler.work import PLAN_OVERHEAD_S, SECONDS_PER_UNIT, PlanWork
 
 
@@ -82,3 +86,39 @@ def test_a_plan_on_the_simulated_device_takes_effect_after_its_planning_time():
     for r in installed:
         assert r["installed_s"] >= r["asked_s"] + r["modelled_s"] - 1e-12
     assert executor.scheduler.modelled_plan_seconds == pytest.approx(sum(r["modelled_s"] for r in installed))
+
+
+def test_cold_start_times_are_estimated_from_other_models_measured_ops():
+    device = SimDevice("h100", jitter=0.0)
+    resnet, densenet = (image_job(m, (3, 64, 64), 1, 1, width=0.25).program for m in ("resnet50", "densenet121"))
+    measured = AccessSequence(resnet)
+    for position, op in enumerate(resnet.ops):
+        measured.record(position, device.op_seconds(op))
+    measured.end_iteration()
+    guess = estimated(densenet, [measured])
+    truth = np.array([device.op_seconds(op) for op in densenet.ops])
+    assert guess.iterations == 0 and not guess.measured and np.all(guess.times_s > 0)
+    assert guess.iteration_s == pytest.approx(truth.sum(), rel=0.25)
+    assert estimated(densenet, []) is None
+
+
+def test_an_arriving_job_is_planned_at_once_on_estimated_times():
+    jobs = [image_job("resnet50", (3, 64, 64), 8, 1, width=0.25), image_job("densenet121", (3, 64, 64), 4, 2, width=0.25)]
+    device = SimDevice("h100")
+    jobs[1].arrival_s = 1.5 * sum(device.op_seconds(op) for op in jobs[0].program.ops)
+    cold_plans = []
+
+    def watch(executor):
+        scheduler, make = executor.scheduler, executor.scheduler._make
+
+        def made(request):
+            out = make(request)
+            sequence = scheduler.sequences.get(jobs[1].id)
+            if out[1] is not None and sequence is not None and not sequence.measured:
+                cold_plans.append(out[1])
+            return out
+        scheduler._make = made
+
+    run_sim(jobs, 0.5, "tensile", setup=watch)
+    assert any(jobs[1].id in plan.timeline.traces and any(d.job_id == jobs[1].id for d in plan.decisions)
+               for plan in cold_plans)

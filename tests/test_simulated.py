@@ -92,14 +92,16 @@ def image_job(model: str, image: tuple, iterations: int, seed: int, width: float
                        np.zeros((16, math.prod(image)), np.float32), np.zeros(16, np.int32))
 
 
-def run_sim(jobs, fraction: float, policy: str, check_every: int = 0, **device_options):
+def run_sim(jobs, fraction: float, policy: str, check_every: int = 0, setup=None, **device_options):
     """Run ``jobs`` on a fresh simulated H100 under ``policy`` at ``fraction`` of their combined
     unscheduled peaks; every ``check_every`` ops, check the manager's invariants and that every
-    pinned tensor (the op's own) is resident with no copy in flight. Returns (manager, executor,
-    device)."""
+    pinned tensor (the op's own) is resident with no copy in flight; ``setup(executor)`` runs
+    before the first job is submitted. Returns (manager, executor, device)."""
     device = SimDevice("h100", **device_options)
     mm = MemoryManager(device, int(fraction * sum(j.vanilla_peak_nbytes for j in jobs)))
     ex = Executor(mm, policy=policy)
+    if setup is not None:
+        setup(ex)
     if check_every:
         execute, count = device.execute, [0]
 

@@ -15,12 +15,31 @@ pace it runs with :meth:`Scheduler.paced` (a change of pace is a reason to re-pl
 
 Re-planning (TENSILE, arXiv 2105.13336, section 4.3): the scheduler asks for a new plan when a job
 arrives (the new job then runs its cold-start iteration under the reactive policy, in bytes the
-plan reserves for it: its unscheduled peak), when a job's cold-start iteration completes (its times
-are now known), when a job leaves, and when a job's measured iteration time has drifted by more
+plan reserves for it: its unscheduled peak; under ``tensile``, planned on estimated op times:
+Note [Estimated cold starts]), when a job's cold-start iteration completes (its times are now
+known), when a job leaves, and when a job's measured iteration time has drifted by more
 than ``drift`` since the plan was made. The executor calls :meth:`Scheduler.replan` between two
 rounds when :attr:`Scheduler.replan_reasons` is not empty; the plan is made on a planning thread
 from a snapshot of the access sequences and installed by :meth:`Scheduler.poll` when it is
 ready, so jobs never wait for the planner.
+
+Note [Estimated cold starts]
+----------------------------
+Rationale: a job in its cold start has no measured op times, so a plan made on measured jobs
+alone must set aside the new job's whole unscheduled peak, and the jobs already running are cut
+to what is left. With jobs arriving one after another (the mixed arrival of four models) some job
+is nearly always cold, the running ones are planned to a fraction of the budget, and each
+arrival's reservation is re-planned away only after its first iteration and a planning time.
+
+Approach: under the ``tensile`` policy a cold job is planned with the others at once, on op times
+predicted from the ops of the measured jobs (:func:`~.trace.estimated`: a roofline fitted on
+FLOPs and bytes, scaled per op unit). Its cold-start iteration then runs under the plan like any
+other; its measured times replace the estimates at the re-plan its first iteration asks for
+("measured"), as before. The baselines keep the published rule (plan the measured jobs,
+reserve for the cold ones): that is how they are measured in their papers. Limitations: an
+estimate off by much misplaces the cold job's swaps for one iteration (the reactive fallback
+covers what the plan misses); before any job is measured there is nothing to fit, and the first
+job's cold start runs reactively.
 
 Note [Paid planning]
 --------------------
@@ -64,7 +83,7 @@ from .dtr import Rematerialization
 from .planners import ACTIONS, MAX_PLAN_SECONDS, Plan, plan_swap_score, plan_vdnn
 from .reactive import FarthestNextUse
 from .timeline import JobTrace, Timeline, iterations_per_period, round_of
-from .trace import SETTLE_ITERATIONS, AccessSequence
+from .trace import SETTLE_ITERATIONS, AccessSequence, estimated
 from .work import PlanWork
 
 log = logging.getLogger(__name__)
@@ -274,14 +293,16 @@ class Scheduler:
         not in it). Jobs run meanwhile under the previous plan, so planning never stalls them."""
         reasons, self.replan_reasons = tuple(self.replan_reasons), []
         measured = [j for j in self.jobs.values() if self.sequences[j.id].measured]
-        cold = [j for j in self.jobs.values() if not self.sequences[j.id].measured]
+        estimate = self.policy == "tensile"              # Note [Estimated cold starts]
+        planned = list(self.jobs.values()) if estimate else measured
+        cold = [j for j in self.jobs.values() if j not in planned]
         request = _Request(reasons, {j.id: self.sequences[j.id].iterations for j in measured})
         if self.policy != "reactive" and measured:
             reserve = sum(j.vanilla_peak_nbytes for j in cold)
-            floor = max(j.min_working_set_nbytes for j in measured)
+            floor = max(j.min_working_set_nbytes for j in planned)
             request.target = max(int((self.mm.budget_nbytes - reserve) * (1.0 - self.headroom)), floor)
             request.period = period
-            request.traces = self.traces(phases, repeats)
+            request.traces = self.traces(phases, repeats, estimate)
         request.record["asked_s"] = self.mm.device.now()
         self._request = request
         self.history = (self.history + [request.record])[-64:]
@@ -296,13 +317,22 @@ class Scheduler:
             self._pending.result()
             self.poll()
 
-    def traces(self, phases: dict[int, int], repeats: dict[int, int] | None = None) -> list[JobTrace]:
+    def traces(self, phases: dict[int, int], repeats: dict[int, int] | None = None,
+               estimate: bool = False) -> list[JobTrace]:
         """The measured running jobs on the combined timeline, in admission order, with snapshots
         of their access sequences: what a plan is made from (``phases`` and ``repeats`` as for
-        :meth:`replan`). ``Timeline(traces, period)`` is the timeline the planners see."""
+        :meth:`replan`). ``Timeline(traces, period)`` is the timeline the planners see. With
+        ``estimate``, the jobs in their cold start too, with op times predicted from the measured
+        ones (:func:`~.trace.estimated`; Note [Estimated cold starts]), once one is measured."""
         order = {job_id: i for i, job_id in enumerate(self.jobs)}
-        return [JobTrace(j.id, self.sequences[j.id].snapshot(), phases[j.id], order[j.id], (repeats or {}).get(j.id, 1))
-                for j in self.jobs.values() if self.sequences[j.id].measured]
+        done = [self.sequences[j].snapshot() for j in self.jobs if self.sequences[j].measured]
+        out = []
+        for j in self.jobs.values():
+            seq = self.sequences[j.id].snapshot() if self.sequences[j.id].measured else \
+                estimated(j.program, done) if estimate and done else None
+            if seq is not None:
+                out.append(JobTrace(j.id, seq, phases[j.id], order[j.id], (repeats or {}).get(j.id, 1)))
+        return out
 
     def _schedule_on_worker(self, request: "_Request") -> None:
         """The simulated device: when ``request``, made already, would be ready on one planning
@@ -333,7 +363,8 @@ class Scheduler:
         self.plan_seconds += seconds
         self.modelled_plan_seconds += request.modelled_s
         self.plans_made += plan is not None
-        self._plan_times = {t.job_id: t.sequence.times_s for t in request.traces}
+        self._plan_times = {t.job_id: t.sequence.times_s for t in request.traces
+                            if t.job_id in request.iterations}      # estimated ones re-plan when measured
         self._plan_iteration = request.iterations
         for j in self.jobs.values():
             j.schedule = ("planned" if plan is not None and j.id in plan.timeline.traces

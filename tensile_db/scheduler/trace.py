@@ -19,6 +19,7 @@ estimate is *settled* after :data:`SETTLE_ITERATIONS` iterations.
 from __future__ import annotations
 
 import numpy as np
+import scipy.optimize
 
 from ..runtime.program import Program
 
@@ -85,3 +86,37 @@ class AccessSequence:
         """Relative change of the iteration time since ``reference_s`` (the times a plan used)."""
         ref = float(np.sum(reference_s))
         return abs(self.iteration_s - ref) / ref if ref > 0 else 0.0
+
+
+def estimated(program: Program, measured: list[AccessSequence]) -> AccessSequence | None:
+    """An access sequence of ``program`` whose op times are predicted from the measured ops of
+    other jobs (``measured``, each with every op timed), for a job still in its cold start; None
+    when no op is measured. Its :attr:`~AccessSequence.iterations` is 0: it is not measured.
+
+    A measured job of the same ops (the same model) lends its times. Otherwise the model is a roofline fitted by least squares on relative error: an op's seconds as
+    ``a * flops + b * nbytes + c`` (``a, b, c >= 0``, :func:`scipy.optimize.nnls`), then scaled per
+    op unit (convolution, matmul, ...) by the median of measured over fitted seconds of that
+    unit's measured ops, where there are any. Source: an op's time on an accelerator is about
+    the larger of its compute and its memory traffic (Williams et al., "Roofline", CACM 2009);
+    the sum is that bound's linear relaxation, and the per-unit factor absorbs how far each kind
+    of kernel is from it."""
+    same = next((seq for seq in measured if seq.program.ops == program.ops), None)
+    if same is not None:                 # another job of the same model: its times
+        out = AccessSequence(program)
+        out.times_s, out.best_s = same.times_s.copy(), same.times_s.copy()
+        return out
+    rows = [(op.flops, op.nbytes, op.unit, t) for seq in measured for op, t in zip(seq.program.ops, seq.times_s)
+            if np.isfinite(t) and t > 0]
+    if not rows:
+        return None
+    flops, nbytes, units, seconds = (np.array(c) for c in zip(*rows))
+    features = np.column_stack([flops, nbytes, np.ones(len(rows))]).astype(np.float64)
+    coef, _ = scipy.optimize.nnls(features / seconds[:, None], np.ones(len(rows)))
+    fitted = features @ coef
+    scale = {u: float(np.median(seconds[units == u] / fitted[units == u])) for u in set(units.tolist())
+             if (fitted[units == u] > 0).all()}
+    out = AccessSequence(program)
+    mine = np.array([[op.flops, op.nbytes, 1.0] for op in program.ops], dtype=np.float64) @ coef
+    out.times_s = mine * np.array([scale.get(op.unit, 1.0) for op in program.ops])
+    out.best_s = out.times_s.copy()
+    return out
