@@ -181,10 +181,9 @@ def run(workload: str, policy: str, fraction: float | None, vanilla_peak: int | 
     def on_iteration(job) -> bool:
         done.append((device.now(), job.id, job.iterations))
         if fraction is None:
-            traces, period = executor.traces()
-            key = frozenset(t.job_id for t in traces)
-            if traces and key not in recorded:
-                recorded[key] = Timeline(traces, period)
+            key = frozenset(j for j, s in scheduler.sequences.items() if s.measured)   # executor.traces()'s jobs
+            if key and key not in recorded:
+                recorded[key] = Timeline(*executor.traces())
         return iteration_done(job)
 
     def on_after(job, position, seconds) -> None:
@@ -259,12 +258,16 @@ def measures(r: Run, vanilla: Run) -> tuple[float, float, float]:
 def row(r: Run, vanilla: Run) -> list:
     msr, eor, cbr = measures(r, vanilla)
     budget = "vanilla" if r.fraction is None else f"{r.fraction:.0%}"
-    bound = vanilla.bounds.get(r.fraction)
-    gap = f"{eor - bound.eor:+.3f}" if bound is not None and r.completed and bound.feasible else "-"
     return [r.workload, budget, r.policy, f"{r.peak_nbytes / GiB:.3f}", f"{msr:.3f}",
-            f"{eor:+.3f}" if r.completed else "-", gap, f"{cbr:.2f}" if r.completed else "-",
+            f"{eor:+.3f}" if r.completed else "-", over_bound(r, vanilla), f"{cbr:.2f}" if r.completed else "-",
             f"{r.d2h_nbytes / GiB:.2f}", f"{r.h2d_nbytes / GiB:.2f}", f"{r.recomputed_flops / 1e9:.1f}",
             r.passive_swap_ins, "yes" if r.completed else f"no ({r.error[:60]})"]
+
+
+def over_bound(r: Run | None, vanilla: Run) -> str:
+    """``r``'s EOR less the bound's at its budget ("-": not completed, or no finite bound)."""
+    bound = vanilla.bounds.get(r.fraction) if r is not None else None
+    return f"{measures(r, vanilla)[1] - bound.eor:+.3f}" if bound is not None and r.completed and bound.feasible else "-"
 
 
 def bound_row(vanilla: Run, fraction: float) -> list:
@@ -273,7 +276,7 @@ def bound_row(vanilla: Run, fraction: float) -> list:
     b = vanilla.bounds.get(fraction)
     eor = "-" if b is None else f"{b.eor:+.3f}" if b.feasible else "none fits"
     return [vanilla.workload, f"{fraction:.0%}", "bound", f"{fraction * vanilla.peak_nbytes / GiB:.3f}",
-            f"{1 - fraction:.3f}", eor, "", "", "", "", "", "", ""]
+            f"{1 - fraction:.3f}", eor] + [""] * (len(HEADERS) - 6)
 
 
 HEADERS = ["workload", "budget", "policy", "peak GiB", "MSR", "EOR", "over bound", "CBR", "d2h GiB", "h2d GiB",
@@ -398,11 +401,8 @@ def gap_table(results: dict) -> list[list]:
             b = vanilla.bounds.get(fraction)
             if b is None or not b.feasible:
                 continue
-            gaps = []
-            for p in POLICIES:
-                r = runs.get((p, fraction))
-                gaps.append(f"{measures(r, vanilla)[1] - b.eor:+.3f}" if r is not None and r.completed else "-")
-            rows.append([workload, f"{fraction:.0%}", f"{b.eor:+.3f}"] + gaps)
+            rows.append([workload, f"{fraction:.0%}", f"{b.eor:+.3f}"] +
+                        [over_bound(runs.get((p, fraction)), vanilla) for p in POLICIES])
     return rows
 
 

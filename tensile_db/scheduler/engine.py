@@ -325,11 +325,10 @@ class Scheduler:
         ``estimate``, the jobs in their cold start too, with op times predicted from the measured
         ones (:func:`~.trace.estimated`; Note [Estimated cold starts]), once one is measured."""
         order = {job_id: i for i, job_id in enumerate(self.jobs)}
-        done = [self.sequences[j].snapshot() for j in self.jobs if self.sequences[j].measured]
+        done = {j: s.snapshot() for j, s in self.sequences.items() if s.measured}
         out = []
         for j in self.jobs.values():
-            seq = self.sequences[j.id].snapshot() if self.sequences[j.id].measured else \
-                estimated(j.program, done) if estimate and done else None
+            seq = done.get(j.id) or (estimated(j.program, list(done.values())) if estimate and done else None)
             if seq is not None:
                 out.append(JobTrace(j.id, seq, phases[j.id], order[j.id], (repeats or {}).get(j.id, 1)))
         return out

@@ -93,16 +93,17 @@ def estimated(program: Program, measured: list[AccessSequence]) -> AccessSequenc
     other jobs (``measured``, each with every op timed), for a job still in its cold start; None
     when no op is measured. Its :attr:`~AccessSequence.iterations` is 0: it is not measured.
 
-    A measured job of the same ops (the same model) lends its times. Otherwise the model is a roofline fitted by least squares on relative error: an op's seconds as
+    A measured job of the same ops (the same model) lends its times. Otherwise the model is a
+    roofline fitted by least squares on relative error: an op's seconds as
     ``a * flops + b * nbytes + c`` (``a, b, c >= 0``, :func:`scipy.optimize.nnls`), then scaled per
     op unit (convolution, matmul, ...) by the median of measured over fitted seconds of that
     unit's measured ops, where there are any. Source: an op's time on an accelerator is about
     the larger of its compute and its memory traffic (Williams et al., "Roofline", CACM 2009);
     the sum is that bound's linear relaxation, and the per-unit factor absorbs how far each kind
     of kernel is from it."""
+    out = AccessSequence(program)
     same = next((seq for seq in measured if seq.program.ops == program.ops), None)
     if same is not None:                 # another job of the same model: its times
-        out = AccessSequence(program)
         out.times_s, out.best_s = same.times_s.copy(), same.times_s.copy()
         return out
     rows = [(op.flops, op.nbytes, op.unit, t) for seq in measured for op, t in zip(seq.program.ops, seq.times_s)
@@ -115,7 +116,6 @@ def estimated(program: Program, measured: list[AccessSequence]) -> AccessSequenc
     fitted = features @ coef
     scale = {u: float(np.median(seconds[units == u] / fitted[units == u])) for u in set(units.tolist())
              if (fitted[units == u] > 0).all()}
-    out = AccessSequence(program)
     mine = np.array([[op.flops, op.nbytes, 1.0] for op in program.ops], dtype=np.float64) @ coef
     out.times_s = mine * np.array([scale.get(op.unit, 1.0) for op in program.ops])
     out.best_s = out.times_s.copy()
