@@ -457,3 +457,29 @@ def test_order_moves_copies_device_to_device_where_safe_and_parks_blocks_to_brea
     moves = [(swap[0], U), (swap[1], 0)]
     assert order_moves(moves) == ([], moves)                                   # a cycle, no room
     assert order_moves(moves, [(2 * U, 3 * U)]) == ([(swap[0], 0, 2 * U), (swap[1], U, 0), (swap[0], 2 * U, U)], [])
+
+
+@pytest.mark.parametrize("device", ["sim", "cpu"])
+def test_a_region_install_that_would_stage_much_through_a_host_link_is_not_made(device):
+    """Two blocks that fill the arena and trade places form a cycle with no scratch: installing
+    that region moves both through host memory. Across a host link (the simulated GPU) the
+    install is refused with its reason and nothing moves; on ``cpu``, whose host memory is the
+    device's, both move and keep their values."""
+    from tensile_db.memory.lifetimes import PoolPlan
+    from tensile_db.runtime.simulated import SimDevice
+
+    mm = MemoryManager(SimDevice("h100", jitter=0.0) if device == "sim" else Device("cpu"), 4 * U)
+    mm.register_job(1)
+    mm.at(1, 0)                                         # keys the blocks: (job, slot, op position)
+    a, b = new(mm, 1, "a", 2, pattern(2 * F32_PER_UNIT, 1)), new(mm, 1, "b", 2, pattern(2 * F32_PER_UNIT, 2))
+    assert (a.offset, b.offset) == (0, 2 * U) and a.key != b.key
+    plan = PoolPlan("test", {a.key: 2 * U, b.key: 0}, 4 * U)
+    out = mm._install_region(plan, {a.key, b.key}, 0)
+    if device == "sim":
+        assert out == f"installing a planned region of {4 * U:,} bytes would move {4 * U:,} bytes through host memory"
+        assert (a.offset, b.offset) == (0, 2 * U)
+    else:                                               # (a simulated device holds no values)
+        assert out == 0 and (a.offset, b.offset) == (2 * U, 0)
+        assert same_bits(mm.to_host(a), pattern(2 * F32_PER_UNIT, 1))
+        assert same_bits(mm.to_host(b), pattern(2 * F32_PER_UNIT, 2))
+    mm.close()

@@ -62,7 +62,7 @@ class FakeArena:
 
     def install(self, plan, live_keys, reserve):
         self.installed.append((plan, live_keys, reserve))
-        return 4096 if self.fits else None
+        return 4096 if self.fits else "the region does not fit"
 
     def dissolve(self):
         self.dissolved += 1

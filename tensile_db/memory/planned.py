@@ -75,10 +75,10 @@ class PlannedPool:
     """The planned region's sequence of events, recorded and then replayed.
 
     Args:
-        install: ``install(plan, live_keys, reserve_nbytes) -> base offset or None`` — the
+        install: ``install(plan, live_keys, reserve_nbytes) -> base offset or why not`` — the
             manager reserves ``plan.arena_nbytes`` bytes at a base offset, moves the live blocks
             (whose keys are ``live_keys``) to ``base + plan.offsets[key]``, and keeps at least
-            ``reserve_nbytes`` free for unkeyed blocks; None if it cannot. The layout and the
+            ``reserve_nbytes`` free for unkeyed blocks; a string saying why if it does not. The layout and the
             moves are :func:`region_layout`'s; the manager performs them.
         dissolve: ``dissolve()`` — the manager turns the region back into general-pool blocks.
         enabled: False for the general pool only (``tensile.pool = 'general'``).
@@ -261,9 +261,8 @@ class PlannedPool:
         if live != self._start_live:
             return "the blocks live at this boundary differ from those the plan starts from"
         base = self._install(plan, set(live), self._unkeyed_peak)
-        if base is None:
-            return (f"a planned region of {plan.arena_nbytes:,} bytes and {self._unkeyed_peak:,} bytes "
-                    "of library temporaries do not fit beside the blocks in use")
+        if isinstance(base, str):
+            return base
         self.state, self.plan, self.base, self.figures = State.SERVING, plan, base, figures
         self.history.append((allocs, plan))
         self._expected = [(key, base + plan.offsets[key] if kind == "a" else None) for kind, key in self._events]
