@@ -233,7 +233,7 @@ def test_the_scheduler_measures_the_disk_tier_and_carries_the_host_budget(host_b
     device = Device("cpu")
     spill = StandInSpillDir()
     manager = SimpleNamespace(device=device, engine=TransferEngine(device), budget_nbytes=1 << 22,
-                              host_budget_nbytes=host_budget_nbytes, spill=spill)
+                              host_budget_nbytes=host_budget_nbytes, spill=spill, pool=SimpleNamespace(offload=None))
     scheduler = Scheduler(manager, policy="reactive")
     try:
         cost = scheduler.cost

@@ -360,12 +360,12 @@ def test_recompute_reproduces_values_exactly(spec):
 
 
 def test_a_failing_planner_leaves_the_jobs_running_reactively(monkeypatch, caplog):
-    from tensile_db.scheduler import engine
+    from tensile_db.scheduler import worker
 
     def broken(timeline, cost, target, max_seconds):
         raise RuntimeError("planner bug")
 
-    monkeypatch.setitem(engine._PLANNERS, "tensile", broken)
+    monkeypatch.setitem(worker.PLANNERS, "tensile", broken)
     jobs = [make_job(seed=s) for s in (1, 2)]
     mm, ex = run(jobs, budget_of(jobs, 0.5), "tensile")
     assert all(j.state is JobState.DONE for j in jobs)
@@ -389,6 +389,47 @@ def test_replans_on_arrival_and_departure_without_losing_a_job():
     assert any(r.endswith("left") for r in reasons)
     assert reasons.index(f"job {jobs[1].id} arrived") > reasons.index(f"job {jobs[0].id} measured")
     assert sum(j.memory.planned_swap_ins for j in jobs) > 0
+
+
+def test_large_timelines_and_pool_periods_are_planned_in_the_planning_process(monkeypatch):
+    """On cpu, plans of timelines above the size limit come from the planning process (their
+    programs are skeletons: kernels do not pickle) and so do the pool's offset plans; training
+    gives the same results as with every plan made in a thread."""
+    from tensile_db.memory import planned
+    from tensile_db.scheduler import engine, worker
+
+    options = TrainOptions(epochs=24, batch_size=64, optimizer="adam", lr=0.005, seed=11)
+    reference = [make_job(options=options, seed=s) for s in (1, 2)]
+    run(reference, budget_of(reference, 0.6), "tensile")
+    monkeypatch.setattr(engine, "PROCESS_MIN_OPS", 0)
+    monkeypatch.setattr(planned, "OFFLOAD_MIN_ALLOCATIONS", 0)
+    jobs = [make_job(options=options, seed=s) for s in (1, 2)]
+    process, sent, offloaded = worker.shared(), [], []
+    process.start().result()                 # started: short jobs would end before its first plan
+    submit = process.submit
+
+    def plan_there(policy, traces, *args):
+        sent.append(policy)
+        return submit(policy, traces, *args)
+
+    monkeypatch.setattr(process, "submit", plan_there)
+
+    def watch(jobs, mm):
+        offload = mm.pool.offload
+
+        def count(fn, *args):
+            offloaded.append(fn)
+            return offload(fn, *args)
+
+        mm.pool.offload = count
+
+    mm, ex = run(jobs, budget_of(jobs, 0.6), "tensile", prepare=watch)
+    assert sent and ex.scheduler.plans_made >= 1
+    assert offloaded                         # (installed or not: re-plans may dissolve the pool meanwhile)
+    for ref, job in zip(reference, jobs):
+        assert job.loss == ref.loss
+        for name, value in ref.result.items():
+            assert np.array_equal(job.result[name], value), name
 
 
 def test_predicted_peak_matches_the_measured_peak():

@@ -62,6 +62,9 @@ SEARCH_TRIES = 4
 #: Boundaries a plan may take on the planning thread before the executor waits for it: the
 #: planning thread competes for the GIL with the executor and can starve.
 PLAN_WAIT_PERIODS = 4
+#: a period of more allocations than this is planned by :attr:`PlannedPool.offload` when it is
+#: set (the 400-layer job of ``bench/fairness.py``: 1.5 s of planning beside the executor)
+OFFLOAD_MIN_ALLOCATIONS = 500
 
 
 class State(str, enum.Enum):
@@ -115,6 +118,9 @@ class PlannedPool:
         self._planning_periods = 0                   # boundaries since the plan was asked for
         self._last_plan: tuple | None = None         # (allocs, plan, figures) last installed or tried
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-pool")
+        #: ``offload(fn, *args) -> Future`` running ``fn`` in another process, for plans of more
+        #: than :data:`OFFLOAD_MIN_ALLOCATIONS` (None: the planning thread makes every plan)
+        self.offload: Callable | None = None
 
     @property
     def region_nbytes(self) -> int:
@@ -245,6 +251,8 @@ class PlannedPool:
         elif self.synchronous:
             self._planning = concurrent.futures.Future()
             self._planning.set_result(_plan(allocs, math.inf, SEARCH_TRIES))
+        elif self.offload is not None and len(allocs) > OFFLOAD_MIN_ALLOCATIONS:
+            self._planning = self.offload(_plan, allocs)
         else:
             self._planning = self._thread.submit(_plan, allocs)
         return None

@@ -54,7 +54,9 @@ made; a request superseded before it started costs nothing; one superseded while
 occupies the worker to its end. :attr:`Scheduler.history` keeps, per request, its reasons, the
 virtual seconds it was asked at and installed at, and the modelled and wall seconds of its
 planning. Source of the rule: a real coordinator's planner is a CPU computation of that length
-beside the device (TENSILE, arXiv 2105.13336, section 5, measures its planning time too).
+beside the device (TENSILE, arXiv 2105.13336, section 5, measures its planning time too). On
+``cpu`` and ``cuda`` a large timeline is planned in the planning process (Note [Planning off the
+GIL] in :mod:`~.worker`).
 
 Policies (:data:`POLICIES`): ``tensile`` (the global planner of :func:`~.curves.plan_global`),
 ``swap_score`` (arXiv 1903.06631), ``vdnn`` (vDNN_all), the baselines of :mod:`.baselines`
@@ -76,24 +78,19 @@ import numpy as np
 from ..errors import InvalidArgument
 from ..memory.arena import UNIT_NBYTES
 from ..settings import DEFAULT_POLICY, POLICIES, UNPLANNED_POLICIES
-from .baselines import BASELINE_PLANNERS
 from .cost import CostModel, measure_bandwidth, measure_disk
-from .curves import plan_global
 from .dtr import Rematerialization
-from .planners import ACTIONS, MAX_PLAN_SECONDS, Plan, plan_swap_score, plan_vdnn
+from .planners import ACTIONS, MAX_PLAN_SECONDS, Plan
 from .reactive import FarthestNextUse
 from .timeline import JobTrace, Timeline, iterations_per_period, round_of
 from .trace import SETTLE_ITERATIONS, AccessSequence, estimated
 from .work import PlanWork
+from .worker import PROCESS_MIN_OPS, make_plan, shared
 
 log = logging.getLogger(__name__)
 
 #: most delays :meth:`Scheduler.stagger` compares (a period may be tens of thousands of rounds)
 STAGGER_CANDIDATES = 256
-#: policy -> planner(timeline, cost, target bytes, max_seconds: None for no time limit)
-_PLANNERS = {"tensile": plan_global, "swap_score": plan_swap_score,
-             "vdnn": lambda timeline, cost, target, max_seconds: plan_vdnn(timeline, cost, target),
-             **BASELINE_PLANNERS}
 #: What each plan action does to its tensor: the memory manager's operation of that name.
 _ACTIONS = {"swap_out": lambda mm, t: mm.swap_out(t), "release": lambda mm, t: mm.release(t),
             "swap_in": lambda mm, t: mm.swap_in(t), "drop": lambda mm, t: mm.drop(t)}
@@ -156,6 +153,8 @@ class Scheduler:
         self._plan_times: dict[int, np.ndarray] = {}
         self._plan_iteration: dict[int, int] = {}         # job id -> its iterations at the last plan
         self._planning = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-plan")
+        if not self.deterministic:              # large offset plans go to the planning process too
+            manager.pool.offload = shared().call
         self._pending: concurrent.futures.Future | None = None
         self._request: _Request | None = None
 
@@ -386,12 +385,16 @@ class Scheduler:
         work = PlanWork()
         if request.traces:
             try:
-                timeline = Timeline(request.traces, request.period)
-                work = timeline.work
-                planner = _PLANNERS[self.policy]
-                if planner is plan_global:          # its curves are kept across re-plans
-                    planner = functools.partial(plan_global, memo=self._curves)
-                plan = planner(timeline, self.cost, request.target, None if self.deterministic else MAX_PLAN_SECONDS)
+                ops = sum(len(t.sequence.program.ops) * t.repeats for t in request.traces)
+                if not self.deterministic and ops > PROCESS_MIN_OPS:     # Note [Planning off the GIL]
+                    plan, _ = shared().submit(self.policy, request.traces, request.period, self.cost,
+                                              request.target, MAX_PLAN_SECONDS).result()
+                    work = plan.timeline.work
+                else:
+                    timeline = Timeline(request.traces, request.period)
+                    work = timeline.work
+                    plan = make_plan(self.policy, timeline, self.cost, request.target,
+                                     None if self.deterministic else MAX_PLAN_SECONDS, self._curves)
             except Exception:  # a failed plan leaves the jobs under the reactive fallback
                 log.exception("planning failed (%s); jobs run reactively until the next plan",
                               "; ".join(request.reasons))

@@ -35,6 +35,20 @@ child. :meth:`~PlanningProcess.close` ends the child without waiting for the pla
 Cost, measured on the four models of ``bench/paper.py``'s mixed arrival (3,869 ops): their traces
 pickle to 0.9 MB in about 9 ms, a plan to 1.5 MB; unpickling the plan holds the parent's GIL for
 about 15 ms, or 50 to 90 ms when the collection of cyclic garbage runs over a large heap meanwhile.
+
+Who uses it (Note [Planning off the GIL]): on ``cpu`` and ``cuda`` the scheduler sends the plans
+of timelines of more than :data:`PROCESS_MIN_OPS` ops per period, and the planned pool its offset
+plans of more than :data:`~tensile_db.memory.planned.OFFLOAD_MIN_ALLOCATIONS` allocations, to one
+process-wide child (:func:`shared`); smaller ones are made in the caller's planning thread, whose
+GIL holds stay short, so that short jobs do not wait for a child to start.
+
+Note [Planning off the GIL]
+---------------------------
+``bench/fairness.py`` on ``cpu`` (budget far above the peaks, so no plan cuts anything): while a
+small job ran 0.3 s beside a 400-layer job, the scheduler's planning thread ran 0.3 s (five plans
+of the 400-layer timeline: building it and simulating it) and the pool's planning thread 1.5 s
+(one offset plan of its period's allocations), both in Python loops that hold the GIL the
+executor's thread needs for every op.
 """
 
 from __future__ import annotations
@@ -59,6 +73,10 @@ from .planners import Plan, plan_swap_score, plan_vdnn
 from .timeline import JobTrace, Timeline
 
 log = logging.getLogger(__name__)
+
+#: timelines of more ops per period than this are planned in the planning process (not simulated
+#: devices); the 400-layer job of ``bench/fairness.py`` has 2,407, its 100-layer job 607, a small MLP a few dozen
+PROCESS_MIN_OPS = 1000
 
 #: policy -> planner(timeline, cost, target bytes, max_seconds: None for no time limit)
 PLANNERS = {"tensile": plan_global, "swap_score": plan_swap_score,
@@ -111,6 +129,16 @@ class PlanningProcess:
             raise InvalidArgument(f"no planner for policy {policy!r}; use one of {', '.join(PLANNERS)}")
         return self._submit(_plan, policy, [_portable(t) for t in traces], period, cost, target_nbytes, max_seconds)
 
+    def call(self, fn, *args) -> concurrent.futures.Future:
+        """Run ``fn(*args)`` in the child (``fn`` a module-level function, its arguments and result
+        picklable); the future's result is its return value, its exception what it raised, or
+        BrokenProcessPool if the child died.
+
+        Raises:
+            RuntimeError: the planning process was closed.
+        """
+        return self._submit(fn, *args)
+
     def start(self) -> concurrent.futures.Future:
         """Start the child now, so that the first plan need not wait for it to start. The
         future's result is the child's process id, once it is ready to plan.
@@ -152,6 +180,21 @@ class PlanningProcess:
         except (BrokenProcessPool, ProcessLookupError):
             pass                                    # it died already
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+_SHARED: PlanningProcess | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def shared() -> PlanningProcess:
+    """The process-wide planning process, made on first use and started by its first plan;
+    every executor of this process sends to it (plans are made one at a time) and none closes it:
+    it exits with this process."""
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = PlanningProcess()
+        return _SHARED
 
 
 def _portable(trace: JobTrace) -> JobTrace:
