@@ -533,6 +533,41 @@ def test_replans_when_measured_times_drift():
     sched.close()
 
 
+def test_the_plans_leave_the_headroom_the_planned_pools_packing_needs(monkeypatch):
+    """Once the pool has planned the offsets of a period of these jobs, a packing that needs more
+    than the configured headroom raises it (and asks for a re-plan); a packing of the jobs before
+    an arrival does not count, and a smaller one does not lower it."""
+    from tensile_db.memory.planned import PlannedPool
+    from tensile_db.scheduler import Scheduler
+
+    ratio = [None]
+    monkeypatch.setattr(PlannedPool, "packing_ratio", property(lambda self: ratio[0]))
+    job = make_job(seed=1)
+    sched = Scheduler(MemoryManager(Device("cpu"), job.vanilla_peak_nbytes // 2), "tensile", FAST)
+    budget, n_ops = sched.mm.budget_nbytes, len(job.program.ops)
+
+    def iteration():
+        for p in range(n_ops):
+            sched.after(job, p, 1e-3)
+        sched.iteration_done(job)
+
+    ratio[0] = 1.25                                    # the pool's last plan, of jobs gone
+    sched.admit(job)
+    iteration()
+    sched.replan({job.id: 0}, n_ops, wait=True)
+    assert sched.history[-1]["reasons"] == (f"job {job.id} arrived", f"job {job.id} measured")
+    assert sched._request.target == int(budget * (1 - sched.headroom))
+    ratio[0] = 1.10                                    # a plan of this job's period
+    iteration()
+    assert sched.replan_reasons == ["the planned pool's offsets need 10.0% above the live bytes"]
+    sched.replan({job.id: 0}, n_ops, wait=True)
+    assert sched._request.target == pytest.approx(budget / 1.10, abs=1)
+    ratio[0] = 1.02
+    iteration()
+    assert sched.replan_reasons == []
+    sched.close()
+
+
 # --- fair sharing -------------------------------------------------------------------------------
 
 LONG_SPEC = ModelSpec(Architecture(tuple(Layer(16, "relu") for _ in range(30))), 16, 4, "classification")

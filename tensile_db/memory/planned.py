@@ -123,6 +123,15 @@ class PlannedPool:
         self.offload: Callable | None = None
 
     @property
+    def packing_ratio(self) -> float | None:
+        """The last offset plan's arena over the most bytes its period held live at once (at least
+        1; installed or not); None before the first plan."""
+        if self._last_plan is None:
+            return None
+        figures = self._last_plan[2]
+        return figures["planned_arena_nbytes"] / max(figures["max_live_nbytes"], 1)
+
+    @property
     def region_nbytes(self) -> int:
         """Bytes the planned region holds in the arena now (0 unless serving)."""
         return self.plan.arena_nbytes if self.state is State.SERVING else 0
