@@ -81,8 +81,8 @@ class PlannedPool:
         install: ``install(plan, live_keys, reserve_nbytes) -> base offset or why not`` — the
             manager reserves ``plan.arena_nbytes`` bytes at a base offset, moves the live blocks
             (whose keys are ``live_keys``) to ``base + plan.offsets[key]``, and keeps at least
-            ``reserve_nbytes`` free for unkeyed blocks; a string saying why if it does not. The layout and the
-            moves are :func:`region_layout`'s; the manager performs them.
+            ``reserve_nbytes`` free for unkeyed blocks; a string saying why if it does not. The
+            layout and the moves are :func:`region_layout`'s; the manager performs them.
         dissolve: ``dissolve()`` — the manager turns the region back into general-pool blocks.
         enabled: False for the general pool only (``tensile.pool = 'general'``).
         synchronous: plan at the boundary that finishes a recording, in the caller's thread, with

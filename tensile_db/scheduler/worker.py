@@ -75,7 +75,8 @@ from .timeline import JobTrace, Timeline
 log = logging.getLogger(__name__)
 
 #: timelines of more ops per period than this are planned in the planning process (not simulated
-#: devices); the 400-layer job of ``bench/fairness.py`` has 2,407, its 100-layer job 607, a small MLP a few dozen
+#: devices); the 400-layer job of ``bench/fairness.py`` has 2,407, its 100-layer job 607, a small
+#: MLP a few dozen
 PROCESS_MIN_OPS = 1000
 
 #: policy -> planner(timeline, cost, target bytes, max_seconds: None for no time limit)
