@@ -370,6 +370,29 @@ def test_fragmented_arena_is_compacted_instead_of_evicting():
     mm.check()
 
 
+def test_a_compaction_copies_adjacent_blocks_sliding_alike_as_one(monkeypatch):
+    """Four adjacent 1-unit blocks above a 4-unit hole slide down together: one copy, not four,
+    and every block keeps its values; with a 1-unit hole they would overlap their own copy, and go
+    one by one."""
+    from tensile_db.memory.residency import coalesced
+
+    mm = make(9)
+    hole = new(mm, 1, "hole", 4)
+    values = [pattern(F32_PER_UNIT, s) for s in range(4)]
+    ts = [new(mm, 1, f"t{i}", 1, v) for i, v in enumerate(values)]
+    mm.free(hole)
+    copies = []
+    move_down = mm.device.move_down
+    monkeypatch.setattr(mm.device, "move_down", lambda *a: (copies.append(a[1:]), move_down(*a)))
+    assert mm.compact(ts)
+    assert copies == [(4 * U, 0, 4 * U)]
+    assert [t.offset for t in ts] == [0, U, 2 * U, 3 * U]
+    assert all(same_bits(mm.array(t), v) for t, v in zip(ts, values))
+    mm.check()
+    assert coalesced([(2 * U, U, U), (3 * U, 2 * U, U)]) == [(2 * U, U, U), (3 * U, 2 * U, U)]
+    assert coalesced([(2 * U, 0, U), (3 * U, U, U), (5 * U, 2 * U, U)]) == [(2 * U, 0, 2 * U), (5 * U, 2 * U, U)]
+
+
 def test_fixed_blocks_are_never_moved_by_compaction():
     mm = make(10, next_use=lambda t: math.inf if t.slot == "t2" else 0.0)
     t0, t1 = new(mm, 1, "t0", 2), new(mm, 1, "t1", 2)

@@ -142,10 +142,10 @@ def test_same_seed_same_run():
 def test_resnet50_at_paper_scale_stays_in_budget_and_completes():
     """Two ResNet-50 jobs at 224x224, batch 16 (1.6 GB each unscheduled) under half their
     combined peak: no gigabytes of RAM, seconds of wall time."""
-    jobs = [image_job("resnet50", (3, 224, 224), 3, s) for s in (1, 2)]
+    jobs = [image_job("resnet50", (3, 224, 224), 5, s) for s in (1, 2)]      # a plan is paid for: it lands later
     mm, ex, device = run_sim(jobs, 0.5, "tensile", check_every=17, jitter=0.03, first_run_error=0.05)
     assert mm.peak_nbytes <= mm.budget_nbytes
-    assert all(j.iterations == 3 for j in jobs)
+    assert all(j.iterations == 5 for j in jobs)
     assert ex.scheduler.plans_made > 0 and sum(j.memory.planned_swap_ins for j in jobs) > 0
     assert device.clock.copied_nbytes["d2h"] > 0 and device.now() > 0
 
