@@ -146,9 +146,10 @@ def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_sec
     work = timeline.work
     carried = {}
     peaks = {job_id: trace.sequence.program.vanilla_peak_nbytes() for job_id, trace in timeline.traces.items()}
+    all_peaks = sum(peaks.values())
     for job_id, trace in timeline.traces.items():
         # no job need go below the target less every other job's whole peak
-        need = (target_nbytes - (sum(peaks.values()) - peaks[job_id])) / peaks[job_id]
+        need = (target_nbytes - (all_peaks - peaks[job_id])) / peaks[job_id]
         depth = round(min(max(CURVE_DEPTH, DEPTH_MARGIN * need), 1.0), 2)
         key = (*_signature(trace), depth)
         work.items += len(trace.sequence.program.ops) + len(trace.sequence.program.slots)
