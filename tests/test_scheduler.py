@@ -452,10 +452,12 @@ def test_predicted_peak_matches_the_measured_peak():
         wait_iterations(1)                           # both measured
         while ex.scheduler.plan is None or len(ex.scheduler.plan.timeline.traces) < 2:
             time.sleep(0.001)                        # the plan that covers both is installed
-        plan, made = ex.scheduler.plan, ex.scheduler.plans_made
-        wait_iterations(min(j.iterations for j in jobs) + 2)   # one whole iteration under it
+        made = None
+        while ex.scheduler.plans_made != made:       # until a plan holds for two iterations: the
+            plan, made = ex.scheduler.plan, ex.scheduler.plans_made   # jobs' settling re-paces them
+            wait_iterations(min(j.iterations for j in jobs) + 2)
         mm.allocator.reset_peak()
-        wait_iterations(8)
+        wait_iterations(min(j.iterations for j in jobs) + 4)
         measured = mm.peak_nbytes
         assert ex.scheduler.plans_made == made, "re-planned while measuring"
     finally:
