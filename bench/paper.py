@@ -121,7 +121,7 @@ class Run:
     passive_swap_ins: int = 0
     plan_wall_s: float = 0.0            # wall clock of the planner on this machine
     plan_modelled_s: float = 0.0        # modelled planning time, paid on the virtual clock
-    #: per re-plan request: reasons, decisions (None: superseded), virtual seconds asked and
+    #: per re-plan request: reasons, decisions (None: never installed), virtual seconds asked and
     #: installed at (None: never), modelled and wall seconds of its planning
     replans: list = field(default_factory=list)
     samples: list = field(default_factory=list)     # (virtual s, job label -> device bytes)

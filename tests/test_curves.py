@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_scheduler import FAST, _assert_valid, sequence
+from test_scheduler import FAST, _assert_valid, make_job, sequence
 from test_simulated import image_job, run_sim
 from tensile_db.runtime.simulated import SimDevice
 from tensile_db.scheduler.curves import job_curve, plan_global
@@ -86,6 +86,44 @@ def test_a_plan_on_the_simulated_device_takes_effect_after_its_planning_time():
     for r in installed:
         assert r["installed_s"] >= r["asked_s"] + r["modelled_s"] - 1e-12
     assert executor.scheduler.modelled_plan_seconds == pytest.approx(sum(r["modelled_s"] for r in installed))
+
+
+def test_a_plan_superseded_while_being_made_is_installed_when_made():
+    """One planning worker: a request superseded while being made still lands (its plan is
+    fresher than the plan in force); one superseded before it started is called off."""
+    from tensile_db.memory.manager import MemoryManager
+    from tensile_db.scheduler import Scheduler
+
+    job = make_job(seed=1)
+    device = SimDevice("h100", jitter=0.0)
+    sched = Scheduler(MemoryManager(device, job.vanilla_peak_nbytes // 2), "tensile", FAST)
+    n_ops = len(job.program.ops)
+    sched.admit(job)
+    for p in range(n_ops):
+        sched.after(job, p, 1e-3)
+    sched.iteration_done(job)
+
+    def ask():
+        sched.replan({job.id: 0}, n_ops)
+        return sched._request
+
+    first = ask()
+    assert first.ready_s > device.now()
+    device.clock.idle_until(first.started_s + first.modelled_s / 2)
+    second = ask()                                     # while the first is being made
+    third = ask()                                      # before the second started: called off
+    assert third.started_s == pytest.approx(first.ready_s)
+    assert not sched.poll() and sched.plan is None
+    device.clock.idle_until(first.ready_s)
+    assert sched.poll() and first.record["installed_s"] == device.now()
+    installed = sched.plan
+    assert installed is not None and job.id in installed.timeline.traces
+    device.clock.idle_until(third.ready_s)
+    assert sched.poll() and sched.plan is not installed
+    assert third.record["installed_s"] == device.now() and second.record["installed_s"] is None
+    assert sched.plans_made == 2
+    sched.forget(job)
+    sched.close()
 
 
 def test_cold_start_times_are_estimated_from_other_models_measured_ops():
