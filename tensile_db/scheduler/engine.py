@@ -394,15 +394,12 @@ class Scheduler:
             if plan is not None and any(j in self.jobs for j in plan.timeline.traces):
                 self._install(request, plan, seconds)    # superseded, but fresher than the plan in force
                 installed = True
-        future = self._pending
-        if future is None or not self._made(self._request, future):
-            return installed
-        self._pending = None
-        request, plan, seconds = future.result()
-        if request is not self._request:
-            return installed                             # superseded by a newer request
-        self._install(request, plan, seconds)
-        return True
+        if self._pending is not None and self._made(self._request, self._pending):
+            _, plan, seconds = self._pending.result()    # the pending future is the latest request's
+            self._pending = None
+            self._install(self._request, plan, seconds)
+            installed = True
+        return installed
 
     def _made(self, request: "_Request", future: concurrent.futures.Future) -> bool:
         """Whether ``request``'s plan is made, and on the simulated device its modelled
