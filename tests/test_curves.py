@@ -19,7 +19,8 @@ import pytest
 from test_scheduler import FAST, _assert_valid, make_job, sequence
 from test_simulated import image_job, run_sim
 from tensile_db.runtime.simulated import SimDevice
-from tensile_db.scheduler.curves import job_curve, plan_global
+from tensile_db.scheduler import curves
+from tensile_db.scheduler.curves import CurveBuilder, job_curve, plan_global
 from tensile_db.scheduler.planners import plan_tensile
 from tensile_db.scheduler.timeline import JobTrace, Timeline
 from tensile_db.scheduler.trace import AccessSequence, estimated
@@ -160,3 +161,67 @@ def test_an_arriving_job_is_planned_at_once_on_estimated_times():
     run_sim(jobs, 0.5, "tensile", setup=watch)
     assert any(jobs[1].id in plan.timeline.traces and any(d.job_id == jobs[1].id for d in plan.decisions)
                for plan in cold_plans)
+
+
+def test_a_plan_stopped_by_its_curve_budget_is_partial_and_the_next_goes_on_along_the_same_curve():
+    seq = sequence()
+
+    def timeline():
+        return Timeline([JobTrace(1, seq, 0, 0), JobTrace(2, seq.snapshot(), 9, 1)])
+
+    target = int(0.6 * timeline().vanilla_peak_nbytes())
+    memo, plans = {}, []
+    while not plans or plans[-1].partial:
+        plans.append(plan_global(timeline(), FAST, target, memo=memo, budget_s=1e-4))
+        assert len(plans) < 500
+    assert plans[0].partial and plans[0].predicted_peak_nbytes > target
+    assert plans[-1].predicted_peak_nbytes <= target
+    whole = {}
+    plan_global(timeline(), FAST, target, memo=whole)           # the default budget: one plan
+    (key, builder), = memo.items()
+    shorter, longer = sorted((builder.curve.decisions, whole[key].curve.decisions), key=len)
+    assert len(shorter) > 0 and longer[:len(shorter)] == shorter  # one curve, however it was split
+
+
+def test_curve_work_refunded_is_charged_to_the_next_plan_that_extends_the_curve():
+    builder = CurveBuilder(JobTrace(1, sequence()), FAST)
+    first = PlanWork()
+    assert builder.extend(3, first) and first.decisions == 3
+    builder.refund(first)
+    again = PlanWork()
+    builder.extend(0, again)
+    assert again.counts() == first.counts()
+
+
+def test_a_partial_plan_asks_for_the_next_and_a_called_off_one_leaves_its_curve_work_owed(monkeypatch):
+    from tensile_db.memory.manager import MemoryManager
+    from tensile_db.scheduler import Scheduler
+
+    monkeypatch.setattr(curves, "CURVE_WORK_S", 2e-4)
+    jobs = [make_job(seed=1), make_job(seed=2)]
+    device = SimDevice("h100", jitter=0.0)
+    sched = Scheduler(MemoryManager(device, sum(j.vanilla_peak_nbytes for j in jobs) // 2), "tensile", FAST)
+    n_ops = len(jobs[0].program.ops)
+    for job in jobs:
+        sched.admit(job)
+        for p in range(n_ops):
+            sched.after(job, p, 1e-3)
+        sched.iteration_done(job)
+
+    def ask():
+        sched.replan({job.id: 0 for job in jobs}, 2 * n_ops)
+        return sched._request
+
+    first = ask()
+    second = ask()                                     # while the first is being made
+    (key, charge), = second.curve_work.items()
+    taken = len(sched._curves[key].curve.decisions)
+    third = ask()                                      # before the second started: called off
+    assert charge.decisions > 0
+    assert third.curve_work[key].counts() == charge.counts()       # it pays the second's work, its budget
+    assert len(sched._curves[key].curve.decisions) == taken         # and has none left for more
+    device.clock.idle_until(third.ready_s)
+    sched.replan_reasons.clear()
+    assert sched.poll() and sched.plan.partial and first.record["installed_s"] is not None
+    assert sched.replan_reasons == ["the last plan stopped at its budget"]
+    sched.close()

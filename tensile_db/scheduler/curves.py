@@ -19,6 +19,15 @@ several seconds, at every arrival and departure. This planner splits the work in
    74 ms and +0.20). Jobs of the same program with op times within
    :data:`TIMES_BUCKET` of each other share one curve, and a coordinator keeps its curves
    (``memo``) across re-plans: an arrival, a departure or a new pace re-plans from them.
+   A curve is computed lazily (:class:`CurveBuilder`), :data:`LOOKAHEAD` decisions beyond those
+   the combination has taken, and within a budget per plan (:data:`CURVE_WORK_S` of modelled
+   work): a plan that reaches the budget lands as it is, *partial*, and asks for the next, which
+   goes on along the same curves from where they stopped. A plan that waits for whole curves
+   lands after the jobs it is for have run under the reactive fallback: on the mixed arrival
+   of four models on the simulated H100 with TF32 at 50%, the first plan of the four cost
+   1,248 ms of modelled planning in a run of about 1 s and never landed (EOR +0.927); within
+   0.1 s per plan the first landed at 269 ms (EOR +0.502; 0.05 s: +0.508, 0.2 s: +0.555,
+   0.025 s: +0.623).
 2. **The combination** (:func:`plan_global`): every job's curve carried onto the combined
    timeline (each of its iterations in the period, at its phase); starting from no decision,
    while the combined peak is above the target, the job whose next steps free the peak event at
@@ -49,6 +58,7 @@ import numpy as np
 from .cost import CostModel
 from .planners import MAX_DECISIONS, Plan, _greedy_steps, _State, tensile_choice
 from .timeline import Decision, JobTrace, Timeline
+from .work import PLAN_OVERHEAD_S, PlanWork
 
 #: op times within this factor of each other share a curve (relative, on the iteration's time).
 #: Wide on purpose: a job's times move after its cold start (estimated, then measured, then
@@ -59,6 +69,12 @@ TIMES_BUCKET = 1.5
 #: a curve goes down to this fraction of its job's peak (or its smallest working set, if larger):
 #: its last steps are its most expensive to plan and, with staggered peaks, rarely needed
 CURVE_DEPTH = 0.25
+#: decisions of a job's curve the combination sees beyond those it has taken: a curve is
+#: computed only that far ahead (:class:`CurveBuilder`), and further as the combination takes it
+LOOKAHEAD = 32
+#: modelled seconds of curve work one plan may spend (Note [Curves and their combination]): a plan
+#: that stops there lands early, partial, and the next one goes on from where its curves stopped
+CURVE_WORK_S = 0.1
 #: a curve goes this much below the least its job can need (the target less the other jobs' whole
 #: peaks), for the difference between a program's peak and its job's on the timeline
 DEPTH_MARGIN = 0.75
@@ -89,31 +105,74 @@ def _signature(trace: JobTrace) -> tuple:
     return key, round(math.log(seconds) / math.log(TIMES_BUCKET)) if seconds > 0 else 0
 
 
+class CurveBuilder:
+    """One job's curve (:func:`job_curve`), computed lazily: :meth:`extend` takes TENSILE's
+    choice at the peak for a few more decisions, from where it stopped, so that a combination
+    computes only as much of each curve as it looks at and a plan's budget allows (Note [Curves
+    and their combination]). Its decisions do not depend on how far, or in how many plans, it is
+    extended."""
+
+    def __init__(self, trace: JobTrace, cost: CostModel, depth: float = CURVE_DEPTH):
+        self._alone = Timeline([replace(trace, phase=0, order=0, repeats=1)])
+        self._state = _State(self._alone, cost)
+        floor = max(trace.sequence.program.min_working_set_nbytes, int(depth * self._state.use.max()))
+        self._steps = _greedy_steps(self._state, floor, tensile_choice(cost, floor), None)
+        self._peaks, self._extras = [int(self._state.use.max())], [self._state.sim.extra_s]
+        self._counted = PlanWork()          # the work done so far that some plan was charged for
+        self._owed = PlanWork()             # work charged to a plan that never ran: the next one pays
+        self.done = False                   # nothing left to take: the depth, or nothing frees the peak
+        self.curve = Curve((), np.array(self._peaks, dtype=np.int64), np.array(self._extras))
+
+    def extend(self, decisions: int, work: PlanWork, within=lambda: True) -> bool:
+        """Take up to ``decisions`` more decisions while ``within()`` (the plan's budget) says so;
+        the work they took, and any work :meth:`refund`-ed, is counted to ``work``. Returns
+        whether the curve grew."""
+        self._charge(work)
+        grown = 0
+        while grown < decisions and not self.done and within():
+            if next(self._steps, None) is None:
+                self.done = True
+                break
+            self._peaks.append(int(self._state.use.max()))
+            self._extras.append(self._state.sim.extra_s)
+            grown += 1
+            self._charge(work)
+        if grown:
+            self.curve = Curve(tuple(self._state.decisions), np.array(self._peaks, dtype=np.int64),
+                               np.array(self._extras))
+        return grown > 0
+
+    def _charge(self, work: PlanWork) -> None:
+        done = self._alone.work.counts()
+        work.add(PlanWork(**{u: n - getattr(self._counted, u) for u, n in done.items()}))
+        work.add(self._owed)
+        self._counted, self._owed = PlanWork(**done), PlanWork()
+
+    def refund(self, work: PlanWork) -> None:
+        """``work`` was charged to a plan that was called off before it started: the next plan
+        that uses this curve pays for it (on the simulated device the curve is computed when the
+        plan is asked for, Note [Paid planning] in :mod:`~tensile_db.scheduler.engine`)."""
+        self._owed.add(work)
+
+
 def job_curve(trace: JobTrace, cost: CostModel, work=None, depth: float = CURVE_DEPTH) -> Curve:
     """The curve of the job of ``trace`` alone (Note [Curves and their combination]): TENSILE's
     choice at each peak, from no plan down to ``depth`` (a fraction in (0, 1]) of its peak (or its
     smallest working set) or until nothing frees the peak. ``work``: a :class:`~.work.PlanWork`
     that counts the work too."""
-    alone = Timeline([replace(trace, phase=0, order=0, repeats=1)])
-    state = _State(alone, cost)
-    floor = max(trace.sequence.program.min_working_set_nbytes, int(depth * state.use.max()))
-    peaks, extras = [int(state.use.max())], [state.sim.extra_s]
-    for _ in _greedy_steps(state, floor, tensile_choice(cost, floor), None):
-        peaks.append(int(state.use.max()))
-        extras.append(state.sim.extra_s)
-    if work is not None:
-        work.add(alone.work)
-    return Curve(tuple(state.decisions), np.array(peaks, dtype=np.int64), np.array(extras))
+    builder = CurveBuilder(trace, cost, depth)
+    builder.extend(MAX_DECISIONS, PlanWork() if work is None else work)
+    return builder.curve
 
 
-def _carry(curve: Curve, timeline: Timeline, job_id: int) -> dict[str, np.ndarray | list]:
-    """The curve's decisions on the combined timeline: each one in each of the job's iterations
-    of the period (a decision whose absence wraps from the end of an iteration goes on to the next
-    one, the last to the first). Returns the decisions and, per decision, its curve index, first
-    absent event, absent events and bytes."""
+def _carry(curve: Curve, timeline: Timeline, job_id: int, start: int = 0) -> dict[str, np.ndarray | list]:
+    """The curve's decisions from index ``start`` on the combined timeline: each one in each of
+    the job's iterations of the period (a decision whose absence wraps from the end of an
+    iteration goes on to the next one, the last to the first). Returns the decisions and, per
+    decision, its curve index, first absent event, absent events and bytes."""
     trace, n_prog = timeline.traces[job_id], timeline.n_program_ops(job_id)
     out, index = [], []
-    for i, d in enumerate(curve.decisions):
+    for i, d in enumerate(curve.decisions[start:], start):
         for r in range(trace.repeats):
             def at(p: int) -> int:
                 later = p <= d.a                       # after the wrap: the next iteration
@@ -132,19 +191,28 @@ def _carry(curve: Curve, timeline: Timeline, job_id: int) -> dict[str, np.ndarra
 
 
 def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_seconds: float | None = None,
-                memo: dict | None = None) -> Plan:
+                memo: dict | None = None, budget_s: float | None = None) -> Plan:
     """The global planner (Note [Curves and their combination]). ``target_nbytes``: the combined
     peak to reach, bytes; ``memo``: curves kept by the caller across re-plans (a dict it owns;
-    None: none kept); ``max_seconds`` is accepted for the planners' common signature and unused:
-    the work is bounded by the curves' decisions (:data:`~.planners.MAX_DECISIONS` each).
+    None: none kept); ``budget_s``: modelled seconds of curve work this plan may spend (Note
+    [Planning cost model] in :mod:`~.work`; None: :data:`CURVE_WORK_S`); ``max_seconds`` is
+    accepted for the planners' common signature and unused: the work is bounded by ``budget_s``.
 
     Returns a :class:`~.planners.Plan` whose predicted peak may stay above the target when no
-    curve frees the peak event any more (the reactive fallback covers the rest)."""
+    curve frees the peak event any more (the reactive fallback covers the rest); it is
+    :attr:`~.planners.Plan.partial` when the budget stopped a curve that could have gone on, and
+    :attr:`~.planners.Plan.curve_work` says what each curve cost it."""
     if timeline.vanilla_peak_nbytes() <= target_nbytes:         # nothing to plan: no curve is worth its cost
         return Plan.build("tensile", timeline, [], cost, target_nbytes)
     memo = {} if memo is None else memo
     work = timeline.work
-    carried = {}
+    charges: dict[tuple, PlanWork] = {}                 # memo key -> curve work of this plan
+    budget_s = CURVE_WORK_S if budget_s is None else budget_s
+
+    def within() -> bool:
+        return sum(w.seconds() - PLAN_OVERHEAD_S for w in charges.values()) < budget_s
+
+    carried, builders = {}, {}
     peaks = {job_id: trace.sequence.program.vanilla_peak_nbytes() for job_id, trace in timeline.traces.items()}
     all_peaks = sum(peaks.values())
     for job_id, trace in timeline.traces.items():
@@ -153,10 +221,27 @@ def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_sec
         depth = round(min(max(CURVE_DEPTH, DEPTH_MARGIN * need), 1.0), 2)
         key = (*_signature(trace), depth)
         work.items += len(trace.sequence.program.ops) + len(trace.sequence.program.slots)
-        if key not in memo:
-            memo[key] = job_curve(trace, cost, work, depth)
-        carried[job_id] = (memo[key], _carry(memo[key], timeline, job_id))
+        builder = memo.get(key)
+        if builder is None:
+            builder = memo[key] = CurveBuilder(trace, cost, depth)
+        charge = charges.setdefault(key, PlanWork())
+        builders[job_id] = (builder, charge)
+        builder.extend(LOOKAHEAD - len(builder.curve.decisions), charge, within)
+        carried[job_id] = (builder.curve, _carry(builder.curve, timeline, job_id))
         work.items += len(carried[job_id][1]["decisions"])
+
+    def look_ahead(job_id: int, decisions: int) -> bool:
+        """Extend the job's curve to ``decisions`` past the ones taken; whether it grew."""
+        (curve, c), (builder, charge) = carried[job_id], builders[job_id]
+        if not builder.extend(level[job_id] + decisions - len(curve.decisions), charge, within):
+            return False
+        more = _carry(builder.curve, timeline, job_id, len(curve.decisions))
+        work.items += len(more["decisions"])
+        carried[job_id] = (builder.curve, {
+            name: c[name] + more[name] if name == "decisions" else np.concatenate([c[name], more[name]])
+            for name in c})
+        return True
+
     use = timeline.usage([])
     level = {job_id: 0 for job_id in carried}           # decisions of its curve taken
     chosen: list[Decision] = []
@@ -182,7 +267,9 @@ def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_sec
             if best is None or (ratio[i], -freed[i]) < (best[0], -best[1]):
                 best = (ratio[i], freed[i], job_id, int(ends[i]) + 1)
         if best is None:
-            break                                       # nothing frees the peak: reactive covers the rest
+            if not any([look_ahead(job_id, 2 * LOOKAHEAD) for job_id in carried]):
+                break                                   # nothing frees the peak: reactive covers the rest
+            continue
         _, _, job_id, upto = best
         c = carried[job_id][1]
         for j in np.flatnonzero((c["index"] >= level[job_id]) & (c["index"] < upto)).tolist():
@@ -192,4 +279,11 @@ def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_sec
         work.items += upto - level[job_id]              # a window added each: not the greedy's bookkeeping
         work.events += n
         level[job_id] = upto
-    return Plan.build("tensile", timeline, chosen, cost, target_nbytes)
+        if len(carried[job_id][0].decisions) - upto < LOOKAHEAD // 2:
+            look_ahead(job_id, LOOKAHEAD)
+    for charge in charges.values():
+        work.add(charge)
+    plan = Plan.build("tensile", timeline, chosen, cost, target_nbytes)
+    plan.curve_work = charges
+    plan.partial = plan.predicted_peak_nbytes > target_nbytes and not all(b.done for b, _ in builders.values())
+    return plan

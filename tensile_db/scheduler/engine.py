@@ -50,12 +50,15 @@ by decisions rather than seconds so that a run does not depend on the machine th
 it, and is *installed* only once its modelled planning time
 (:meth:`~.work.PlanWork.seconds`, Note [Planning cost model] in :mod:`~.work`) has passed on
 the virtual clock, as one planning worker would: a request waits while an earlier one is being
-made; a request superseded before it started costs nothing; one superseded while being made still
-occupies the worker to its end. On every device, a plan superseded while being made is installed
-once it is made, if it covers a running job: it comes from fresher measurements than the plan in
-force, and a plan may take longer than the jobs take to arrive and be measured (on the mixed
-arrival of four models on the simulated H100 at 50%, every plan of the four jobs was superseded
-and the jobs ran 0.8 s on the plan made before the third arrived: EOR +0.201 -> +0.021).
+made; a request superseded before it started costs nothing, and what it computed that later plans
+can reuse (the global planner's curves) is charged to the next plan that uses it
+(:meth:`~.curves.CurveBuilder.refund`), as a worker that never started it would compute it then;
+one superseded while being made still occupies the worker to its end. On every device, a plan
+superseded while being made is installed once it is made, if it covers a running job: it comes from
+fresher measurements than the plan in force, and a plan may take longer than the jobs take to
+arrive and be measured (on the mixed arrival of four models on the simulated H100 at 50%, every
+plan of the four jobs was superseded and the jobs ran 0.8 s on the plan made before the third
+arrived: EOR +0.201 -> +0.021).
 :attr:`Scheduler.history` keeps, per request, its reasons, the
 virtual seconds it was asked at and installed at, and the modelled and wall seconds of its
 planning. Source of the rule: a real coordinator's planner is a CPU computation of that length
@@ -172,7 +175,9 @@ class Scheduler:
         self.history: list[dict] = []
         self._worker_free_s = 0.0                         # simulated device: when the planning worker is free
         self._worker_request: _Request | None = None      # simulated device: the request last given to it
-        self._curves: dict = {}                           # the global planner's curves (planning thread only)
+        # the global planner's curves: the planning thread's (and the executor's, on the simulated
+        # device, where a plan is made while the executor waits: a refund)
+        self._curves: dict = {}
         self._plan_times: dict[int, np.ndarray] = {}
         self._plan_iteration: dict[int, int] = {}         # job id -> its iterations at the last plan
         self._planning = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-plan")
@@ -348,6 +353,9 @@ class Scheduler:
         if previous is not None and not self._pending.cancel():   # superseded: skip it if not started yet
             if not self.deterministic or previous.started_s <= self.mm.device.now():
                 self._landing.append((previous, self._pending))   # being made: it still lands
+            else:                       # made when asked, but on one worker it never started
+                for key, charge in previous.curve_work.items():
+                    self._curves[key].refund(charge)
         self._pending = self._planning.submit(self._make, request)
         if self.deterministic:
             self._pending.result()
@@ -419,6 +427,8 @@ class Scheduler:
             j.schedule = ("planned" if plan is not None and j.id in plan.timeline.traces
                           else "reactive" if self.policy == "reactive" else "cold start")
         request.record["decisions"] = len(plan.decisions) if plan else 0
+        if plan is not None and plan.partial and request is self._request:
+            self._want_replan("the last plan stopped at its budget")     # its curves go on from there
         if plan is not None:
             log.info("plan %d (%s, %s): %d decisions, predicted peak %d of target %d bytes, "
                      "predicted extra %.4f s per period, %.3f s to plan", self.plans_made, self.policy,
@@ -450,6 +460,7 @@ class Scheduler:
                               "; ".join(request.reasons))
         seconds = time.perf_counter() - started
         request.modelled_s = work.seconds()
+        request.curve_work = plan.curve_work if plan is not None else {}
         request.record.update(modelled_s=request.modelled_s, wall_s=seconds)
         return request, plan, seconds
 
@@ -486,6 +497,7 @@ class _Request:
     modelled_s: float = 0.0             # the planning time the cost model gives its work, seconds
     started_s: float = 0.0              # simulated device: virtual seconds the worker starts it at
     ready_s: float | None = None        # simulated device: virtual seconds it may be installed at
+    curve_work: dict = field(default_factory=dict)     # the global planner's curve work, by curve
 
     def __post_init__(self):
         self.record = {"reasons": self.reasons, "decisions": None, "asked_s": None, "installed_s": None,

@@ -75,6 +75,10 @@ class Plan:
         vanilla_peak_nbytes: the same without a plan.
         target_nbytes: the peak the planner aimed for.
         simulation: predicted timing (:class:`Simulation`).
+        partial: the planner stopped for its budget before the target with more to take: a
+            re-plan goes on from where it stopped (:func:`~.curves.plan_global`).
+        curve_work: the global planner's curve work in this plan, by curve (its memo key ->
+            :class:`~.work.PlanWork`).
     """
 
     policy: str
@@ -86,6 +90,8 @@ class Plan:
     vanilla_peak_nbytes: int | None = None
     target_nbytes: int | None = None
     simulation: Simulation | None = None
+    partial: bool = False
+    curve_work: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, policy: str, timeline: Timeline, decisions: list[Decision], cost: CostModel,
