@@ -9,6 +9,8 @@
   was recomputed, no drop caught a tensor between its writers or one an op was about to read,
   and the manager's invariants held after every op.
 - On the simulated device, two ResNet-50 jobs complete under it at half their peaks, with no plan.
+- It is the ``tensile`` policy's on-demand eviction too (what no plan covers): evictions drop
+  there, never under a baseline, and the jobs still end bit for bit as with unlimited memory.
 """
 
 from __future__ import annotations
@@ -67,11 +69,12 @@ def train(jobs: list[TrainingJob], budget_nbytes: int, policy: str, cost: CostMo
     """Run ``jobs`` to completion on a fresh cpu executor. Every op asserts that what it touches is
     resident, and the manager's invariants are checked after every op. Returns what happened:
     ``manager``, ``executor`` and ``drops``, (tensor, id of the job whose op was running, the
-    owner's next op, the tensor's keeps) for every drop."""
+    owner's next op, the tensor's keeps, whether an eviction made it rather than a plan) for every
+    drop."""
     mm = MemoryManager(Device("cpu"), budget_nbytes)
     ex = Executor(mm, policy=policy, cost=cost)
-    running, drops = [None], []
-    before, after, drop = ex.scheduler.before, ex.scheduler.after, mm.drop
+    running, drops, evicting = [None], [], [False]
+    before, after, drop, evict = ex.scheduler.before, ex.scheduler.after, mm.drop, mm.evict
 
     def on_before(job, position):
         running[0] = job.id
@@ -83,10 +86,17 @@ def train(jobs: list[TrainingJob], budget_nbytes: int, policy: str, cost: CostMo
 
     def on_drop(t):
         owner = next(j for j in jobs if j.id == t.job_id)
-        drops.append((t, running[0], owner.next_position, t.keeps))
+        drops.append((t, running[0], owner.next_position, t.keeps, evicting[0]))
         drop(t)
 
-    ex.scheduler.before, ex.scheduler.after, mm.drop = on_before, on_after, on_drop
+    def on_evict(t, drop=False):
+        evicting[0] = True
+        try:
+            evict(t, drop)
+        finally:
+            evicting[0] = False
+
+    ex.scheduler.before, ex.scheduler.after, mm.drop, mm.evict = on_before, on_after, on_drop, on_evict
     for job in jobs:
         _assert_resident_in_ops(job)
         ex.submit(job)
@@ -249,12 +259,12 @@ def test_dtr_well_below_the_vanilla_peak_matches_unlimited_memory_bit_for_bit(sp
     assert sum(j.memory.drops for j in jobs) > 0
     for job in jobs:                                  # every dropped tensor is read again: recomputed
         assert job.memory.recomputes == job.memory.drops
-    for t, _, next_op, keeps in drops:
+    for t, _, next_op, keeps, _ in drops:
         recipe = next(j for j in jobs if j.id == t.job_id).program.recipe(t.slot)
         assert recipe is not None and recipe[-1] < next_op, f"{t.slot} dropped before op {recipe[-1]} ran"
         assert keeps == 0, f"{t.slot} dropped while an op was about to read it"
     if len(jobs) > 1:                                 # some by the other job's allocations
-        assert any(t.job_id != running for t, running, _, _ in drops)
+        assert any(t.job_id != running for t, running, _, _, _ in drops)
     for ref, job in zip(reference, jobs):
         assert job.loss == ref.loss
         for name, value in ref.result.items():
@@ -296,3 +306,23 @@ def test_two_resnet50_jobs_complete_under_dtr_on_the_simulated_device():
         ex.stop()
     assert mm.peak_nbytes <= mm.budget_nbytes and ex.scheduler.plans_made == 0
     assert all(j.iterations == 3 and j.memory.recomputes == j.memory.drops > 0 for j in jobs)
+
+
+@pytest.mark.parametrize("policy", ["tensile", "checkpoint"])
+def test_the_tensile_fallback_drops_as_dtr_does_and_the_baselines_fallback_never_drops(policy):
+    """What no plan covers (the cold start, the time before a plan lands) the memory manager
+    evicts on demand: under ``tensile`` by DTR's order, dropping what recomputes, under the
+    baselines by farthest next use."""
+    reference = [make_job(CNN, seed) for seed in (1, 2)]
+    train(reference, 64 * sum(j.vanilla_peak_nbytes for j in reference), "reactive")
+    jobs = [make_job(CNN, seed) for seed in (1, 2)]
+    ran = train(jobs, budget_of(jobs, 0.35), policy, SLOW)
+    on_demand = sum(by_eviction for *_, by_eviction in ran["drops"])
+    assert ran["manager"].peak_nbytes <= budget_of(jobs, 0.35)
+    assert on_demand > 0 if policy == "tensile" else on_demand == 0
+    for job in jobs:
+        assert job.memory.recomputes == job.memory.drops
+    for ref, job in zip(reference, jobs):
+        assert job.loss == ref.loss
+        for name, value in ref.result.items():
+            assert np.array_equal(job.result[name], value), f"{name} differs"

@@ -23,8 +23,9 @@ recently used first: a free, and a later load if they are used again; (2) read-o
 some call's window: a free and a certain reload, cheaper than any copy out; most recently used
 first, since a call streams its layers in order and the one it used last is the one it needs
 last; (3) the other tensors, by the scheduler's ``next_use``, highest first, larger first among
-equals: under every policy but ``dtr`` the farthest next use (Belady's rule across jobs), a copy
-out and a copy back; under ``dtr`` the least h = cost / (bytes x staleness) (Kirisame et al.,
+equals: under ``reactive`` and the baselines the farthest next use (Belady's rule across jobs),
+a copy out and a copy back; under ``dtr`` and ``tensile`` (Note [The tensile fallback] in
+:mod:`tensile_db.scheduler.engine`) the least h = cost / (bytes x staleness) (Kirisame et al.,
 ICLR 2021; :mod:`tensile_db.scheduler.dtr`), where a tensor its job can recompute exactly, and
 whose writers have all run, is dropped (cost: its recompute) and any other is copied out (cost:
 the copy out and back). So a training job that needs memory takes the device weight cache first.

@@ -10,9 +10,10 @@
 - ``work.py``: the planners' work, counted, and the planning time it is modelled to take.
 - ``bound.py``: a lower bound on the extra time of any plan that meets a target, the planners'
   optimal reference (linear programs, ``docs/bound.md``).
-- ``reactive.py``: farthest next use, the fallback that keeps every job inside the budget.
-- ``dtr.py``: Dynamic Tensor Rematerialization (policy ``dtr``): no plan; evict the least
-  cost / (bytes x staleness), dropping what recomputes.
+- ``reactive.py``: farthest next use, the fallback that keeps every job inside the budget under
+  ``reactive`` and the baselines.
+- ``dtr.py``: Dynamic Tensor Rematerialization (policy ``dtr``, and the fallback under
+  ``tensile``): evict the least cost / (bytes x staleness), dropping what recomputes.
 - ``engine.py``: the :class:`Scheduler` the executor runs around every op.
 - ``allocations.py``: a job's recurring allocations under a swap schedule, for the offline lifetime
   planner (:mod:`tensile_db.memory.lifetimes`) and the pool benchmark.
