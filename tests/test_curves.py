@@ -89,30 +89,39 @@ def test_a_plan_on_the_simulated_device_takes_effect_after_its_planning_time():
     assert executor.scheduler.modelled_plan_seconds == pytest.approx(sum(r["modelled_s"] for r in installed))
 
 
-def test_a_plan_superseded_while_being_made_is_installed_when_made():
-    """One planning worker: a request superseded while being made still lands (its plan is
-    fresher than the plan in force); one superseded before it started is called off."""
+def _measured(jobs):
+    """A ``tensile`` scheduler on a simulated H100 at half the jobs' combined peak, with ``jobs``
+    admitted and measured (1 ms per op), and ``ask()``: a re-plan of them all at phase 0; it
+    returns the request and its plan (made at once on the simulated device, installed later)."""
     from tensile_db.memory.manager import MemoryManager
     from tensile_db.scheduler import Scheduler
 
-    job = make_job(seed=1)
     device = SimDevice("h100", jitter=0.0)
-    sched = Scheduler(MemoryManager(device, job.vanilla_peak_nbytes // 2), "tensile", FAST)
-    n_ops = len(job.program.ops)
-    sched.admit(job)
-    for p in range(n_ops):
-        sched.after(job, p, 1e-3)
-    sched.iteration_done(job)
+    sched = Scheduler(MemoryManager(device, sum(j.vanilla_peak_nbytes for j in jobs) // 2), "tensile", FAST)
+    n_ops = len(jobs[0].program.ops)
+    for job in jobs:
+        sched.admit(job)
+        for p in range(n_ops):
+            sched.after(job, p, 1e-3)
+        sched.iteration_done(job)
 
     def ask():
-        sched.replan({job.id: 0}, n_ops)
-        return sched._request
+        sched.replan({job.id: 0 for job in jobs}, len(jobs) * n_ops)
+        return sched._request, sched._pending.result()[1]
 
-    first = ask()
+    return sched, device, ask
+
+
+def test_a_plan_superseded_while_being_made_is_installed_when_made():
+    """One planning worker: a request superseded while being made still lands (its plan is
+    fresher than the plan in force); one superseded before it started is called off."""
+    job = make_job(seed=1)
+    sched, device, ask = _measured([job])
+    first, _ = ask()
     assert first.ready_s > device.now()
     device.clock.idle_until(first.started_s + first.modelled_s / 2)
-    second = ask()                                     # while the first is being made
-    third = ask()                                      # before the second started: called off
+    second, _ = ask()                                  # while the first is being made
+    third, _ = ask()                                   # before the second started: called off
     assert third.started_s == pytest.approx(first.ready_s)
     assert not sched.poll() and sched.plan is None
     device.clock.idle_until(first.ready_s)
@@ -194,31 +203,15 @@ def test_curve_work_refunded_is_charged_to_the_next_plan_that_extends_the_curve(
 
 
 def test_a_partial_plan_asks_for_the_next_and_a_called_off_one_leaves_its_curve_work_owed(monkeypatch):
-    from tensile_db.memory.manager import MemoryManager
-    from tensile_db.scheduler import Scheduler
-
     monkeypatch.setattr(curves, "CURVE_WORK_S", 2e-4)
-    jobs = [make_job(seed=1), make_job(seed=2)]
-    device = SimDevice("h100", jitter=0.0)
-    sched = Scheduler(MemoryManager(device, sum(j.vanilla_peak_nbytes for j in jobs) // 2), "tensile", FAST)
-    n_ops = len(jobs[0].program.ops)
-    for job in jobs:
-        sched.admit(job)
-        for p in range(n_ops):
-            sched.after(job, p, 1e-3)
-        sched.iteration_done(job)
-
-    def ask():
-        sched.replan({job.id: 0 for job in jobs}, 2 * n_ops)
-        return sched._request
-
-    first = ask()
-    second = ask()                                     # while the first is being made
+    sched, device, ask = _measured([make_job(seed=1), make_job(seed=2)])
+    first, _ = ask()
+    _, second = ask()                                  # while the first is being made
     (key, charge), = second.curve_work.items()
     taken = len(sched._curves[key].curve.decisions)
-    third = ask()                                      # before the second started: called off
+    third, third_plan = ask()                          # before the second started: called off
     assert charge.decisions > 0
-    assert third.curve_work[key].counts() == charge.counts()       # it pays the second's work, its budget
+    assert third_plan.curve_work[key].counts() == charge.counts()  # it pays the second's work, its budget
     assert len(sched._curves[key].curve.decisions) == taken         # and has none left for more
     device.clock.idle_until(third.ready_s)
     sched.replan_reasons.clear()

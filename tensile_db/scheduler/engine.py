@@ -74,9 +74,9 @@ made; a request superseded before it started costs nothing, and what it computed
 can reuse (the global planner's curves) is charged to the next plan that uses it
 (:meth:`~.curves.CurveBuilder.refund`), as a worker that never started it would compute it then;
 one superseded while being made still occupies the worker to its end. On every device, a plan
-superseded while being made is installed once it is made, if it covers a running job: it comes from
-fresher measurements than the plan in force, and a plan may take longer than the jobs take to
-arrive and be measured (on the mixed arrival of four models on the simulated H100 at 50%, every
+superseded while being made is installed once it is made, if it covers a running job: it comes
+from fresher measurements than the plan in force, and a plan may take longer than the jobs take
+to arrive and be measured (on the mixed arrival of four models on the simulated H100 at 50%, every
 plan of the four jobs was superseded and the jobs ran 0.8 s on the plan made before the third
 arrived: EOR +0.201 -> +0.021).
 :attr:`Scheduler.history` keeps, per request, its reasons, the
@@ -377,7 +377,8 @@ class Scheduler:
             if not self.deterministic or previous.started_s <= self.mm.device.now():
                 self._landing.append((previous, self._pending))   # being made: it still lands
             else:                       # made when asked, but on one worker it never started
-                for key, charge in previous.curve_work.items():
+                _, plan, _ = self._pending.result()
+                for key, charge in (plan.curve_work if plan is not None else {}).items():
                     self._curves[key].refund(charge)
         self._pending = self._planning.submit(self._make, request)
         if self.deterministic:
@@ -483,7 +484,6 @@ class Scheduler:
                               "; ".join(request.reasons))
         seconds = time.perf_counter() - started
         request.modelled_s = work.seconds()
-        request.curve_work = plan.curve_work if plan is not None else {}
         request.record.update(modelled_s=request.modelled_s, wall_s=seconds)
         return request, plan, seconds
 
@@ -520,7 +520,6 @@ class _Request:
     modelled_s: float = 0.0             # the planning time the cost model gives its work, seconds
     started_s: float = 0.0              # simulated device: virtual seconds the worker starts it at
     ready_s: float | None = None        # simulated device: virtual seconds it may be installed at
-    curve_work: dict = field(default_factory=dict)     # the global planner's curve work, by curve
 
     def __post_init__(self):
         self.record = {"reasons": self.reasons, "decisions": None, "asked_s": None, "installed_s": None,
