@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import wait_done
+from test_bound import CNN
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
 from tensile_db.errors import InvalidArgument
@@ -29,7 +30,8 @@ from tensile_db.runtime.program import Op
 from tensile_db.scheduler import POLICIES
 from tensile_db.scheduler.cost import CostModel
 from tensile_db.scheduler.curves import plan_global
-from tensile_db.scheduler.planners import plan_swap_score, plan_tensile, plan_vdnn
+from tensile_db.scheduler.planners import (_State, _greedy_steps, plan_swap_score, plan_tensile, plan_vdnn,
+                                           tensile_choice)
 from tensile_db.scheduler.reactive import FarthestNextUse
 from tensile_db.scheduler.timeline import (MAX_STRETCH, JobTrace, Timeline, iterations_per_period, period_of,
                                            round_of, simulate)
@@ -281,6 +283,29 @@ def test_parameters_and_optimizer_state_swap_across_iterations_when_the_peak_nee
     plan = plan_tensile(tl, FAST, int(0.35 * tl.vanilla_peak_nbytes()))
     across = [d for d in plan.decisions if seq.program.slots[d.slot].kind.persistent and d.b <= d.a]
     assert across, "expected a weight or optimizer state swapped from one iteration to the next"
+
+
+def test_tensile_weighs_the_swap_of_most_slack_at_every_peak():
+    """The swaps whose copies have the most room around the others' (weights and optimizer state,
+    absent from one step to the next forward pass) are small and were ranked after every large
+    activation; the choice at each peak now adds no more simulated time per byte than the swap
+    of most slack would."""
+    tl = Timeline([JobTrace(1, sequence(CNN, TrainOptions(optimizer="adam"), batch=6))])
+    target = int(0.7 * tl.vanilla_peak_nbytes())
+    choice, steps = tensile_choice(SLOW, target), []
+
+    def choose(state, gaps, k):
+        chosen = choice(state, gaps, k)
+        opt, base_s, need = state.options(gaps, k), state.sim.extra_s, int(state.use[k]) - target
+        most_slack = opt.swap(int(np.lexsort((-opt.nbytes, -opt.slack_s))[0]))[0]
+        steps.append([max(state.trial(d).extra_s - base_s, 0.0) / min(d.nbytes, need) for d in (chosen, most_slack)])
+        return chosen
+
+    state = _State(tl, SLOW)
+    for _ in _greedy_steps(state, target, choose, None):
+        pass
+    assert state.use.max() <= target and len(steps) > 10
+    assert all(chosen <= most_slack + 1e-15 for chosen, most_slack in steps), steps
 
 
 def test_vdnn_swaps_every_layer_input():
