@@ -156,6 +156,34 @@ def test_an_unsteady_period_or_a_region_that_does_not_fit_is_not_installed():
     pool.close()
 
 
+def test_an_install_that_raises_leaves_the_general_pool_and_a_pool_that_records_again():
+    """A move of the install that fails (a copy, a spill write) must not leave the pool stuck
+    between planning and serving: the blocks are taken where they lie, and the pool records again
+    after its back-off and installs the next plan."""
+    arena, failures = FakeArena(), [OSError("no space left on device")]
+
+    def install(plan, live_keys, reserve):
+        if failures:
+            raise failures.pop()
+        return arena.install(plan, live_keys, reserve)
+
+    pool = PlannedPool(install, arena.dissolve)
+    pool.boundary(lambda: (LIVE, 0))
+    play(pool, PERIOD)
+    pool.boundary(lambda: (LIVE, 0))
+    pool.wait_for_plan()
+    pool.boundary(lambda: (LIVE, 0))
+    assert pool.state is State.RECORDING and arena.dissolved == 1 and pool.region_nbytes == 0   # no back-off yet
+    for _ in range(4):
+        if pool.state is State.SERVING:
+            break
+        play(pool, PERIOD if pool.state is State.RECORDING else [])
+        pool.boundary(lambda: (LIVE, 0))
+        pool.wait_for_plan()
+    assert pool.state is State.SERVING and len(arena.installed) == 1
+    pool.close()
+
+
 def test_invalidation_dissolves_without_counting_a_mismatch():
     arena = FakeArena()
     pool = serving_pool(arena)

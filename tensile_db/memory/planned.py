@@ -277,7 +277,12 @@ class PlannedPool:
             self._planning = None
         if live != self._start_live:
             return "the blocks live at this boundary differ from those the plan starts from"
-        base = self._install(plan, set(live), self._unkeyed_peak)
+        try:
+            base = self._install(plan, set(live), self._unkeyed_peak)
+        except Exception as exc:    # a failed copy of a move: the blocks stay where they are now
+            log.exception("installing the planned pool failed; back to the general pool")
+            self._dissolve()
+            return f"the install failed: {exc!r}"
         if isinstance(base, str):
             return base
         self.state, self.plan, self.base, self.figures = State.SERVING, plan, base, figures
