@@ -449,7 +449,9 @@ def tensile_choice(cost: CostModel, target_nbytes: int):
                     break
                 continue
             weigh(o)
-        for i in np.lexsort((-opt.nbytes, -opt.slack_s)).tolist():
+        # at most tried[0] of the first few by slack were simulated, so these few suffice
+        most_slack = np.lexsort((-opt.nbytes, -opt.slack_s))[:SIMULATED_CANDIDATES + SLACK_CANDIDATES]
+        for i in most_slack.tolist():
             if tried[0] >= SIMULATED_CANDIDATES + SLACK_CANDIDATES:
                 break
             if 2 * i not in simulated:
