@@ -16,10 +16,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_scheduler import FAST, _assert_valid, make_job, sequence
+from test_scheduler import FAST, SLOW, _assert_valid, make_job, sequence
 from test_simulated import image_job, run_sim
 from tensile_db.runtime.simulated import SimDevice
 from tensile_db.scheduler import curves
+from tensile_db.scheduler.cost import CostModel
 from tensile_db.scheduler.curves import CurveBuilder, job_curve, plan_global
 from tensile_db.scheduler.planners import plan_tensile
 from tensile_db.scheduler.timeline import JobTrace, Timeline
@@ -62,6 +63,57 @@ def test_the_combination_reaches_what_the_greedy_reaches_on_staggered_jobs(fract
     _assert_valid(plan, tl)
     assert greedy.predicted_peak_nbytes <= target
     assert plan.predicted_peak_nbytes <= target
+
+
+@pytest.mark.parametrize("cost", [FAST, SLOW], ids=["fast", "slow"])
+@pytest.mark.parametrize("budget_s", [None, 5e-3], ids=["whole", "partial"])
+def test_the_global_plan_keeps_no_decision_that_the_others_make_redundant(cost, budget_s, monkeypatch):
+    def timeline():
+        return Timeline([JobTrace(1, sequence(), 0, 0), JobTrace(2, sequence(seconds=2e-3), 11, 1, repeats=2)])
+
+    target = int(0.6 * timeline().vanilla_peak_nbytes())
+    tl = timeline()
+    plan = plan_global(tl, cost, target, budget_s=budget_s)
+    _assert_valid(plan, tl)
+    assert plan.partial == (budget_s is not None)
+    ceiling = max(target, plan.predicted_peak_nbytes)
+    use = tl.usage(plan.decisions)
+    for d in plan.decisions:                 # left out, each would put some event above the ceiling
+        without = use.copy()
+        tl.add_window(without, *d.window(tl.n), d.nbytes)
+        without[d.b] -= d.workspace_nbytes
+        assert without.max() > ceiling, f"{d} is redundant"
+    monkeypatch.setattr(curves, "drop_redundant", lambda timeline, decisions, cost, ceiling: decisions)
+    taken = plan_global(timeline(), cost, target, budget_s=budget_s)
+    assert len(taken.decisions) > len(plan.decisions)
+    assert plan.predicted_peak_nbytes <= max(target, taken.predicted_peak_nbytes)
+    assert plan.predicted_extra_s <= taken.predicted_extra_s + 1e-12
+
+
+@pytest.mark.parametrize("duplex", [False, True], ids=["one channel", "duplex"])
+def test_the_global_plan_retimes_the_swaps_that_wait_on_the_copy_queue(duplex, monkeypatch):
+    cost = CostModel(h2d_bytes_per_s=4e6, d2h_bytes_per_s=4e6, duplex=duplex)       # copies of ops' length
+
+    def timeline():
+        return Timeline([JobTrace(1, sequence(), 0, 0), JobTrace(2, sequence(seconds=2e-3), 11, 1, repeats=2)])
+
+    target = int(0.5 * timeline().vanilla_peak_nbytes())
+    tl = timeline()
+    plan = plan_global(tl, cost, target)
+    _assert_valid(plan, tl)
+    assert plan.predicted_peak_nbytes <= target
+    monkeypatch.setattr(curves, "retime_swaps", lambda timeline, decisions, cost, ceiling: decisions)
+    untimed = plan_global(timeline(), cost, target)
+    assert plan.predicted_extra_s < untimed.predicted_extra_s
+    assert len(plan.decisions) == len(untimed.decisions)
+    moved = 0
+    for d, u in zip(plan.decisions, untimed.decisions):
+        assert (d.job_id, d.slot, d.method, d.a, d.b) == (u.job_id, u.slot, u.method, u.a, u.b)
+        start, length = d.window(tl.n)
+        u_start, u_length = u.window(tl.n)
+        assert tl.cyclic(u_start, start) + length <= u_length       # released later, back earlier
+        moved += (start, length) != (u_start, u_length)
+    assert moved > 0
 
 
 def test_counted_work_grows_with_the_timeline_and_is_priced():

@@ -45,7 +45,11 @@ greedy's), so a curve's early steps are the swaps its copy engines hide and the 
 Limitations: each curve assumes the copy engines are its job's alone; on the combined timeline a
 job's ops are spread over a longer period, so its copies have as much more time as other jobs'
 copies take, which holds while the jobs' copy demands are alike. The combined plan is simulated
-once at the end (its predicted extra time), not while combining.
+once at the end (its predicted extra time), not while combining. Before that, the decisions that
+the others make redundant are left out (Note [Redundant decisions] in :mod:`~.planners`): a
+curve's prefix holds the cheap swaps taken before the large ones that cover them. Then the swaps
+are re-timed on the copy queues of the combined plan (Note [Re-timed swaps]), since each curve
+timed its swaps alone.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .cost import CostModel
-from .planners import MAX_DECISIONS, Plan, _greedy_steps, _State, tensile_choice
+from .planners import MAX_DECISIONS, Plan, _greedy_steps, _State, drop_redundant, retime_swaps, tensile_choice
 from .timeline import Decision, JobTrace, Timeline
 from .work import PLAN_OVERHEAD_S, PlanWork
 
@@ -283,6 +287,8 @@ def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_sec
             look_ahead(job_id, LOOKAHEAD)
     for charge in charges.values():
         work.add(charge)
+    ceiling = max(target_nbytes, int(use.max()))
+    chosen = retime_swaps(timeline, drop_redundant(timeline, chosen, cost, ceiling), cost, ceiling)
     plan = Plan.build("tensile", timeline, chosen, cost, target_nbytes)
     plan.curve_work = charges
     plan.partial = plan.predicted_peak_nbytes > target_nbytes and not all(b.done for b, _ in builders.values())

@@ -323,6 +323,10 @@ class Simulator:
         self._transfer_nbytes = 0
         self._durations = timeline.durations_s.tolist()
         self._compute_s = float(timeline.durations_s.sum())
+        # of the last simulation, the seconds each decision's actions waited in its second period:
+        # key i for the release of decision i (waiting for its swap-out), ~i for the access that
+        # waited for its swap-in (Note [Re-timed swaps] in :mod:`~.planners`)
+        self.waited_s: dict[int, float] = {}
         for d in decisions:
             self.add(d)
 
@@ -410,6 +414,7 @@ class Simulator:
             on_disk[i] = held + nbytes > budget
             if not on_disk[i]:
                 held += nbytes
+        waited: dict[int, float] = {}      # the second period's waits (:attr:`waited_s`)
         for rep in range(2):
             period_start, stall, busy, done, spilled = t, 0.0, 0.0, 0, 0
             for k, releases, swap_ins, waits, swap_outs in steps:
@@ -422,6 +427,8 @@ class Simulator:
                     for i in releases:
                         if out_end[i] > t:
                             stall += out_end[i] - t
+                            if rep:
+                                waited[i] = waited.get(i, 0.0) + out_end[i] - t
                             t = out_end[i]
                 if swap_ins:
                     for i, seconds, disk_s, nbytes in swap_ins:
@@ -436,6 +443,8 @@ class Simulator:
                     for i in waits:
                         if in_end[i] > t:
                             stall += in_end[i] - t
+                            if rep:
+                                waited[~i] = waited.get(~i, 0.0) + in_end[i] - t
                             t = in_end[i]
                 t += recompute[k]
                 if rep:
@@ -462,4 +471,5 @@ class Simulator:
                 t = starts.pop()
             else:
                 t = functools.reduce(operator.add, durations[done:], t)
+        self.waited_s = waited
         return np.array(starts) - period_start, t - period_start, stall, busy, spilled
