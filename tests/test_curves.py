@@ -116,6 +116,22 @@ def test_the_global_plan_retimes_the_swaps_that_wait_on_the_copy_queue(duplex, m
     assert moved > 0
 
 
+def test_a_timeline_of_one_job_computes_its_curve_only_a_few_decisions_ahead(monkeypatch):
+    trace = JobTrace(1, sequence())
+    target = int(0.6 * Timeline([trace]).vanilla_peak_nbytes())
+    plans, curve_lengths, work = [], [], []
+    for lookahead in (curves.LOOKAHEAD_ALONE, curves.LOOKAHEAD):
+        monkeypatch.setattr(curves, "LOOKAHEAD_ALONE", lookahead)
+        tl, memo = Timeline([trace]), {}
+        plans.append(plan_global(tl, FAST, target, memo=memo))
+        (builder,) = memo.values()
+        curve_lengths.append(len(builder.curve.decisions))
+        work.append(tl.work.decisions)
+    assert plans[0].predicted_peak_nbytes <= target
+    assert plans[0].decisions == plans[1].decisions                   # alone, the lookahead changes nothing
+    assert curve_lengths[0] < curve_lengths[1] and work[0] < work[1]  # but costs work
+
+
 def test_counted_work_grows_with_the_timeline_and_is_priced():
     small = Timeline([JobTrace(1, sequence())])
     large = Timeline([JobTrace(j, sequence(), 3 * j, j) for j in range(1, 4)])
