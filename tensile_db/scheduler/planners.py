@@ -467,10 +467,7 @@ def drop_redundant(timeline: Timeline, decisions: list[Decision], cost: CostMode
     for i in sorted(range(len(decisions)), key=lambda i: -seconds[i]):
         d = decisions[i]
         start, length = d.window(timeline.n)
-        end = start + length
-        held = use[start:min(end, timeline.n)]
-        if end > timeline.n:
-            held = np.concatenate([held, use[:end - timeline.n]])
+        held = use.take(np.arange(start, start + length), mode="wrap")      # the absence, cyclic
         timeline.work.items += 2           # the check and its bookkeeping, about 5 us here (NumPy's part is small)
         if held.size and int(held.max()) + d.nbytes > ceiling_nbytes:     # ``b`` lies after the window
             continue
