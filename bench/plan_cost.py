@@ -32,7 +32,7 @@ from paper import make_jobs  # noqa: E402  (a benchmark beside this one)
 from tensile_db.memory.manager import MemoryManager  # noqa: E402
 from tensile_db.runtime.simulated import SimDevice  # noqa: E402
 from tensile_db.scheduler.cost import measure_bandwidth  # noqa: E402
-from tensile_db.scheduler.engine import _PLANNERS  # noqa: E402
+from tensile_db.scheduler.worker import PLANNERS  # noqa: E402
 from tensile_db.scheduler.timeline import JobTrace, Timeline  # noqa: E402
 from tensile_db.scheduler.trace import AccessSequence  # noqa: E402
 from tensile_db.scheduler.work import PLAN_OVERHEAD_S, SECONDS_PER_UNIT, PlanWork  # noqa: E402
@@ -64,7 +64,7 @@ def measure(policy: str, workload: str, fraction: float, repeats: int, device, c
         target = int(timeline.vanilla_peak_nbytes() * fraction)
         start = time.perf_counter()
         timeline = Timeline(list(timeline.traces.values()))
-        plan = _PLANNERS[policy](timeline, cost, target, None)
+        plan = PLANNERS[policy](timeline, cost, target, None)
         seconds = time.perf_counter() - start
         if seconds < best:
             best, work, decisions = seconds, timeline.work, len(plan.decisions)

@@ -33,8 +33,8 @@ from tensile_db.scheduler.curves import plan_global
 from tensile_db.scheduler.planners import (_State, _greedy_steps, plan_swap_score, plan_tensile, plan_vdnn,
                                            tensile_choice)
 from tensile_db.scheduler.reactive import FarthestNextUse
-from tensile_db.scheduler.timeline import (MAX_STRETCH, JobTrace, Timeline, iterations_per_period, period_of,
-                                           round_of, simulate)
+from tensile_db.scheduler.timeline import (MAX_STRETCH, JobTrace, Simulator, Timeline, iterations_per_period,
+                                           period_of, round_of, simulate)
 from tensile_db.scheduler.trace import AccessSequence
 from tensile_db.settings import UNPLANNED_POLICIES
 
@@ -150,6 +150,25 @@ def test_simulation_without_decisions_has_no_extra_time():
     assert sim.extra_s == pytest.approx(0.0, abs=1e-12)
     assert sim.period_s == pytest.approx(float(np.sum(seq.times_s)))
 
+
+@pytest.mark.parametrize("cost", [
+    CostModel(h2d_bytes_per_s=4e6, d2h_bytes_per_s=4e6),                       # copies queue on one channel
+    CostModel(h2d_bytes_per_s=4e6, d2h_bytes_per_s=2e6, duplex=True),
+    CostModel(h2d_bytes_per_s=4e6, d2h_bytes_per_s=4e6, host_budget_nbytes=40_000,   # some swaps to disk
+              disk_read_bytes_per_s=1e6, disk_write_bytes_per_s=1e6),
+], ids=["one channel", "duplex", "tiers"])
+def test_a_trial_weighs_a_candidate_as_its_full_simulation_does(cost):
+    # Simulator.extra_s, the planners' trial, skips the op start times; it must price every
+    # candidate (swaps wrapping around the period, recomputes, copies to disk) as simulate does.
+    timeline = Timeline([JobTrace(1, sequence(), 0, 0, 2), JobTrace(2, sequence(seconds=3e-3), 0, 1)])
+    plan = plan_tensile(timeline, cost, int(0.5 * timeline.vanilla_peak_nbytes()), None)
+    assert {d.method for d in plan.decisions} == {"swap", "recompute"}
+    assert any(d.back <= d.a for d in plan.decisions if d.method == "swap")       # a wrapping swap
+    for i, d in enumerate(plan.decisions):
+        trial = Simulator(timeline, cost, plan.decisions[:i]).extra_s(also=d)
+        full = simulate(timeline, plan.decisions[:i + 1], cost)
+        assert trial == pytest.approx(full.extra_s, rel=1e-9, abs=1e-12)
+    assert full.disk_nbytes > 0 if cost.host_budget_nbytes else full.disk_nbytes == 0
 
 SMALL_SPEC = ModelSpec(Architecture((Layer(8, "relu"),)), 16, 4, "classification")
 
@@ -298,7 +317,7 @@ def test_tensile_weighs_the_swap_of_most_slack_at_every_peak():
         chosen = choice(state, gaps, k)
         opt, base_s, need = state.options(gaps, k), state.sim.extra_s, int(state.use[k]) - target
         most_slack = opt.swap(int(np.lexsort((-opt.nbytes, -opt.slack_s))[0]))[0]
-        steps.append([max(state.trial(d).extra_s - base_s, 0.0) / min(d.nbytes, need) for d in (chosen, most_slack)])
+        steps.append([max(state.trial(d) - base_s, 0.0) / min(d.nbytes, need) for d in (chosen, most_slack)])
         return chosen
 
     state = _State(tl, SLOW)

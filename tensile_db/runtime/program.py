@@ -17,6 +17,8 @@ iterations.
 from __future__ import annotations
 
 import enum
+import functools
+import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -49,11 +51,12 @@ class Slot:
     shape: tuple[int, ...]
     dtype: str = "float32"
 
-    @property
+    # cached: the planners read them for every candidate they weigh (frozen, so never stale)
+    @functools.cached_property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return int(math.prod(self.shape)) * np.dtype(self.dtype).itemsize
 
-    @property
+    @functools.cached_property
     def arena_nbytes(self) -> int:
         """Bytes the slot takes in the arena (rounded to the allocation unit)."""
         return round_up(self.nbytes)

@@ -253,7 +253,6 @@ class _State:
         self.use = timeline.usage([])                       # (n,) int64 bytes per event under the decisions
         self._absent: dict[tuple[int, str], list[tuple[int, int]]] = {}   # (job, slot) -> its windows
         self._recipes: dict[tuple[int, str], tuple[int, tuple[str, ...], float] | None] = {}
-        self._trials: dict[int, tuple[Decision, Simulation]] = {}    # id(decision) -> simulated with it
         self._options: _Options | None = None                        # of the last candidates
         self._simulator = Simulator(timeline, cost)                  # the decisions, to simulate
         self._set_sim(self._simulator.simulate())
@@ -273,7 +272,6 @@ class _State:
         # (2n,) float64 s: every event's start in the simulated period, then a period later
         self._clock_s = np.concatenate([sim.start_s, sim.start_s + sim.period_s])
         self._options = None
-        self._trials.clear()
 
     # --- gaps
 
@@ -404,11 +402,11 @@ class _State:
 
     # --- decisions
 
-    def trial(self, d: Decision) -> Simulation:
-        """The simulation of the decisions so far and ``d`` (reused if :meth:`add` takes ``d``)."""
-        sim = self._simulator.simulate(also=d)
-        self._trials[id(d)] = (d, sim)
-        return sim
+    def trial(self, d: Decision) -> float:
+        """The simulated extra seconds per period of the decisions so far and ``d``
+        (:meth:`~.timeline.Simulator.extra_s`: no op start times, so a trial costs the events with
+        actions only; :meth:`add` simulates the one taken in full)."""
+        return self._simulator.extra_s(also=d)
 
     def add(self, d: Decision) -> None:
         self.decisions.append(d)
@@ -425,8 +423,7 @@ class _State:
                 touched.append(name)
         self._renew(i for name in dict.fromkeys(touched) for i in self._tensors_of[(d.job_id, name)])
         self._simulator.add(d)
-        trial = self._trials.get(id(d))
-        self._set_sim(trial[1] if trial is not None and trial[0] is d else self._simulator.simulate())
+        self._set_sim(self._simulator.simulate())
 
 
 def _greedy_steps(state: _State, target_nbytes: int, choose, max_seconds: float | None):
@@ -573,7 +570,7 @@ def tensile_choice(cost: CostModel, target_nbytes: int):
             if d is None:
                 return                          # its recipe's inputs are absent there
             useful = min(d.nbytes, need)
-            extra_s = max(state.trial(d).extra_s - base_s, 0.0)
+            extra_s = max(state.trial(d) - base_s, 0.0)
             key = (extra_s / useful, -useful)
             tied = best is not None and abs(key[0] - best_key[0]) <= 1e-15
             if best is None or (key[1] < best_key[1] if tied else key[0] < best_key[0]):

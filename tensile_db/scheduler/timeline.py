@@ -293,7 +293,10 @@ class Simulator:
     the op waits for the swap-ins it needs, the recomputes run, the op runs, the swap-outs are
     issued; each in the order of the decisions. Only the events with such actions are visited one
     by one; between them the clock adds the ops' times in order (the same sums, to the last bit,
-    as visiting every event).
+    as visiting every event). :meth:`extra_s`, a candidate's trial, needs no op's start time: it
+    moves the clock between two such events by a difference of prefix sums of the ops' times, so
+    a trial costs the events with actions only, not every event of two periods (the same
+    seconds but for rounding, about 1e-16 of a period).
 
     Tiers (Note [Tiers] in :mod:`~tensile_db.scheduler.cost`), with ``cost.host_budget_nbytes``
     set: at each swap-out, in the order they are issued on the clock, the bytes the host tier
@@ -320,8 +323,10 @@ class Simulator:
         # period, by event ``a`` (of the swap-out) and index: out when a simulation starts
         self._wrapping: list[tuple[int, int, int]] = []
         self._recompute_s = np.zeros(timeline.n)          # seconds of recomputes before each op
+        self._recomputes: dict[int, float] = {}           # the same, at the events that have any
         self._transfer_nbytes = 0
         self._durations = timeline.durations_s.tolist()
+        self._prefix_s = [0.0, *itertools.accumulate(self._durations)]   # the ops' seconds before each event
         self._compute_s = float(timeline.durations_s.sum())
         # of the last simulation, the seconds each decision's actions waited in its second period:
         # key i for the release of decision i (waiting for its swap-out), ~i for the access that
@@ -368,31 +373,48 @@ class Simulator:
             self._transfer_nbytes += 2 * d.nbytes
         else:
             self._recompute_s[d.b] += d.recipe_s
+            self._recomputes[d.b] = self._recomputes.get(d.b, 0.0) + d.recipe_s
 
-    def simulate(self, also: Decision | None = None) -> Simulation:
-        """Predict the timing of the decisions, and of ``also`` after them if given (not added)."""
-        steps, recompute_s, nbytes, wrapping = self._steps, self._recompute_s, self._transfer_nbytes, self._wrapping
+    def _with(self, also: Decision | None) -> tuple[list, dict[int, float], list[tuple[int, int, int]]]:
+        """The steps, recomputes and wrapping swaps of the decisions and ``also`` (not added)."""
+        steps, recomputes, wrapping = self._steps, self._recomputes, self._wrapping
         if also is not None:
             steps = steps.copy()
             self._merge(steps, also, len(self.decisions))
-            if also.method == "swap":
-                nbytes += 2 * also.nbytes
-                if self._wraps(also):
-                    wrapping = sorted([*wrapping, (also.a, len(self.decisions), also.nbytes)])
-            else:
-                recompute_s = recompute_s.copy()
-                recompute_s[also.b] += also.recipe_s
-        start_s, period_s, stall_s, busy_s, disk_nbytes = self._replay(steps, recompute_s.tolist(), wrapping,
-                                                                       len(self.decisions) + 1)
+            if also.method != "swap":
+                recomputes = {**recomputes, also.b: recomputes.get(also.b, 0.0) + also.recipe_s}
+            elif self._wraps(also):
+                wrapping = sorted([*wrapping, (also.a, len(self.decisions), also.nbytes)])
+        return steps, recomputes, wrapping
+
+    def simulate(self, also: Decision | None = None) -> Simulation:
+        """Predict the timing of the decisions, and of ``also`` after them if given (not added)."""
+        nbytes, recompute_s = self._transfer_nbytes, self._recompute_s
+        if also is not None and also.method == "swap":
+            nbytes += 2 * also.nbytes
+        elif also is not None:
+            recompute_s = recompute_s.copy()
+            recompute_s[also.b] += also.recipe_s
+        start_s, period_s, stall_s, busy_s, disk_nbytes = self._replay(*self._with(also), len(self.decisions) + 1)
         return Simulation(start_s, period_s, self._compute_s, stall_s, float(recompute_s.sum()), nbytes, busy_s,
                           disk_nbytes)
 
-    def _replay(self, steps: list, recompute: list[float], wrapping: list[tuple[int, int, int]],
-                transfers: int) -> tuple[np.ndarray, float, float, float, int]:
+    def extra_s(self, also: Decision | None = None) -> float:
+        """The extra seconds per period (:attr:`Simulation.extra_s`) of the decisions and of
+        ``also`` after them if given (not added), without the ops' start times: what a planner
+        weighs a candidate by, at the cost of the events with actions only. Leaves
+        :attr:`waited_s` as the last :meth:`simulate` made it."""
+        _, period_s, _, _, _ = self._replay(*self._with(also), len(self.decisions) + 1, timed=False)
+        return period_s - self._compute_s
+
+    def _replay(self, steps: list, recomputes: dict[int, float], wrapping: list[tuple[int, int, int]],
+                transfers: int, timed: bool = True) -> tuple[np.ndarray | None, float, float, float, int]:
         """Two periods of ``steps``; (the second's start times, its length, stall and copy
-        channel's busy time, seconds; bytes it swaps out to the disk tier)."""
-        durations = self._durations
-        self.timeline.work.events += 2 * len(durations)
+        channel's busy time, seconds; bytes it swaps out to the disk tier). Not ``timed``: no
+        start times (None) and no :attr:`waited_s`, the clock moved between steps by prefix sums."""
+        durations, prefix = self._durations, self._prefix_s
+        if timed:
+            self.timeline.work.events += 2 * len(durations)
         self.timeline.work.steps += 2 * len(steps)
         out_end = [0.0] * transfers
         in_end = [0.0] * transfers
@@ -418,7 +440,9 @@ class Simulator:
         for rep in range(2):
             period_start, stall, busy, done, spilled = t, 0.0, 0.0, 0, 0
             for k, releases, swap_ins, waits, swap_outs in steps:
-                if rep:                     # the ops before this event, each at the clock's time
+                if not timed:               # the ops before this event, summed
+                    t += prefix[k] - prefix[done]
+                elif rep:                   # the ops before this event, each at the clock's time
                     starts.extend(itertools.accumulate(durations[done:k], initial=t))
                     t = starts.pop()
                 elif k > done:
@@ -446,8 +470,8 @@ class Simulator:
                             if rep:
                                 waited[~i] = waited.get(~i, 0.0) + in_end[i] - t
                             t = in_end[i]
-                t += recompute[k]
-                if rep:
+                t += recomputes.get(k, 0.0)
+                if rep and timed:
                     starts.append(t)
                 t += durations[k]
                 if swap_outs:
@@ -466,10 +490,14 @@ class Simulator:
                         busy += seconds
                         out_end[i] = free[out]
                 done = k + 1
-            if rep:
+            if not timed:
+                t += prefix[-1] - prefix[done]
+            elif rep:
                 starts.extend(itertools.accumulate(durations[done:], initial=t))
                 t = starts.pop()
             else:
                 t = functools.reduce(operator.add, durations[done:], t)
+        if not timed:
+            return None, t - period_start, stall, busy, spilled
         self.waited_s = waited
         return np.array(starts) - period_start, t - period_start, stall, busy, spilled
