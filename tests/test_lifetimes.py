@@ -94,6 +94,26 @@ def test_random_traces(seed):
     assert hwm == bound <= top
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_fixed_allocations_stay_where_they_are_and_the_others_fit_around_them(seed):
+    # blocks live all period, scattered as a general pool leaves them, and short-lived ones
+    rng = np.random.default_rng(seed)
+    whole = [alloc(("w", i), int(rng.choice([1, 2, 4])), (0, 59)) for i in range(6)]
+    fixed, top = {}, 0
+    for a in whole:
+        top += int(rng.integers(0, 4)) * U               # a gap the general pool left
+        fixed[a.key], top = top, top + a.nbytes
+    short = [alloc(i, int(rng.choice([1, 2, 8])), (s, s + int(rng.integers(0, 12))))
+             for i, s in enumerate(rng.integers(0, 48, 30).tolist())]
+    allocs = whole + short
+    for order in ORDERS:
+        plan = plan_offsets(allocs, "best_fit", order, fixed=fixed)
+        check_plan(allocs, plan)
+        assert all(plan.offsets[k] == o for k, o in fixed.items())
+        assert plan.arena_nbytes >= max(max_live_nbytes(allocs), top)
+    assert plan_offsets(allocs, "best_fit", fixed=fixed).strategy == "best_fit/largest/kept"
+
+
 SPEC = ModelSpec(Architecture((Layer(96, "relu", 0.2), Layer(64, "tanh"), Layer(48, "relu"))), 16, 4,
                  "classification")
 

@@ -214,6 +214,51 @@ def test_the_same_period_recorded_again_is_not_planned_again(monkeypatch):
     pool.close()
 
 
+@pytest.mark.parametrize("kept_fits", [True, False], ids=["kept region fits", "kept region does not fit"])
+def test_the_install_tries_first_the_packing_that_keeps_the_live_blocks_where_they_lie(kept_fits):
+    where = {K("w"): 5 * U}                               # the general pool left w high up
+
+    class Arena(FakeArena):
+        def install(self, plan, live_keys, reserve):
+            self.installed.append((plan, live_keys, reserve))
+            kept = plan.offsets[K("w")] == where[K("w")]
+            return 0 if kept_fits or not kept else "the region does not fit"
+
+    arena = Arena()
+    monkey = planned.KEPT_MAX_RATIO
+    planned.KEPT_MAX_RATIO = 10.0                         # this toy period's kept region is 2.5x its live bytes
+    try:
+        pool = PlannedPool(arena.install, arena.dissolve, where=lambda: where)
+        pool.boundary(lambda: (LIVE, 0))
+        play(pool, PERIOD)
+        pool.boundary(lambda: (LIVE, 0))
+        pool.wait_for_plan()
+        pool.boundary(lambda: (LIVE, 0))
+    finally:
+        planned.KEPT_MAX_RATIO = monkey
+    assert pool.state is State.SERVING
+    tried = [plan.offsets[K("w")] for plan, _, _ in arena.installed]
+    assert tried == ([5 * U] if kept_fits else [5 * U, pool.history[-1][1].offsets[K("w")]])
+    assert tried[-1] != 5 * U or kept_fits
+    assert pool.plan.offsets[K("w")] == tried[-1]
+    assert pool.figures["installed_arena_nbytes"] == pool.plan.arena_nbytes
+    assert pool.history[-1][1].arena_nbytes <= pool.plan.arena_nbytes    # history: the packing from scratch
+    pool.close()
+
+
+def test_a_kept_region_above_the_ratio_is_not_tried():
+    arena = FakeArena()
+    pool = PlannedPool(arena.install, arena.dissolve, where=lambda: {K("w"): 5 * U})
+    pool.boundary(lambda: (LIVE, 0))
+    play(pool, PERIOD)
+    pool.boundary(lambda: (LIVE, 0))
+    pool.wait_for_plan()
+    pool.boundary(lambda: (LIVE, 0))
+    assert pool.state is State.SERVING and len(arena.installed) == 1
+    assert arena.installed[0][0] is pool.history[-1][1]       # the packing from scratch
+    pool.close()
+
+
 def test_relayout_rebuilds_free_blocks_and_keeps_the_peak():
     a = ArenaAllocator(16 * U)
     a.allocate(8 * U)
@@ -300,6 +345,30 @@ def test_a_request_off_the_plan_falls_back_to_the_general_pool_and_the_pool_repl
     for ref, job in zip(general_runs[4.0], jobs):
         for name, value in ref.result.items():
             assert np.array_equal(job.result[name], value), f"{name} differs after the fallback"
+
+
+def test_an_install_with_room_moves_no_live_block(monkeypatch):
+    """With room in the budget, the region installed keeps the weights and optimizer state where
+    the general pool put them (Note [Blocks kept in place]): none of them moves."""
+    monkeypatch.setattr(planned, "KEPT_MAX_RATIO", 1.25)   # a small MLP's blocks leave gaps of more than 5%
+    moved = []
+
+    def prepare(jobs, mm):
+        install = mm.pool._install
+
+        def watching(plan, live_keys, reserve):
+            before = {t.key: t.offset for _, _, t in mm.blocks() if t.key in live_keys and t.kind.persistent}
+            base = install(plan, live_keys, reserve)
+            if not isinstance(base, str):
+                moved.append(sum(t.offset != before[t.key] for _, _, t in mm.blocks() if t.key in before))
+            return base
+
+        mm.pool._install = watching
+
+    jobs = [make_job(options=OPTIONS, seed=s) for s in (1, 2)]
+    mm, _ = run(jobs, budget_of(jobs, 4.0), "tensile", prepare=prepare)
+    assert moved and moved[0] == 0, moved
+    assert mm.pool.figures["installed_arena_nbytes"] <= planned.KEPT_MAX_RATIO * mm.pool.figures["max_live_nbytes"]
 
 
 def test_reactive_evictions_keep_the_general_pool():

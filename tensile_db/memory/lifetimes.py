@@ -87,13 +87,16 @@ ORDERS = {
 }
 
 
-def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="largest") -> PoolPlan:
+def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="largest",
+                 fixed: dict | None = None) -> PoolPlan:
     """Place ``allocs`` in ``order`` (a name in :data:`ORDERS`, default largest first, longer
     lifetime first among equal sizes; or a list of the allocations in the order to place them).
     Each goes into a gap between the already placed allocations whose lifetimes overlap its own:
     the smallest gap that fits (``best_fit``) or the lowest (``first_fit``); with no gap that
-    fits, above all of them. Returns a :class:`PoolPlan`; O(n * s) in n allocations and s
-    segments, vectorised over the placed segments.
+    fits, above all of them. ``fixed``: key -> offset (bytes) of allocations placed there first,
+    before the others (the caller keeps them apart: blocks live together where they lie now).
+    Returns a :class:`PoolPlan`; O(n * s) in n allocations and s segments, vectorised over the
+    placed segments.
 
     Raises:
         ValueError: an unknown strategy or order.
@@ -106,6 +109,10 @@ def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="la
         ordered, name = sorted(allocs, key=ORDERS[order](allocs)), order
     else:
         ordered, name = list(order), "searched"
+    fixed = fixed or {}
+    if fixed:
+        ordered = [a for a in ordered if a.key in fixed] + [a for a in ordered if a.key not in fixed]
+        name += "/kept"
     seg_owner = np.array([i for i, a in enumerate(ordered) for _ in a.segments], dtype=np.int64)
     seg_start = np.array([s for a in ordered for s, _ in a.segments], dtype=np.int64)
     seg_end = np.array([e for a in ordered for _, e in a.segments], dtype=np.int64)
@@ -125,7 +132,9 @@ def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="la
         below = np.concatenate(([0], np.maximum.accumulate(hi)[:-1])) if len(hi) else hi
         gap = lo - below
         fits = np.flatnonzero(gap >= a.nbytes)
-        if len(fits):
+        if a.key in fixed:
+            offsets[i] = fixed[a.key]
+        elif len(fits):
             j = fits[np.argmin(gap[fits])] if strategy == "best_fit" else fits[0]
             offsets[i] = below[j]
         else:

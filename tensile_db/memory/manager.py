@@ -123,7 +123,7 @@ class MemoryManager(Residencies):
         self._unpinned = threading.Condition(self._lock)   # notified when pins or blocks go
         # guarded by _lock
         self.pool = PlannedPool(self._install_region, self._dissolve_region, enabled=pool == "planned",
-                                synchronous=device.simulated)
+                                synchronous=device.simulated, where=self._live_offsets)
         self.eviction = Eviction(self)
         self.cache = WeightCache(self)
 
@@ -181,6 +181,12 @@ class MemoryManager(Residencies):
         blocks = [t for t in self._tensors.values() if t.offset is not None and not t.readonly]
         return ({t.key: t.arena_nbytes for t in blocks if t.key is not None},
                 sum(t.arena_nbytes for t in blocks if t.key is None))
+
+    def _live_offsets(self) -> dict:
+        """Key -> arena offset of every keyed block in the arena (Note [Blocks kept in place] in
+        :mod:`~tensile_db.memory.planned`); called under the lock, at a period boundary."""
+        return {t.key: t.offset for t in self._tensors.values()
+                if t.offset is not None and not t.readonly and t.key is not None}
 
     def adopt(self, job_id: int, slot: str, kind: Kind, host: np.ndarray, readonly: bool = False) -> Tensor:
         """Register a tensor whose values start on the host (initial weights, optimizer state);
