@@ -109,9 +109,9 @@ def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="la
         ordered, name = sorted(allocs, key=ORDERS[order](allocs)), order
     else:
         ordered, name = list(order), "searched"
-    fixed = fixed or {}
-    if fixed:
-        ordered = [a for a in ordered if a.key in fixed] + [a for a in ordered if a.key not in fixed]
+    kept = [a for a in ordered if a.key in fixed] if fixed else []
+    if kept:
+        ordered = kept + [a for a in ordered if a.key not in fixed]
         name += "/kept"
     seg_owner = np.array([i for i, a in enumerate(ordered) for _ in a.segments], dtype=np.int64)
     seg_start = np.array([s for a in ordered for s, _ in a.segments], dtype=np.int64)
@@ -119,8 +119,10 @@ def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="la
     sizes = np.array([a.nbytes for a in ordered], dtype=np.int64)
     offsets = np.zeros(len(ordered), dtype=np.int64)
     placed = np.zeros(len(seg_owner), dtype=bool)
-    first_seg = 0
-    for i, a in enumerate(ordered):
+    offsets[:len(kept)] = [fixed[a.key] for a in kept]          # placed first, where they lie
+    first_seg = sum(len(a.segments) for a in kept)
+    placed[:first_seg] = True
+    for i, a in enumerate(ordered[len(kept):], len(kept)):
         hit = np.zeros(len(seg_owner), dtype=bool)
         for s, e in a.segments:
             hit |= (seg_start <= e) & (s <= seg_end)
@@ -132,9 +134,7 @@ def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="la
         below = np.concatenate(([0], np.maximum.accumulate(hi)[:-1])) if len(hi) else hi
         gap = lo - below
         fits = np.flatnonzero(gap >= a.nbytes)
-        if a.key in fixed:
-            offsets[i] = fixed[a.key]
-        elif len(fits):
+        if len(fits):
             j = fits[np.argmin(gap[fits])] if strategy == "best_fit" else fits[0]
             offsets[i] = below[j]
         else:

@@ -310,10 +310,7 @@ class PlannedPool:
             self._planning = None
         if live != self._start_live:
             return "the blocks live at this boundary differ from those the plan starts from"
-        base = None
-        if kept is not None and kept.arena_nbytes > KEPT_MAX_RATIO * figures["max_live_nbytes"]:
-            kept = None
-        for plan in (kept, packed) if kept is not None else (packed,):     # Note [Blocks kept in place]
+        for plan in [p for p in (kept, packed) if p is not None]:     # Note [Blocks kept in place]
             try:
                 base = self._install(plan, set(live), self._unkeyed_peak)
             except Exception as exc:    # a failed copy of a move: the blocks stay where they are now
@@ -456,9 +453,10 @@ def _plan(allocs: list[Allocation], search_s: float = SEARCH_S, max_tries: int |
           keep: dict | None = None) -> tuple[list[Allocation], PoolPlan, dict, PoolPlan | None, dict]:
     """On the planning thread: (the allocations, their offsets (checked), the figures reported
     for them, the packing with the blocks of ``keep`` (key -> arena offset) where they lie (Note
-    [Blocks kept in place]; None without ``keep``), ``keep``)."""
+    [Blocks kept in place]; None without ``keep``, or above :data:`KEPT_MAX_RATIO`), ``keep``)."""
     plan = plan_smallest(allocs, "best_fit", search_s, max_tries=max_tries)
     check_plan(allocs, plan)
+    figures = _figures(allocs, plan)
     kept = None
     end = max((e for a in allocs for _, e in a.segments), default=0)
     fixed = {a.key: keep[a.key] for a in allocs if a.key in (keep or {}) and a.segments == ((0, end),)}
@@ -466,7 +464,9 @@ def _plan(allocs: list[Allocation], search_s: float = SEARCH_S, max_tries: int |
         kept = min((plan_offsets(allocs, "best_fit", order, fixed=fixed) for order in ORDERS),
                    key=lambda p: p.arena_nbytes)
         check_plan(allocs, kept)
-    return allocs, plan, _figures(allocs, plan), kept, keep or {}
+        if kept.arena_nbytes > KEPT_MAX_RATIO * figures["max_live_nbytes"]:
+            kept = None
+    return allocs, plan, figures, kept, keep or {}
 
 
 def _figures(allocs: list[Allocation], plan: PoolPlan) -> dict:

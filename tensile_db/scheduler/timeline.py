@@ -322,8 +322,7 @@ class Simulator:
         # (a, decision index, bytes) of the swaps whose swap-in comes before their swap-out in a
         # period, by event ``a`` (of the swap-out) and index: out when a simulation starts
         self._wrapping: list[tuple[int, int, int]] = []
-        self._recompute_s = np.zeros(timeline.n)          # seconds of recomputes before each op
-        self._recomputes: dict[int, float] = {}           # the same, at the events that have any
+        self._recomputes: dict[int, float] = {}           # event -> seconds of recomputes before its op
         self._transfer_nbytes = 0
         self._durations = timeline.durations_s.tolist()
         self._prefix_s = [0.0, *itertools.accumulate(self._durations)]   # the ops' seconds before each event
@@ -372,7 +371,6 @@ class Simulator:
         if d.method == "swap":
             self._transfer_nbytes += 2 * d.nbytes
         else:
-            self._recompute_s[d.b] += d.recipe_s
             self._recomputes[d.b] = self._recomputes.get(d.b, 0.0) + d.recipe_s
 
     def _with(self, also: Decision | None) -> tuple[list, dict[int, float], list[tuple[int, int, int]]]:
@@ -389,14 +387,11 @@ class Simulator:
 
     def simulate(self, also: Decision | None = None) -> Simulation:
         """Predict the timing of the decisions, and of ``also`` after them if given (not added)."""
-        nbytes, recompute_s = self._transfer_nbytes, self._recompute_s
-        if also is not None and also.method == "swap":
-            nbytes += 2 * also.nbytes
-        elif also is not None:
-            recompute_s = recompute_s.copy()
-            recompute_s[also.b] += also.recipe_s
-        start_s, period_s, stall_s, busy_s, disk_nbytes = self._replay(*self._with(also), len(self.decisions) + 1)
-        return Simulation(start_s, period_s, self._compute_s, stall_s, float(recompute_s.sum()), nbytes, busy_s,
+        steps, recomputes, wrapping = self._with(also)
+        nbytes = self._transfer_nbytes + (2 * also.nbytes if also is not None and also.method == "swap" else 0)
+        start_s, period_s, stall_s, busy_s, disk_nbytes = self._replay(steps, recomputes, wrapping,
+                                                                       len(self.decisions) + 1)
+        return Simulation(start_s, period_s, self._compute_s, stall_s, sum(recomputes.values()), nbytes, busy_s,
                           disk_nbytes)
 
     def extra_s(self, also: Decision | None = None) -> float:
