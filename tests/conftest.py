@@ -9,6 +9,7 @@ are installed.
 
 from __future__ import annotations
 
+import os
 import shutil
 import site
 import subprocess
@@ -17,6 +18,10 @@ import time
 
 import psycopg
 import pytest
+
+#: The device the runtime tests that run jobs on an executor run on: ``cpu`` unless the
+#: environment's TENSILE_TEST_DEVICE names another (``cuda`` on a machine with a GPU and CuPy).
+TEST_DEVICE = os.environ.get("TENSILE_TEST_DEVICE", "cpu")
 
 #: Device budget of the test cluster's coordinator, bytes.
 TEST_BUDGET = 3 * 1024 * 1024

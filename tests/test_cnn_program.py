@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
+from conftest import TEST_DEVICE
 from test_network import random_weights
 # The access-sequence invariants of the MLP programs, collected here with this module's
 # ``program`` fixture, so that they run on the CNN programs below.
@@ -354,7 +355,7 @@ class Dropping:
 def train_directly(job: TrainingJob, drops: dict[int, list[str]]) -> JobMemory:
     """Run the whole training of ``job`` on a manager of unlimited budget, without an executor,
     dropping ``drops`` (see :class:`Dropping`). Returns the job's memory counters."""
-    mm = MemoryManager(Device("cpu"), 64 * job.vanilla_peak_nbytes)
+    mm = MemoryManager(Device(TEST_DEVICE), 64 * job.vanilla_peak_nbytes)
     mm.register_job(job.id)
     try:
         for _ in job.ops(mm, mm.device, Dropping(mm, drops)):

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import TEST_DEVICE
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
 from tensile_db.errors import DeviceOutOfMemory, JobCancelled
@@ -40,7 +41,7 @@ def wait_done(job: TrainingJob) -> str:
 
 @pytest.fixture
 def executor():
-    ex = Executor(MemoryManager(Device("cpu"), 1 << 20), max_active_jobs=1)
+    ex = Executor(MemoryManager(Device(TEST_DEVICE), 1 << 20), max_active_jobs=1)
     ex.start()
     yield ex
     ex.stop()
@@ -79,7 +80,7 @@ def test_a_job_that_can_never_fit_is_refused(executor):
 
 
 def test_stop_cancels_running_jobs():
-    ex = Executor(MemoryManager(Device("cpu"), 1 << 20))
+    ex = Executor(MemoryManager(Device(TEST_DEVICE), 1 << 20))
     ex.start()
     job = make_job("long", epochs=10_000)
     ex.submit(job)

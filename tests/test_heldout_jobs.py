@@ -18,7 +18,7 @@ from multiprocessing.connection import Pipe
 import numpy as np
 import pytest
 
-from conftest import wait_until
+from conftest import TEST_DEVICE, wait_until
 from tensile_db.coordinator import protocol
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
@@ -38,7 +38,7 @@ WAIT_S = 30
 
 @pytest.fixture
 def executor():
-    ex = Executor(MemoryManager(Device("cpu"), BUDGET_NBYTES), max_active_jobs=4)
+    ex = Executor(MemoryManager(Device(TEST_DEVICE), BUDGET_NBYTES), max_active_jobs=4)
     ex.start()
     yield ex
     ex.stop()

@@ -26,7 +26,7 @@ from tensile_db.runtime.device import Device
 from tensile_db.runtime.model import ModelSpec, parse_architecture
 from tensile_db.runtime.program import Kind, Slot
 
-from conftest import wait_done, wait_until
+from conftest import TEST_DEVICE, wait_done, wait_until
 from test_scheduler import FAST, make_job
 
 HIDDEN = [{"dense": 96}, {"dense": 64, "activation": "tanh"}, {"dense": 128}, {"dense": 48, "activation": "sigmoid"},
@@ -73,7 +73,7 @@ def features(spec, n=300, seed=1) -> np.ndarray:
 
 
 def service(budget=1 << 22) -> InferenceService:
-    return InferenceService(MemoryManager(Device("cpu"), budget))
+    return InferenceService(MemoryManager(Device(TEST_DEVICE), budget))
 
 
 def predict(svc, model_id, spec, w, x, window, batch_size=64, cache=True, version="v1", name="m", **kw):
@@ -239,7 +239,7 @@ def test_a_cnn_call_shares_a_tight_budget_with_a_training_job_without_overlap():
     sizing = service()
     need = max(layered.step_nbytes(sizing.store.add(1, "v", "m", spec, w), 64))
     sizing.manager.close()
-    mm = MemoryManager(Device("cpu"), round_up(job.min_working_set_nbytes + need))
+    mm = MemoryManager(Device(TEST_DEVICE), round_up(job.min_working_set_nbytes + need))
     watched(mm, lambda: None)
     ex = Executor(mm, cost=FAST)
     svc = InferenceService(mm)
@@ -361,7 +361,7 @@ def test_concurrent_calls_and_a_training_job_share_a_small_budget_without_overla
     one_model = max(sum(t.arena_nbytes for t in service().store.add(0, "v", "m", s, w).layers)
                     for s, w in zip(specs, weights))
     budget = round_up(job.min_working_set_nbytes + 3 * one_model // 2)
-    mm = MemoryManager(Device("cpu"), budget)
+    mm = MemoryManager(Device(TEST_DEVICE), budget)
     checks = {"acquires": 0}
     original = mm.acquire
 

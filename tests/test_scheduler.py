@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import wait_done
+from conftest import TEST_DEVICE, wait_done
 from test_bound import CNN
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
@@ -63,7 +63,7 @@ def make_job(spec=SPEC, options=OPTIONS, seed=0, n=512) -> TrainingJob:
 def run(jobs, budget_nbytes, policy, cost=FAST, check_residency=False, between=None, pool="planned", prepare=None):
     """Run ``jobs`` to completion on a fresh cpu executor with ``pool``; ``prepare(jobs, manager)``
     runs before the first submit. Returns (manager, executor)."""
-    mm = MemoryManager(Device("cpu"), budget_nbytes, pool=pool)
+    mm = MemoryManager(Device(TEST_DEVICE), budget_nbytes, pool=pool)
     ex = Executor(mm, policy=policy, cost=cost)
     if check_residency:
         for job in jobs:
@@ -480,7 +480,7 @@ def test_predicted_peak_matches_the_measured_peak():
     options = TrainOptions(epochs=4, batch_size=64, optimizer="adam", lr=0.005, seed=11)
     jobs = [make_job(options=options, seed=s) for s in (1, 2)]
     # the plan predicts live bytes; a planned pool's region adds its packing (see test_planned)
-    mm = MemoryManager(Device("cpu"), budget_of(jobs, 0.5), pool="general")
+    mm = MemoryManager(Device(TEST_DEVICE), budget_of(jobs, 0.5), pool="general")
     ex = Executor(mm, policy="tensile", cost=FAST)
     ex.scheduler.drift = math.inf                    # keep one plan once both jobs are measured
     ex.start()

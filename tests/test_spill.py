@@ -13,6 +13,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from conftest import TEST_DEVICE
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
 from tensile_db.errors import CorruptModel, InvalidArgument
@@ -33,13 +34,18 @@ def spill(tmp_path):
 
 
 def manager(spill, budget=1 << 20, host_budget=0) -> MemoryManager:
-    mm = MemoryManager(Device("cpu"), budget, host_budget_nbytes=host_budget, spill=spill)
+    mm = MemoryManager(Device(TEST_DEVICE), budget, host_budget_nbytes=host_budget, spill=spill)
     mm.register_job(JOB)
     return mm
 
 
 def values(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def write(mm, t, host: np.ndarray) -> None:
+    """Set the values of the resident tensor ``t`` from the host array ``host``."""
+    mm.array(t)[...] = mm.device.xp.asarray(host)
 
 
 def load(mm, t) -> np.ndarray:
@@ -93,7 +99,7 @@ def test_swapped_out_tensors_spill_when_the_host_tier_is_full_and_reload_bit_exa
     tensors = []
     for i in range(6):                                    # 6 x 12 KiB on a 64 KiB device, 16 KiB host
         (t,) = mm.acquire(JOB, [], [Slot(f"t{i}", Kind.ACTIVATION, (3072,))])
-        mm.array(t)[...] = values(3072, 10 + i)
+        write(mm, t, values(3072, 10 + i))
         mm.unpin([t])
         tensors.append(t)
     for t in tensors:
@@ -252,8 +258,8 @@ def train(mm: MemoryManager, policy: str, held_out: bool = False) -> TrainingJob
 
 @pytest.mark.parametrize("policy", ["tensile", "reactive"])
 def test_training_through_the_disk_tier_is_bit_identical_to_an_unlimited_run(spill, policy):
-    reference = train(MemoryManager(Device("cpu"), 64 << 20), policy)
-    mm = MemoryManager(Device("cpu"), 1 << 20, host_budget_nbytes=256 << 10, spill=spill)
+    reference = train(MemoryManager(Device(TEST_DEVICE), 64 << 20), policy)
+    mm = MemoryManager(Device(TEST_DEVICE), 1 << 20, host_budget_nbytes=256 << 10, spill=spill)
     spilled = train(mm, policy)
     assert spilled.memory.spilled_nbytes > 0 and spilled.memory.disk_read_nbytes > 0
     assert mm.host_peak_nbytes <= 256 << 10
@@ -269,7 +275,7 @@ def test_training_through_the_disk_tier_is_bit_identical_to_an_unlimited_run(spi
 
 
 def test_a_result_that_fits_the_host_tier_is_counted_in_it_until_discarded(spill):
-    mm = MemoryManager(Device("cpu"), 1 << 20, host_budget_nbytes=4 << 20, spill=spill)
+    mm = MemoryManager(Device(TEST_DEVICE), 1 << 20, host_budget_nbytes=4 << 20, spill=spill)
     job = train(mm, "tensile")
     assert job.result.in_memory
     weights = sum(a.nbytes for name, a in job.result.items() if name[0] not in "xy")
@@ -279,8 +285,8 @@ def test_a_result_that_fits_the_host_tier_is_counted_in_it_until_discarded(spill
 
 
 def test_held_out_losses_and_early_stopping_with_weights_beyond_the_host_budget(spill):
-    reference = train(MemoryManager(Device("cpu"), 64 << 20), "tensile", held_out=True)
-    mm = MemoryManager(Device("cpu"), 1 << 20, host_budget_nbytes=256 << 10, spill=spill)
+    reference = train(MemoryManager(Device(TEST_DEVICE), 64 << 20), "tensile", held_out=True)
+    mm = MemoryManager(Device(TEST_DEVICE), 1 << 20, host_budget_nbytes=256 << 10, spill=spill)
     spilled = train(mm, "tensile", held_out=True)
     assert not spilled.result.in_memory
     assert [h["epoch"] for h in spilled.history] == [h["epoch"] for h in reference.history]
@@ -306,7 +312,7 @@ def test_random_moves_through_three_tiers_keep_the_values_and_the_budgets(spill,
         n = int(rng.integers(1, 2048))
         (t,) = mm.acquire(JOB, [], [Slot(f"t{len(expected)}", Kind.ACTIVATION, (n,))])
         expected[t.id] = rng.standard_normal(n).astype(np.float32)
-        mm.array(t)[...] = expected[t.id]
+        write(mm, t, expected[t.id])
         mm.unpin([t])
         tensors.append(t)
 
@@ -372,7 +378,7 @@ def test_a_full_disk_fails_the_move_and_loses_nothing(spill, full_disk, how):
         assert [t.slot for t in mm.tensors(JOB)] == ["keep"]
     else:
         (t,) = mm.acquire(JOB, [], [Slot("a", Kind.ACTIVATION, (2048,))])
-        mm.array(t)[...] = values(2048, 6)
+        write(mm, t, values(2048, 6))
         mm.unpin([t])
         with pytest.raises(DiskFull):
             if how == "evict":
@@ -391,7 +397,7 @@ def test_a_full_disk_fails_the_move_and_loses_nothing(spill, full_disk, how):
 
 
 def test_a_job_cancelled_while_holding_copies_of_its_weights_gives_them_back(spill):
-    mm = MemoryManager(Device("cpu"), 1 << 20, host_budget_nbytes=256 << 10, spill=spill)
+    mm = MemoryManager(Device(TEST_DEVICE), 1 << 20, host_budget_nbytes=256 << 10, spill=spill)
     ex = Executor(mm)
     ex.start()
     try:
@@ -439,7 +445,7 @@ def test_training_a_model_larger_than_the_host_budget_never_holds_it_in_host_mem
     spec = models.ModelSpec(models.parse_architecture({"layers": [{"dense": 256}] * 8}), 16, 2, "classification")
     options = models.parse_options({"epochs": 2, "batch_size": 64, "optimizer": "adam", "seed": 1})
     host_budget = 64 << 10
-    mm = MemoryManager(Device("cpu"), 2 << 20, host_budget_nbytes=host_budget, spill=spill)
+    mm = MemoryManager(Device(TEST_DEVICE), 2 << 20, host_budget_nbytes=host_budget, spill=spill)
     ex = Executor(mm)
     ex.start()
     tracemalloc.start()

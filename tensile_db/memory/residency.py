@@ -174,7 +174,7 @@ class Residencies:
         t.residency = Residency.SWAPPING_IN
         self._account(t, device=t.arena_nbytes)
         if t.host is not None:
-            t.transfer = self.engine.to_device(t.host, self.array(t, Residency.SWAPPING_IN), pinned=t.readonly)
+            t.transfer = self.engine.to_device(t.host, self.array(t, Residency.SWAPPING_IN))
         else:                                           # from the disk tier or the source
             t.transfer = self.engine.from_disk(self._reader(t), self._block(t))
         return True

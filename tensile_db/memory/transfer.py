@@ -23,7 +23,7 @@ import concurrent.futures
 
 import numpy as np
 
-from ..runtime.device import pinned_empty
+from ..runtime.device import is_pinned, pinned_empty
 
 
 class Transfer:
@@ -69,17 +69,17 @@ class TransferEngine:
             return Transfer(future.done, future.result, host)
         return self._cuda_copy(array, None)  # pragma: no cover - cuda only
 
-    def to_device(self, host: np.ndarray, array, pinned: bool = False) -> Transfer:
+    def to_device(self, host: np.ndarray, array) -> Transfer:
         """Start copying ``host`` into the device array ``array`` (same shape and dtype). On
-        ``cuda``, ``pinned`` says ``host`` is already page-locked (from
-        :meth:`~tensile_db.runtime.device.Device.host_empty`), so it is copied from directly,
-        not staged; it must not change until the copy completes."""
+        ``cuda``, a ``host`` in page-locked memory (from
+        :meth:`~tensile_db.runtime.device.Device.host_empty` or a swap-out) is copied from
+        directly and must not change until the copy completes; any other is staged first."""
         if self.device.simulated:
             return self._sim_copy("h2d", array)
         if self.device.name == "cpu":
             future = self._pool.submit(np.copyto, array, host)
             return Transfer(future.done, future.result)
-        return self._cuda_copy(array, host, pinned)  # pragma: no cover - cuda only
+        return self._cuda_copy(array, host)  # pragma: no cover - cuda only
 
     def to_disk(self, array, file, offset: int) -> Transfer:
         """Start writing the device array ``array`` (uint8, 1-D) to the spill file ``file`` (a
@@ -139,7 +139,7 @@ class TransferEngine:
         copy, clock = self.device.start_copy(direction, array.nbytes), self.device.clock
         return Transfer(lambda: copy.done, lambda: clock.wait(copy), host)
 
-    def _cuda_copy(self, array, host, host_pinned=False):  # pragma: no cover - cuda only
+    def _cuda_copy(self, array, host):  # pragma: no cover - cuda only
         cupy = self._cupy
         stream = self._streams["d2h" if host is None else "h2d"]
         queued = cupy.cuda.get_current_stream().record()
@@ -147,7 +147,7 @@ class TransferEngine:
         if host is None:
             pinned = pinned_empty(cupy, array.shape, array.dtype)
             array.get(stream=stream, out=pinned)
-        elif host_pinned:
+        elif is_pinned(host):
             array.set(host, stream=stream)
         else:
             pinned = pinned_empty(cupy, host.shape, host.dtype)
