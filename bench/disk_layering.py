@@ -56,7 +56,7 @@ from tensile_db.inference.service import InferenceService
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.memory.spill import SpillDir
 from tensile_db.runtime import model as models
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.device import CpuDevice
 
 #: Demand Layering (Ji et al., arXiv 2210.04024): memory saved and delay, as the paper reports them.
 PAPER = [("paper: least memory", "96.5%", "+14.8%"), ("paper: least delay", "88.4%", "< 1 ms")]
@@ -114,7 +114,7 @@ def run_once(args) -> dict:
     base_rss, _ = resident_set()               # before the store opens anything
     with tempfile.TemporaryDirectory(prefix="tensile-bench-spill-", dir=args.dir) as spill_root:
         spill = SpillDir(spill_root)
-        manager = MemoryManager(Device("cpu"), device_nbytes, host_budget_nbytes=args.host_mib << 20, spill=spill)
+        manager = MemoryManager(CpuDevice(), device_nbytes, host_budget_nbytes=args.host_mib << 20, spill=spill)
         svc = InferenceService(manager, models_dir=args.models_dir)
         model = svc.store.checkout(MODEL_ID, VERSION, NAME, spec)
         assert model is not None, "the model file is missing"

@@ -33,7 +33,7 @@ from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import model as models
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.device import CpuDevice
 from tensile_db.scheduler.cost import CostModel, measure_bandwidth
 
 FEATURES, CLASSES, WIDTH = 64, 2, 64
@@ -63,7 +63,7 @@ def run(beside: int | None, policy: str, cost: CostModel) -> float:
     long_job = make_job(f"{beside} layers", beside, 100_000, 4 * BATCH, seed=2) if beside else None
     jobs = [small] + ([long_job] if long_job else [])
     budget = BUDGET_HEADROOM * sum(j.vanilla_peak_nbytes for j in jobs)
-    executor = Executor(MemoryManager(Device("cpu"), budget), policy=policy, cost=cost)
+    executor = Executor(MemoryManager(CpuDevice(), budget), policy=policy, cost=cost)
     executor.start()
     try:
         if long_job is not None:
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--policy", default="tensile")
     args = parser.parse_args()
-    probe = MemoryManager(Device("cpu"), 1 << 20)
+    probe = MemoryManager(CpuDevice(), 1 << 20)
     cost = measure_bandwidth(probe.device, probe.engine)     # measured once, shared by every run
     probe.close()
     configs: list[int | None] = [None, *LONG_LAYERS]

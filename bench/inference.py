@@ -36,7 +36,7 @@ from tabulate import tabulate
 from tensile_db.inference.service import InferenceService
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import model as models
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.devices import make_device
 from tensile_db.runtime.weights import serialize_weights
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
@@ -63,7 +63,7 @@ def timed_call(device: str, spec, weights, x, window: int, batch: int, preloaded
     manager. ``preloaded``: a first call fills the weight cache and the timed one finds every layer
     resident."""
     budget = 2 * sum(w.nbytes for w in weights.values()) + (64 << 20)
-    svc = InferenceService(MemoryManager(Device(device), budget))
+    svc = InferenceService(MemoryManager(make_device(device), budget))
     try:
         if preloaded:
             model = svc.store.add(1, "v", "bench", spec, weights)

@@ -77,7 +77,7 @@ from tensile_db.memory.manager import MemoryManager
 from tensile_db.memory.planned import PlannedPool
 from tensile_db.memory.lifetimes import (Allocation, PoolPlan, max_live_nbytes, plan_offsets, plan_smallest,
                                          replay_general_pool)
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions, parse_architecture
 from tensile_db.runtime.builder import build_training_program
 from tensile_db.scheduler.allocations import allocations_of
@@ -344,7 +344,7 @@ def recorded_trace(models: list[str], fraction: float, batch: int = 256, iterati
         x = rng.normal(size=(batch * 4, spec.n_features)).astype(np.float32)
         jobs.append(TrainingJob(JobInfo(0, "bench", m), spec, options, x, y))
     budget = int(fraction * sum(j.vanilla_peak_nbytes for j in jobs))
-    manager = MemoryManager(Device("cpu"), max(budget, max(j.min_working_set_nbytes for j in jobs)))
+    manager = MemoryManager(CpuDevice(), max(budget, max(j.min_working_set_nbytes for j in jobs)))
     executor = Executor(manager, policy="tensile", cost=COST)
     executor.start()
     deadline = time.perf_counter() + limit_s

@@ -65,7 +65,7 @@ from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import model as models
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.devices import make_device
 from tensile_db.scheduler.cost import CostModel, measure_bandwidth
 
 FEATURES, CLASSES = 64, 10
@@ -215,7 +215,7 @@ def run(workload: str, policy: str, budget_nbytes: int | None, iterations: int, 
     jobs = make_jobs(workload, iterations)
     if budget_nbytes is None:
         budget_nbytes = VANILLA_HEADROOM * sum(j.vanilla_peak_nbytes for j in jobs)
-    manager = MemoryManager(Device(device), budget_nbytes)
+    manager = MemoryManager(make_device(device), budget_nbytes)
     executor = Executor(manager, policy="reactive" if policy == "vanilla" else policy, cost=cost)
     by_id = {j.id: j for j in jobs}
     recomputed: collections.Counter = collections.Counter()
@@ -502,7 +502,7 @@ def main() -> None:
     iterations = args.iterations or (6 if args.quick else 10)
     started = time.perf_counter()
 
-    probe = MemoryManager(Device(args.device), 64 * MiB)
+    probe = MemoryManager(make_device(args.device), 64 * MiB)
     cost = measure_bandwidth(probe.device, probe.engine)
     probe.close()
     print_header(args, cost, iterations)

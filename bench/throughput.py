@@ -45,7 +45,7 @@ from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import model as models
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.device import CpuDevice
 from tensile_db.scheduler.cost import CostModel, measure_bandwidth
 
 MiB = 1 << 20
@@ -116,7 +116,7 @@ def ours(w: Workload, x, y, fraction: float | None, cost: CostModel) -> Measured
     options = models.parse_options({"epochs": 1, "batch_size": w.batch, "standardize": False})
     job = TrainingJob(JobInfo(0, "bench", w.name), w.spec, options, x, y)
     budget = budget_for(job, fraction)
-    executor = Executor(MemoryManager(Device("cpu"), budget), policy=POLICY, cost=cost)
+    executor = Executor(MemoryManager(CpuDevice(), budget), policy=POLICY, cost=cost)
     n_ops, ends, op_s = len(job.program.ops), [], collections.Counter()
     names = [op.name for op in job.program.ops]
     hook = executor.scheduler.after
@@ -262,7 +262,7 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     threads = cnn.blas_threads()
-    probe = MemoryManager(Device("cpu"), 64 * MiB)
+    probe = MemoryManager(CpuDevice(), 64 * MiB)
     cost = measure_bandwidth(probe.device, probe.engine)
     probe.close()
     loads = workloads(args.quick)

@@ -39,7 +39,7 @@ from test_program import (  # noqa: F401
 from test_scheduler import SLOW, budget_of, run
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.manager import JobMemory, MemoryManager, Residency
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.devices import make_device
 from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.model import ModelSpec, TrainOptions
 from tensile_db.runtime.network import INPUT
@@ -355,7 +355,7 @@ class Dropping:
 def train_directly(job: TrainingJob, drops: dict[int, list[str]]) -> JobMemory:
     """Run the whole training of ``job`` on a manager of unlimited budget, without an executor,
     dropping ``drops`` (see :class:`Dropping`). Returns the job's memory counters."""
-    mm = MemoryManager(Device(TEST_DEVICE), 64 * job.vanilla_peak_nbytes)
+    mm = MemoryManager(make_device(TEST_DEVICE), 64 * job.vanilla_peak_nbytes)
     mm.register_job(job.id)
     try:
         for _ in job.ops(mm, mm.device, Dropping(mm, drops)):

@@ -18,9 +18,8 @@ import pytest
 
 from tensile_db.errors import InvalidArgument
 from tensile_db.memory.spill import SpillFile
-from tensile_db.memory.transfer import TransferEngine
 from tensile_db.runtime.builder import build_training_program
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
 from tensile_db.scheduler.cost import CostModel, measure_disk
 from tensile_db.scheduler.engine import Scheduler
@@ -230,9 +229,9 @@ class StandInSpillDir:
 
 @pytest.mark.parametrize("host_budget_nbytes", [None, 0, 1 << 20])
 def test_the_scheduler_measures_the_disk_tier_and_carries_the_host_budget(host_budget_nbytes):
-    device = Device("cpu")
+    device = CpuDevice()
     spill = StandInSpillDir()
-    manager = SimpleNamespace(device=device, engine=TransferEngine(device), budget_nbytes=1 << 22,
+    manager = SimpleNamespace(device=device, engine=device.copy_engine(), budget_nbytes=1 << 22,
                               host_budget_nbytes=host_budget_nbytes, spill=spill, pool=SimpleNamespace(offload=None))
     scheduler = Scheduler(manager, policy="reactive")
     try:

@@ -12,9 +12,10 @@ import pytest
 
 from conftest import TEST_DEVICE
 from test_scheduler import budget_of, make_job, run
-from tensile_db.memory import transfer
 from tensile_db.memory.manager import MemoryManager, Residency
-from tensile_db.runtime.device import Device, is_pinned
+from tensile_db.runtime import cuda
+from tensile_db.runtime.cuda import WORKSPACE_JOB, is_pinned
+from tensile_db.runtime.devices import make_device
 from tensile_db.runtime.program import Kind, Slot
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="runs with TENSILE_TEST_DEVICE=cuda on a GPU")
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="runs with TENSILE
 def test_a_swap_in_copies_straight_from_the_swap_outs_page_locked_copy(monkeypatch):
     import cupy
 
-    mm = MemoryManager(Device("cuda"), 1 << 20)
+    mm = MemoryManager(make_device("cuda"), 1 << 20)
     mm.register_job(1)
     value = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
     (t,) = mm.acquire(1, [], [Slot("a", Kind.ACTIVATION, value.shape)])
@@ -34,7 +35,7 @@ def test_a_swap_in_copies_straight_from_the_swap_outs_page_locked_copy(monkeypat
     assert t.residency is Residency.HOST and is_pinned(t.host)
     assert not is_pinned(value)
     staged = []
-    monkeypatch.setattr(transfer, "pinned_empty", lambda *a: staged.append(a) or np.empty(a[1], a[2]))
+    monkeypatch.setattr(cuda, "pinned_empty", lambda *a: staged.append(a) or np.empty(a[1], a[2]))
     mm.swap_in(t)
     mm.acquire(1, [t], [])
     assert np.array_equal(cupy.asnumpy(mm.array(t)), value)
@@ -47,7 +48,7 @@ def test_a_swap_in_copies_straight_from_the_swap_outs_page_locked_copy(monkeypat
 def test_uniform_draws_are_fixed_by_the_seed_in_zero_to_one_and_allocate_nothing(dtype):
     import cupy
 
-    device = Device("cuda")
+    device = make_device("cuda")
     out, again, other = (cupy.empty((1000, 1000), dtype) for _ in range(3))
     allocations = []
     pool = cupy.get_default_memory_pool()
@@ -68,13 +69,11 @@ def routed_allocator():
     allocator is back afterwards."""
     import cupy
 
-    from tensile_db.memory.cuda import WORKSPACE_JOB, route_cupy_allocator
-
     default = cupy.cuda.get_allocator()
     managers = []
 
     def route(jobs, mm):
-        route_cupy_allocator(mm)
+        mm.device.route_allocations(mm)
         managers.append(mm)
 
     yield route

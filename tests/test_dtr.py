@@ -28,7 +28,7 @@ from tensile_db.memory.arena import UNIT_NBYTES
 from tensile_db.memory.manager import MemoryManager, Residency
 from tensile_db.runtime import model as models
 from tensile_db.runtime.builder import build_training_program
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
 from tensile_db.runtime.program import Kind, Op, Slot
 from tensile_db.runtime.simulated import SimDevice
@@ -71,7 +71,7 @@ def train(jobs: list[TrainingJob], budget_nbytes: int, policy: str, cost: CostMo
     ``manager``, ``executor`` and ``drops``, (tensor, id of the job whose op was running, the
     owner's next op, the tensor's keeps, whether an eviction made it rather than a plan) for every
     drop."""
-    mm = MemoryManager(Device("cpu"), budget_nbytes)
+    mm = MemoryManager(CpuDevice(), budget_nbytes)
     ex = Executor(mm, policy=policy, cost=cost)
     running, drops, evicting = [None], [], [False]
     before, after, drop, evict = ex.scheduler.before, ex.scheduler.after, mm.drop, mm.evict
@@ -156,7 +156,7 @@ def policy_on(position: int, op_s: dict[int, float], cost: CostModel = SLOW):
     positions = FarthestNextUse()
     positions.track(1, program)
     positions.advance(1, position)
-    clock, device = Clock(), Device("cpu")
+    clock, device = Clock(), CpuDevice()
     device.now = clock
     dtr = Rematerialization(positions, {1: sequence}, cost, clock)
     mm = MemoryManager(device, 1 << 20, next_use=dtr, pool="general")

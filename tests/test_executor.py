@@ -14,7 +14,7 @@ from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
 from tensile_db.errors import DeviceOutOfMemory, JobCancelled
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import model as models
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.devices import make_device
 
 
 def make_job(name: str, epochs: int = 2, width: int = 32) -> TrainingJob:
@@ -41,7 +41,7 @@ def wait_done(job: TrainingJob) -> str:
 
 @pytest.fixture
 def executor():
-    ex = Executor(MemoryManager(Device(TEST_DEVICE), 1 << 20), max_active_jobs=1)
+    ex = Executor(MemoryManager(make_device(TEST_DEVICE), 1 << 20), max_active_jobs=1)
     ex.start()
     yield ex
     ex.stop()
@@ -80,7 +80,7 @@ def test_a_job_that_can_never_fit_is_refused(executor):
 
 
 def test_stop_cancels_running_jobs():
-    ex = Executor(MemoryManager(Device(TEST_DEVICE), 1 << 20))
+    ex = Executor(MemoryManager(make_device(TEST_DEVICE), 1 << 20))
     ex.start()
     job = make_job("long", epochs=10_000)
     ex.submit(job)

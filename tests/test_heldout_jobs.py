@@ -1,7 +1,7 @@
 """Held-out rows in training: the per-epoch held-out loss, early stopping, a stop asked for by a
 search, and the coordinator's ``search`` and ``train`` requests end to end, without PostgreSQL.
 
-Jobs run on an :class:`Executor` over ``Device("cpu")`` with a small budget. The held-out loss is
+Jobs run on an :class:`Executor` over the ``cpu`` device (``TENSILE_TEST_DEVICE``) with a small budget. The held-out loss is
 checked against a float64 forward pass written here (dense ReLU, dense, softmax cross-entropy),
 so that the job's own loss code is not its own reference; early stopping is checked by its rule
 on the recorded history, and by the stored weights giving the best epoch's loss. The search is
@@ -27,7 +27,7 @@ from tensile_db.errors import InvalidArgument, JobCancelled, TensileError
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import model as models
 from tensile_db.runtime import search
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.devices import make_device
 from tensile_db.runtime.preprocess import fit_scaling
 
 BUDGET_NBYTES = 1 << 20
@@ -38,7 +38,7 @@ WAIT_S = 30
 
 @pytest.fixture
 def executor():
-    ex = Executor(MemoryManager(Device(TEST_DEVICE), BUDGET_NBYTES), max_active_jobs=4)
+    ex = Executor(MemoryManager(make_device(TEST_DEVICE), BUDGET_NBYTES), max_active_jobs=4)
     ex.start()
     yield ex
     ex.stop()

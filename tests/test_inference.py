@@ -22,7 +22,8 @@ from tensile_db.inference.service import InferenceService
 from tensile_db.memory.arena import round_up
 from tensile_db.memory.manager import MemoryManager, Residency
 from tensile_db.runtime import model as models
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.device import CpuDevice
+from tensile_db.runtime.devices import make_device
 from tensile_db.runtime.model import ModelSpec, parse_architecture
 from tensile_db.runtime.program import Kind, Slot
 
@@ -73,7 +74,7 @@ def features(spec, n=300, seed=1) -> np.ndarray:
 
 
 def service(budget=1 << 22) -> InferenceService:
-    return InferenceService(MemoryManager(Device(TEST_DEVICE), budget))
+    return InferenceService(MemoryManager(make_device(TEST_DEVICE), budget))
 
 
 def predict(svc, model_id, spec, w, x, window, batch_size=64, cache=True, version="v1", name="m", **kw):
@@ -239,7 +240,7 @@ def test_a_cnn_call_shares_a_tight_budget_with_a_training_job_without_overlap():
     sizing = service()
     need = max(layered.step_nbytes(sizing.store.add(1, "v", "m", spec, w), 64))
     sizing.manager.close()
-    mm = MemoryManager(Device(TEST_DEVICE), round_up(job.min_working_set_nbytes + need))
+    mm = MemoryManager(make_device(TEST_DEVICE), round_up(job.min_working_set_nbytes + need))
     watched(mm, lambda: None)
     ex = Executor(mm, cost=FAST)
     svc = InferenceService(mm)
@@ -361,7 +362,7 @@ def test_concurrent_calls_and_a_training_job_share_a_small_budget_without_overla
     one_model = max(sum(t.arena_nbytes for t in service().store.add(0, "v", "m", s, w).layers)
                     for s, w in zip(specs, weights))
     budget = round_up(job.min_working_set_nbytes + 3 * one_model // 2)
-    mm = MemoryManager(Device(TEST_DEVICE), budget)
+    mm = MemoryManager(make_device(TEST_DEVICE), budget)
     checks = {"acquires": 0}
     original = mm.acquire
 
@@ -403,7 +404,7 @@ def test_concurrent_calls_and_a_training_job_share_a_small_budget_without_overla
 
 
 def test_an_acquire_waits_for_another_threads_pins_instead_of_failing():
-    mm = MemoryManager(Device("cpu"), 8 * 1024)
+    mm = MemoryManager(CpuDevice(), 8 * 1024)
     for job in (1, 2):
         mm.register_job(job)
     (held,) = mm.acquire(1, [], [Slot("a", Kind.ACTIVATION, (1536,))])      # 6 KiB pinned by this thread
@@ -452,7 +453,7 @@ def test_calls_whose_models_do_not_fit_together_start_one_after_the_other():
 
 def test_a_waiting_acquire_drains_other_threads_pins_that_keep_coming_back(monkeypatch):
     monkeypatch.setattr("tensile_db.memory.manager.PIN_WAIT_S", 5.0)
-    mm = MemoryManager(Device("cpu"), 64 * 1024)
+    mm = MemoryManager(CpuDevice(), 64 * 1024)
     for job in (1, 2):
         mm.register_job(job)
     stop, ops = threading.Event(), []

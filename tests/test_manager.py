@@ -15,7 +15,7 @@ import pytest
 from tensile_db.errors import DeviceOutOfMemory
 from tensile_db.memory.arena import UNIT_NBYTES as U
 from tensile_db.memory.manager import MemoryManager, Residency
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.program import Kind, Slot
 
 F32_PER_UNIT = U // 4
@@ -23,7 +23,7 @@ ACT = Kind.ACTIVATION
 
 
 def make(budget_units: int, next_use=None, jobs=(1,)) -> MemoryManager:
-    mm = MemoryManager(Device("cpu"), budget_units * U, next_use)
+    mm = MemoryManager(CpuDevice(), budget_units * U, next_use)
     for j in jobs:
         mm.register_job(j)
     return mm
@@ -82,7 +82,7 @@ def test_to_host_is_a_copy():
 
 
 def test_budget_rounded_down_to_unit():
-    mm = MemoryManager(Device("cpu"), 5 * U + 100)
+    mm = MemoryManager(CpuDevice(), 5 * U + 100)
     assert mm.budget_nbytes == 5 * U
     assert mm.buffer.nbytes == 5 * U
 
@@ -491,7 +491,7 @@ def test_a_region_install_that_would_stage_much_through_a_host_link_is_not_made(
     from tensile_db.memory.lifetimes import PoolPlan
     from tensile_db.runtime.simulated import SimDevice
 
-    mm = MemoryManager(SimDevice("h100", jitter=0.0) if device == "sim" else Device("cpu"), 4 * U)
+    mm = MemoryManager(SimDevice("h100", jitter=0.0) if device == "sim" else CpuDevice(), 4 * U)
     mm.register_job(1)
     mm.at(1, 0)                                         # keys the blocks: (job, slot, op position)
     a, b = new(mm, 1, "a", 2, pattern(2 * F32_PER_UNIT, 1)), new(mm, 1, "b", 2, pattern(2 * F32_PER_UNIT, 2))

@@ -27,7 +27,7 @@ from tensile_db.inference.service import InferenceService
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.memory.spill import SpillDir
 from tensile_db.runtime import model as models
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.program import Kind
 
 from test_inference import cnn_spec, features, spec_of, weights_of
@@ -321,7 +321,7 @@ def _direct_ok(directory) -> bool:
 
 def service(model_dir, budget=1 << 22, **manager_kw) -> InferenceService:
     os.makedirs(model_dir, mode=0o700, exist_ok=True)
-    return InferenceService(MemoryManager(Device("cpu"), budget, **manager_kw), models_dir=model_dir)
+    return InferenceService(MemoryManager(CpuDevice(), budget, **manager_kw), models_dir=model_dir)
 
 
 def host_served(svc, spec, w):

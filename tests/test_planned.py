@@ -18,7 +18,7 @@ from tensile_db.memory.arena import UNIT_NBYTES as U
 from tensile_db.memory.arena import ArenaAllocator
 from tensile_db.memory.manager import MemoryManager, Residency
 from tensile_db.memory.planned import PlannedPool, State, _allocations
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.model import TrainOptions
 from tensile_db.runtime.program import Op
 
@@ -378,4 +378,4 @@ def test_reactive_evictions_keep_the_general_pool():
 
 def test_unknown_pool_is_refused():
     with pytest.raises(InvalidArgument, match="unknown pool 'lifo'"):
-        MemoryManager(Device("cpu"), 1 << 20, pool="lifo")
+        MemoryManager(CpuDevice(), 1 << 20, pool="lifo")

@@ -24,7 +24,7 @@ from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
 from tensile_db.errors import DeviceOutOfMemory, InvalidArgument
 from tensile_db.memory.arena import UNIT_NBYTES, round_up
 from tensile_db.memory.manager import MemoryManager
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime import zoo
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions, parse_architecture
 from tensile_db.runtime.builder import build_training_program
@@ -233,7 +233,7 @@ def test_skeleton_does_not_run_and_a_program_does_not_pickle():
     spec, options = SPECS["clf-none-sgd"]
     prog = build_training_program(spec, options, BATCH)
     with pytest.raises(InvalidArgument, match="op 'load_batch' has no kernel.*skeleton"):
-        Device("cpu").execute(prog.skeleton().ops[0], {}, None)
+        CpuDevice().execute(prog.skeleton().ops[0], {}, None)
     with pytest.raises(TypeError, match="send its skeleton"):
         pickle.dumps(prog)
 
@@ -263,7 +263,7 @@ TRAIN_OPTIONS = TrainOptions(epochs=3, batch_size=32, optimizer="adam", lr=0.01,
 
 def _run(jobs: list[TrainingJob], budget_nbytes: int) -> MemoryManager:
     """Run ``jobs`` concurrently on a fresh CPU manager of ``budget_nbytes``; wait for all."""
-    mm = MemoryManager(Device("cpu"), budget_nbytes)
+    mm = MemoryManager(CpuDevice(), budget_nbytes)
     executor = Executor(mm)
     executor.start()
     for job in jobs:
@@ -353,7 +353,7 @@ def test_concurrent_jobs_under_shared_budget():
 def test_submit_refuses_a_job_whose_working_set_exceeds_the_budget():
     job = _job(TRAIN_SPEC, TRAIN_OPTIONS)
     budget = job.min_working_set_nbytes - UNIT_NBYTES
-    executor = Executor(MemoryManager(Device("cpu"), budget))
+    executor = Executor(MemoryManager(CpuDevice(), budget))
     with pytest.raises(DeviceOutOfMemory) as info:
         executor.submit(job)
     assert info.value.requested_nbytes == job.min_working_set_nbytes

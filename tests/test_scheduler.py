@@ -23,7 +23,8 @@ from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
 from tensile_db.errors import InvalidArgument
 from tensile_db.memory.arena import UNIT_NBYTES
 from tensile_db.memory.manager import MemoryManager, Residency
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.device import CpuDevice
+from tensile_db.runtime.devices import make_device
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions, parse_architecture
 from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.program import Op
@@ -63,7 +64,7 @@ def make_job(spec=SPEC, options=OPTIONS, seed=0, n=512) -> TrainingJob:
 def run(jobs, budget_nbytes, policy, cost=FAST, check_residency=False, between=None, pool="planned", prepare=None):
     """Run ``jobs`` to completion on a fresh cpu executor with ``pool``; ``prepare(jobs, manager)``
     runs before the first submit. Returns (manager, executor)."""
-    mm = MemoryManager(Device(TEST_DEVICE), budget_nbytes, pool=pool)
+    mm = MemoryManager(make_device(TEST_DEVICE), budget_nbytes, pool=pool)
     ex = Executor(mm, policy=policy, cost=cost)
     if check_residency:
         for job in jobs:
@@ -352,7 +353,7 @@ def test_vdnn_swaps_the_input_of_every_convolution_too():
 
 def test_unknown_policy_is_refused():
     with pytest.raises(InvalidArgument, match="'belady'.*tensile"):
-        Executor(MemoryManager(Device("cpu"), 1 << 20), policy="belady", cost=FAST)
+        Executor(MemoryManager(CpuDevice(), 1 << 20), policy="belady", cost=FAST)
 
 
 # --- execution --------------------------------------------------------------------------------
@@ -480,7 +481,7 @@ def test_predicted_peak_matches_the_measured_peak():
     options = TrainOptions(epochs=4, batch_size=64, optimizer="adam", lr=0.005, seed=11)
     jobs = [make_job(options=options, seed=s) for s in (1, 2)]
     # the plan predicts live bytes; a planned pool's region adds its packing (see test_planned)
-    mm = MemoryManager(Device(TEST_DEVICE), budget_of(jobs, 0.5), pool="general")
+    mm = MemoryManager(make_device(TEST_DEVICE), budget_of(jobs, 0.5), pool="general")
     ex = Executor(mm, policy="tensile", cost=FAST)
     ex.scheduler.drift = math.inf                    # keep one plan once both jobs are measured
     ex.start()
@@ -514,11 +515,10 @@ def test_predicted_peak_matches_the_measured_peak():
 
 
 def test_transfer_engine_round_trip_and_measured_bandwidth():
-    from tensile_db.memory.transfer import TransferEngine
     from tensile_db.scheduler.cost import measure_bandwidth
 
-    device = Device("cpu")
-    engine = TransferEngine(device)
+    device = CpuDevice()
+    engine = device.copy_engine()
     try:
         host = np.arange(1 << 16, dtype=np.float32)
         dev = np.zeros_like(host)
@@ -543,7 +543,7 @@ def test_tensile_staggers_an_arriving_job_away_from_the_running_peak():
                          JobTrace(b.id, AccessSequence(b.program), phase_b, 1)]).vanilla_peak_nbytes()
 
     for policy, staggers in (("tensile", True), ("reactive", False)):
-        sched = Scheduler(MemoryManager(Device("cpu"), 1 << 24), policy, FAST)
+        sched = Scheduler(MemoryManager(CpuDevice(), 1 << 24), policy, FAST)
         sched.admit(a)
         delay = sched.stagger(b, {a.id: 0}, period, now=period)
         if staggers:
@@ -559,7 +559,7 @@ def test_replans_when_measured_times_drift():
     from tensile_db.scheduler import Scheduler
 
     job = make_job(seed=1)
-    sched = Scheduler(MemoryManager(Device("cpu"), job.vanilla_peak_nbytes // 2), "tensile", FAST,
+    sched = Scheduler(MemoryManager(CpuDevice(), job.vanilla_peak_nbytes // 2), "tensile", FAST,
                       drift=0.25, drift_every=2)
     sched.admit(job)
     n_ops = len(job.program.ops)
@@ -591,7 +591,7 @@ def test_the_plans_leave_the_headroom_the_planned_pools_packing_needs(monkeypatc
     ratio = [None]
     monkeypatch.setattr(PlannedPool, "packing_ratio", property(lambda self: ratio[0]))
     job = make_job(seed=1)
-    sched = Scheduler(MemoryManager(Device("cpu"), job.vanilla_peak_nbytes // 2), "tensile", FAST)
+    sched = Scheduler(MemoryManager(CpuDevice(), job.vanilla_peak_nbytes // 2), "tensile", FAST)
     budget, n_ops = sched.mm.budget_nbytes, len(job.program.ops)
 
     def iteration():
@@ -638,7 +638,7 @@ def test_a_short_job_beside_a_long_one_runs_many_iterations_per_period_on_a_peri
     long_job = make_job(LONG_SPEC, TrainOptions(epochs=10_000, batch_size=64, seed=1), seed=1)
     short = make_job(SMALL_SPEC, TrainOptions(epochs=40, batch_size=64, seed=2), seed=2)     # 320 iterations
     n_long, n_short = len(long_job.program.ops), len(short.program.ops)
-    ex = Executor(MemoryManager(Device("cpu"), 1 << 26, pool="general"), policy="tensile", cost=FAST)
+    ex = Executor(MemoryManager(CpuDevice(), 1 << 26, pool="general"), policy="tensile", cost=FAST)
     log: list = []
     for job in (long_job, short):
         _record_rounds(job, ex, log)

@@ -15,7 +15,7 @@ from tensile_db.errors import InvalidArgument
 from tensile_db.memory.manager import MemoryManager, Residency
 from tensile_db.runtime import gpus
 from tensile_db.runtime import model as models
-from tensile_db.runtime.device import make_device
+from tensile_db.runtime.devices import make_device
 from tensile_db.runtime.program import Op
 from tensile_db.runtime.simulated import SimArray, SimDevice, VirtualClock
 

@@ -20,7 +20,8 @@ from tensile_db.errors import CorruptModel, InvalidArgument
 from tensile_db.memory.manager import MemoryManager, Residency
 from tensile_db.memory.spill import SpillDir, SpillFile
 from tensile_db.runtime import model as models
-from tensile_db.runtime.device import Device
+from tensile_db.runtime.device import CpuDevice
+from tensile_db.runtime.devices import make_device
 from tensile_db.runtime.program import Kind, Slot
 
 JOB = 1
@@ -34,7 +35,7 @@ def spill(tmp_path):
 
 
 def manager(spill, budget=1 << 20, host_budget=0) -> MemoryManager:
-    mm = MemoryManager(Device(TEST_DEVICE), budget, host_budget_nbytes=host_budget, spill=spill)
+    mm = MemoryManager(make_device(TEST_DEVICE), budget, host_budget_nbytes=host_budget, spill=spill)
     mm.register_job(JOB)
     return mm
 
@@ -163,7 +164,7 @@ def test_a_spill_directory_of_a_killed_coordinator_is_removed_at_the_next_start(
 
 def test_a_host_budget_needs_a_spill_directory():
     with pytest.raises(InvalidArgument, match="spill directory"):
-        MemoryManager(Device("cpu"), 1 << 20, host_budget_nbytes=0)
+        MemoryManager(CpuDevice(), 1 << 20, host_budget_nbytes=0)
 
 
 class Source:
@@ -258,8 +259,8 @@ def train(mm: MemoryManager, policy: str, held_out: bool = False) -> TrainingJob
 
 @pytest.mark.parametrize("policy", ["tensile", "reactive"])
 def test_training_through_the_disk_tier_is_bit_identical_to_an_unlimited_run(spill, policy):
-    reference = train(MemoryManager(Device(TEST_DEVICE), 64 << 20), policy)
-    mm = MemoryManager(Device(TEST_DEVICE), 1 << 20, host_budget_nbytes=256 << 10, spill=spill)
+    reference = train(MemoryManager(make_device(TEST_DEVICE), 64 << 20), policy)
+    mm = MemoryManager(make_device(TEST_DEVICE), 1 << 20, host_budget_nbytes=256 << 10, spill=spill)
     spilled = train(mm, policy)
     assert spilled.memory.spilled_nbytes > 0 and spilled.memory.disk_read_nbytes > 0
     assert mm.host_peak_nbytes <= 256 << 10
@@ -275,7 +276,7 @@ def test_training_through_the_disk_tier_is_bit_identical_to_an_unlimited_run(spi
 
 
 def test_a_result_that_fits_the_host_tier_is_counted_in_it_until_discarded(spill):
-    mm = MemoryManager(Device(TEST_DEVICE), 1 << 20, host_budget_nbytes=4 << 20, spill=spill)
+    mm = MemoryManager(make_device(TEST_DEVICE), 1 << 20, host_budget_nbytes=4 << 20, spill=spill)
     job = train(mm, "tensile")
     assert job.result.in_memory
     weights = sum(a.nbytes for name, a in job.result.items() if name[0] not in "xy")
@@ -285,8 +286,8 @@ def test_a_result_that_fits_the_host_tier_is_counted_in_it_until_discarded(spill
 
 
 def test_held_out_losses_and_early_stopping_with_weights_beyond_the_host_budget(spill):
-    reference = train(MemoryManager(Device(TEST_DEVICE), 64 << 20), "tensile", held_out=True)
-    mm = MemoryManager(Device(TEST_DEVICE), 1 << 20, host_budget_nbytes=256 << 10, spill=spill)
+    reference = train(MemoryManager(make_device(TEST_DEVICE), 64 << 20), "tensile", held_out=True)
+    mm = MemoryManager(make_device(TEST_DEVICE), 1 << 20, host_budget_nbytes=256 << 10, spill=spill)
     spilled = train(mm, "tensile", held_out=True)
     assert not spilled.result.in_memory
     assert [h["epoch"] for h in spilled.history] == [h["epoch"] for h in reference.history]
@@ -397,7 +398,7 @@ def test_a_full_disk_fails_the_move_and_loses_nothing(spill, full_disk, how):
 
 
 def test_a_job_cancelled_while_holding_copies_of_its_weights_gives_them_back(spill):
-    mm = MemoryManager(Device(TEST_DEVICE), 1 << 20, host_budget_nbytes=256 << 10, spill=spill)
+    mm = MemoryManager(make_device(TEST_DEVICE), 1 << 20, host_budget_nbytes=256 << 10, spill=spill)
     ex = Executor(mm)
     ex.start()
     try:
@@ -445,7 +446,7 @@ def test_training_a_model_larger_than_the_host_budget_never_holds_it_in_host_mem
     spec = models.ModelSpec(models.parse_architecture({"layers": [{"dense": 256}] * 8}), 16, 2, "classification")
     options = models.parse_options({"epochs": 2, "batch_size": 64, "optimizer": "adam", "seed": 1})
     host_budget = 64 << 10
-    mm = MemoryManager(Device(TEST_DEVICE), 2 << 20, host_budget_nbytes=host_budget, spill=spill)
+    mm = MemoryManager(make_device(TEST_DEVICE), 2 << 20, host_budget_nbytes=host_budget, spill=spill)
     ex = Executor(mm)
     ex.start()
     tracemalloc.start()

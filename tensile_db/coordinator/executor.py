@@ -133,8 +133,8 @@ class Executor:
                 while self.queued and len(self.running) < self.max_active_jobs and self._due(self.queued[0]):
                     self._admit(self.queued.popleft())
                 if not self.running:
-                    if self.queued and self.manager.device.simulated:       # idle until it arrives
-                        self.manager.device.clock.idle_until(self.queued[0].arrival_s)
+                    if self.queued and self.manager.device.virtual_time:    # idle until it arrives
+                        self.manager.device.idle_until(self.queued[0].arrival_s)
                     elif not self._stopping:
                         self._cond.wait(None if not self.queued else 0.01)
                     continue

@@ -157,13 +157,13 @@ class TrainingJob:
         or in a spill file when the host tier has no room for them); :meth:`discard_result` gives it back.
         """
         weights = list(self.spec.network.weight_shapes())     # the arrays a stored model holds
-        initial = () if device.simulated else self.spec.network.iter_init_weights(self.options.seed)
+        initial = self.spec.network.iter_init_weights(self.options.seed) if device.holds_values else ()
         for name, value in initial:          # one at a time: each goes to the host tier or the disk tier
             if name in self.program.slots:
                 self.tensors[name] = mm.adopt(self.id, name, self.program.slots[name].kind, value)
         for name, slot in self.program.slots.items():
             if slot.kind.persistent and name not in self.tensors:     # optimizer state; on sim, shapes only
-                value = device.host_empty(slot.shape, slot.dtype) if device.simulated else np.zeros(slot.shape, slot.dtype)
+                value = np.zeros(slot.shape, slot.dtype) if device.holds_values else device.host_empty(slot.shape, slot.dtype)
                 self.tensors[name] = mm.adopt(self.id, name, slot.kind, value)
         rng = np.random.default_rng(self.options.seed)
         ctx = StepContext(device)
@@ -194,7 +194,7 @@ class TrainingJob:
                 raise InvalidArgument(f"training diverged at epoch {epoch} (loss {self.loss}); "
                                       f"lower options.lr (now {self.options.learning_rate})")
             record = {"epoch": epoch, "loss": self.loss}
-            if self.x_val is not None and not device.simulated:
+            if self.x_val is not None and device.holds_values:
                 if current is not None and current is not best:
                     current.close()
                 current = copy_weights(mm, self.id, {name: self.tensors[name] for name in weights})

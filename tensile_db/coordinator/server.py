@@ -40,7 +40,7 @@ from ..inference.service import InferenceService
 from ..memory.manager import MemoryManager
 from ..memory.spill import SpillDir
 from ..runtime import model as models
-from ..runtime.device import Device
+from ..runtime.devices import make_device
 from . import protocol, reports
 from .address import LOCK_NAME, SOCKET_NAME, resident_set, secure_dir, socket_address
 from .executor import Executor
@@ -98,14 +98,11 @@ class Coordinator:
             return False
         os.ftruncate(self._lock_fd, 0)
         os.write(self._lock_fd, f"{os.getpid()}\n".encode())
-        device = Device(self.device_name)
+        device = make_device(self.device_name)
         self.spill = SpillDir(self.spill_root)          # removes what dead coordinators left
         self.manager = MemoryManager(device, self.budget_nbytes, pool=self.pool,
                                      host_budget_nbytes=self.host_budget_nbytes, spill=self.spill)
-        if device.name == "cuda":  # pragma: no cover - needs a GPU
-            from ..memory.cuda import route_cupy_allocator
-
-            route_cupy_allocator(self.manager)
+        device.route_allocations(self.manager)
         self.executor = Executor(self.manager, self.max_active_jobs, policy=self.policy)
         self.executor.start()
         self.inference = InferenceService(self.manager, models_dir=secure_dir(self.models_dir))

@@ -14,6 +14,6 @@ arena and host memory. The mechanism (the core) and its policies are apart:
 - ``planned.py``: the planned pool: records a period, installs a lifetime-planned region, serves
   recurring allocations by lookup (Note [Planned pool]).
 - ``lifetimes.py``: the offline lifetime planner (interval colouring, arXiv 1903.06631 section III).
-- ``transfer.py``: the swap engine: copies host <-> device on a copy thread or CUDA stream.
-- ``cuda.py``: CuPy's allocator routed to the arena (workspace blocks are fixed: never moved).
+The swap engine that copies between the arena, host memory and spill files is the device's
+(:meth:`tensile_db.runtime.device.Device.copy_engine`).
 """

@@ -47,7 +47,6 @@ from .planned import PlannedPool
 from .residency import Residencies
 from .spill import SpillDir, SpillFile
 from .tensors import JobMemory, Residency, Tensor
-from .transfer import TransferEngine
 
 __all__ = ["PIN_WAIT_S", "JobMemory", "MemoryManager", "NextUse", "Residency", "Tensor"]
 
@@ -89,7 +88,7 @@ class MemoryManager(Residencies):
                  host_budget_nbytes: int | None = None, spill: SpillDir | None = None):
         if pool not in POOLS:
             raise InvalidArgument(f"unknown pool {pool!r}; use one of {', '.join(POOLS)}")
-        if host_budget_nbytes is not None and (host_budget_nbytes < 0 or spill is None or device.simulated):
+        if host_budget_nbytes is not None and (host_budget_nbytes < 0 or spill is None or not device.holds_values):
             raise InvalidArgument(f"a host budget of {host_budget_nbytes} bytes needs a spill directory and a device "
                                   "with values (cpu or cuda), and must not be negative")
         self.host_budget_nbytes = host_budget_nbytes   # constant; None: the host tier is unbounded
@@ -107,7 +106,7 @@ class MemoryManager(Residencies):
         self.budget_nbytes = self.allocator.capacity_nbytes  # constant
         self.limit_nbytes = self.budget_nbytes   # set by the scheduler before the first op; read under _lock
         self.buffer = device.arena_buffer(self.budget_nbytes)   # constant
-        self.engine = TransferEngine(device)
+        self.engine = device.copy_engine()
         self.compactions = 0           # times the arena was defragmented; guarded by _lock
         self.compacted_nbytes = 0      # bytes moved by defragmenting, cumulative; guarded by _lock
         self.next_use: NextUse = next_use or (lambda t: math.inf)   # set by the scheduler before the first op
@@ -123,7 +122,7 @@ class MemoryManager(Residencies):
         self._unpinned = threading.Condition(self._lock)   # notified when pins or blocks go
         # guarded by _lock
         self.pool = PlannedPool(self._install_region, self._dissolve_region, enabled=pool == "planned",
-                                synchronous=device.simulated, where=self._live_offsets)
+                                synchronous=device.virtual_time, where=self._live_offsets)
         self.eviction = Eviction(self)
         self.cache = WeightCache(self)
 

@@ -368,7 +368,7 @@ class Residencies:
         scratch = free_in_both(self.allocator.blocks(), after, self.budget_nbytes)
         copies, pending = order_moves(layout.moves, scratch)
         staged = sum(t.arena_nbytes for t, _ in pending)
-        if self.device.name != "cpu" and staged > MAX_STAGED_FRACTION * plan.arena_nbytes:
+        if not self.device.arena_in_host_memory and staged > MAX_STAGED_FRACTION * plan.arena_nbytes:
             return (f"installing a planned region of {plan.arena_nbytes:,} bytes would move {staged:,} "
                     "bytes through host memory")
         for t in layout.evicted:
@@ -415,7 +415,7 @@ class Residencies:
             raise
         for (t, new), (file, offset) in zip(pending, slots):
             t.offset = new
-            if self.device.name == "cpu":
+            if self.device.arena_in_host_memory:
                 file.read_into(offset, self._block(t))
             else:
                 self.engine.from_disk(lambda out, f=file, o=offset: f.read_into(o, out), self._block(t)).wait()
@@ -520,7 +520,7 @@ class Residencies:
         return the slot; on a failure the slot goes back and the error is raised."""
         file, offset = where = self._spill_slot(t)
         try:
-            if self.device.name == "cpu":       # the arena is host memory: straight from the block
+            if self.device.arena_in_host_memory:        # straight from the block
                 file.write_from(offset, self._block(t))
             else:                               # staged through page-locked memory
                 self.engine.to_disk(self._block(t), file, offset).wait()
@@ -531,7 +531,7 @@ class Residencies:
 
     def _read_now(self, t: Tensor) -> None:
         """Fill ``t``'s block from its spill slot or its source now (a passive load)."""
-        if self.device.name == "cpu":
+        if self.device.arena_in_host_memory:
             self._reader(t)(self._block(t))
         else:
             self.engine.from_disk(self._reader(t), self._block(t)).wait()

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..runtime.device import Transfer
 from ..runtime.program import Kind
 from ..runtime.units import round_up
-from .transfer import Transfer
 
 
 class Residency(str, enum.Enum):

@@ -1,7 +1,10 @@
 """The array runtime, the lowest layer:
 
-- ``device.py``: arrays on ``cpu`` (NumPy) or ``cuda`` (CuPy), page-locked host buffers, the
-  compute lock.
+- ``device.py``: the device interface (arena buffer, views, copies and the swap engine's
+  asynchronous ones, the clock) and ``cpu`` (NumPy, the compute lock); ``cuda.py``: ``cuda``
+  (CuPy, copy streams, page-locked host buffers, CuPy's allocator routed into the arena);
+  ``simulated.py``: ``sim`` (shapes on a virtual clock, :mod:`.gpus`' profiles);
+  ``devices.py``: the devices by name.
 - ``kernels.py``: operators with forward and backward, on either array module.
 - ``conv_kernels.py``: the kernels of convolutional networks (convolution lowered to matrix
   products with its workspaces, pooling, batch normalisation, residual add, concatenation,

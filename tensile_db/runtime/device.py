@@ -1,13 +1,21 @@
-"""Devices: where tensors live and how bytes move between the arena and host memory.
+"""Devices: where tensors live, how bytes move between the arena, host memory and spill files,
+and how time is told.
 
-A :class:`Device` hides the array module (NumPy for ``cpu``, CuPy for ``cuda``). Every device
-tensor is a view into one arena buffer the device allocates once; host copies are always NumPy
-arrays. On ``cuda`` the CuPy allocator is routed into the arena by the memory manager, so library
-temporaries count against the budget too.
+A device is one class behind one interface (:class:`Device`): the arena buffer and the array
+views into it, synchronous copies between the arena and host memory, the swap engine's
+asynchronous copies (:class:`CopyEngine`, made by :meth:`Device.copy_engine`), the compute lock,
+and the clock. Every device tensor is a view into the one arena buffer; host copies are NumPy
+arrays. The devices are :class:`CpuDevice` (``cpu``: NumPy, the arena is host memory),
+:class:`~.cuda.CudaDevice` (``cuda``: CuPy, copy streams, page-locked host memory) and
+:class:`~.simulated.SimDevice` (``sim``: shapes without values on a virtual clock);
+:func:`~.devices.make_device` finds one by name. Callers ask a device what it can do
+(:attr:`Device.holds_values`, :attr:`Device.virtual_time`, :attr:`Device.arena_in_host_memory`),
+never which one it is.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import mmap
 import threading
@@ -18,38 +26,113 @@ import numpy as np
 from ..errors import InvalidArgument
 
 
+class Transfer:
+    """A copy in flight. ``host`` is the destination host array of a device -> host copy;
+    ``spill`` the destination slot of a device -> disk copy."""
+
+    def __init__(self, done, wait, host: np.ndarray | None = None):
+        self._done, self._wait, self.host = done, wait, host
+        self.spill: tuple | None = None     # (SpillFile, offset) of a swap-out to the disk tier
+
+    def done(self) -> bool:
+        return self._done()
+
+    def wait(self) -> "Transfer":
+        """Block until the copy has completed; returns self."""
+        self._wait()
+        return self
+
+
+class CopyEngine:
+    """The swap engine of a device: copies between its arena, host memory and spill files, off
+    the compute path. Copies in one direction are issued in order and run one at a time;
+    :attr:`duplex` says whether the two directions overlap (a copy engine for each) or share one
+    channel, which is how the scheduler's cost model sees the channels
+    (:mod:`tensile_db.scheduler.timeline`)."""
+
+    duplex = False
+
+    def to_host(self, array) -> Transfer:
+        """Start copying the device array ``array`` into a new host array (``Transfer.host``)."""
+        raise NotImplementedError
+
+    def to_device(self, host: np.ndarray, array) -> Transfer:
+        """Start copying ``host`` into the device array ``array`` (same shape and dtype); ``host``
+        must not change until the copy completes."""
+        raise NotImplementedError
+
+    def to_disk(self, array, file, offset: int) -> Transfer:
+        """Start writing the device array ``array`` (uint8, 1-D) to the spill file ``file`` (a
+        :class:`~tensile_db.memory.spill.SpillFile`) at ``offset``."""
+        raise NotImplementedError
+
+    def from_disk(self, read, array) -> Transfer:
+        """Start filling the device array ``array`` (uint8, 1-D) by ``read(out)``, which fills a
+        host uint8 array of the same length (a spill file's or a model file's read); the transfer
+        is done only once the block holds the values (it must not move before)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Finish the copies in flight and stop the engine's threads."""
+
+
+class CpuCopyEngine(CopyEngine):
+    """``cpu``: one copy thread does every copy, the disk tier's reads and writes included (NumPy
+    releases the GIL while copying, so they overlap the executor's arithmetic on another core);
+    the two directions share it. A spill write reads the arena block itself, a spill read fills
+    it (Note [Spill I/O] in :mod:`tensile_db.memory.spill`)."""
+
+    def __init__(self):
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-copy")
+
+    def _run(self, fn, *args, host=None) -> Transfer:
+        future = self._pool.submit(fn, *args)
+        return Transfer(future.done, future.result, host)
+
+    def to_host(self, array) -> Transfer:
+        host = np.empty(array.shape, array.dtype)
+        return self._run(np.copyto, host, array, host=host)
+
+    def to_device(self, host: np.ndarray, array) -> Transfer:
+        return self._run(np.copyto, array, host)
+
+    def to_disk(self, array, file, offset: int) -> Transfer:
+        return self._run(file.write_from, offset, array)
+
+    def from_disk(self, read, array) -> Transfer:
+        return self._run(read, array)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
 class Device:
-    """One compute device. ``name`` is ``"cpu"`` or ``"cuda"``; ``xp`` its array module. The
-    simulated device ``sim`` is :class:`~.simulated.SimDevice` (:func:`make_device`)."""
+    """One compute device (the interface; see the module docstring). ``name`` is its name in
+    ``tensile.device``; ``xp`` its array module (None on ``sim``)."""
 
-    #: True for a device whose tensors hold no values and whose time is virtual
-    #: (:mod:`.simulated`): callers skip work whose only purpose is values, and plan synchronously.
-    simulated = False
-    _uniform = None     # the CuPy kernel of uniform(), compiled at its first use
-
-    def __init__(self, name: str):
-        if name == "cpu":
-            self.xp = np
-        elif name == "cuda":
-            try:
-                import cupy
-            except ImportError as exc:  # pragma: no cover - depends on the machine
-                raise InvalidArgument(
-                    "tensile.device is 'cuda' but CuPy is not installed; install tensile_db[cuda] "
-                    "or set tensile.device = 'cpu'") from exc
-            self.xp = cupy
-        else:
-            raise InvalidArgument(f"unknown device {name!r}; use 'cpu', 'cuda' or 'sim'")
-        self.name = name
-        self._compute = threading.Lock() if name == "cpu" else None
+    name: str = ""
+    xp = None
+    #: Whether its tensors hold values: False on ``sim``, whose tensors are shapes only, so
+    #: callers skip work whose only purpose is values (initial weights, validation, the tiers).
+    holds_values = True
+    #: Whether its clock is virtual (``sim``): no thread's timing may matter, so the executor
+    #: plans synchronously, deterministically, and idles the clock forward to an arrival.
+    virtual_time = False
+    #: Whether the arena is host memory (``cpu``): a spill file reads and writes arena blocks
+    #: directly, and the planned pool's moves need not go through a staging copy.
+    arena_in_host_memory = False
 
     def describe(self) -> str:
         """The device in words, as benchmark output names it."""
         return self.name
 
     def now(self) -> float:
-        """The device's clock, seconds (wall clock here; virtual on ``sim``)."""
+        """The device's clock, seconds (wall clock; virtual on ``sim``)."""
         return time.perf_counter()
+
+    def idle_until(self, t_s: float) -> None:
+        """Move a virtual clock (:attr:`virtual_time`) forward to ``t_s`` with nothing running."""
+        raise NotImplementedError(f"the {self.name} device's clock is the wall clock")
 
     def execute(self, op, arrays: dict, ctx) -> None:
         """Run ``op`` (a :class:`~.program.Op`) on ``arrays`` (slot -> device array) and wait for
@@ -64,25 +147,26 @@ class Device:
         op.run(arrays, ctx)
         self.synchronize()
 
+    def copy_engine(self) -> CopyEngine:
+        """A new swap engine for this device (its owner closes it)."""
+        raise NotImplementedError
+
+    def route_allocations(self, manager) -> None:
+        """Make the array library's own allocations (kernel temporaries) blocks of ``manager``'s
+        arena, so that the budget counts them; a no-op where the library allocates on the host."""
+
     def host_copy(self, host: np.ndarray) -> np.ndarray:
         """A C-contiguous host copy of ``host``, owned by the caller."""
         return np.array(host, order="C", copy=True)
 
     def computing(self):
-        """A context manager around one op's arithmetic. On ``cpu`` it lets one thread compute at
-        a time: BLAS already spreads one matrix product over every core, and several threads'
-        products at once oversubscribe them (8 concurrent calls took twice as long as the same
-        calls one after another). On ``cuda`` the device queues kernels itself: a no-op."""
-        return self._compute if self._compute is not None else contextlib.nullcontext()
+        """A context manager around one op's arithmetic (see :class:`CpuDevice`); a no-op where
+        the device queues kernels itself."""
+        return contextlib.nullcontext()
 
     def arena_buffer(self, nbytes: int):
-        """One contiguous uint8 buffer of ``nbytes`` bytes on the device. On ``cpu`` it is
-        page-aligned anonymous memory (pages are committed as they are first touched), so every
-        512-byte arena block can be read from and written to a spill file with ``O_DIRECT``
-        (Note [Spill I/O] in :mod:`tensile_db.memory.spill`)."""
-        if self.xp is np:
-            return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), np.uint8)[:nbytes]
-        return self.xp.empty(nbytes, dtype=self.xp.uint8)  # pragma: no cover - cuda only
+        """One contiguous uint8 buffer of ``nbytes`` bytes on the device."""
+        raise NotImplementedError
 
     def view(self, buffer, offset: int, shape: tuple[int, ...], dtype) -> object:
         """An array of ``shape`` and ``dtype`` over ``buffer[offset:]``; no copy."""
@@ -91,39 +175,22 @@ class Device:
         return buffer[offset:offset + nbytes].view(dtype).reshape(shape)
 
     def host_empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
-        """An uninitialised host (NumPy) array, page-locked on ``cuda`` so that copies to the
-        device can run asynchronously straight from it."""
-        if self.xp is np:
-            return np.empty(shape, dtype)
-        return pinned_empty(self.xp, shape, dtype)  # pragma: no cover - cuda only
+        """An uninitialised host (NumPy) array from which copies to the device can run
+        asynchronously (page-locked on ``cuda``)."""
+        return np.empty(shape, dtype)
 
     def to_host(self, array) -> np.ndarray:
         """A new host (NumPy) copy of a device array."""
-        if self.xp is np:
-            return array.copy()
-        return self.xp.asnumpy(array)  # pragma: no cover - cuda only
+        raise NotImplementedError
 
     def to_device(self, host: np.ndarray, array) -> None:
         """Copy ``host`` into the device array ``array`` (same shape and dtype)."""
-        if self.xp is np:
-            np.copyto(array, host)
-        else:  # pragma: no cover - cuda only
-            array.set(np.ascontiguousarray(host))
+        raise NotImplementedError
 
     def move_down(self, buffer, src: int, dst: int, nbytes: int) -> None:
-        """Copy ``buffer[src:src + nbytes]`` to ``buffer[dst:dst + nbytes]`` with ``dst < src``.
-        NumPy copies overlapping slices correctly; on ``cuda`` overlapping ranges go through the
-        host when the shift is small, else in non-overlapping chunks of ``src - dst`` bytes."""
-        assert dst < src
-        if self.xp is np or src - dst >= nbytes:
-            buffer[dst:dst + nbytes] = buffer[src:src + nbytes]
-        elif (src - dst) * 16 < nbytes:  # pragma: no cover - cuda only
-            buffer[dst:dst + nbytes].set(self.xp.asnumpy(buffer[src:src + nbytes]))
-        else:  # pragma: no cover - cuda only
-            chunk = src - dst
-            for i in range(0, nbytes, chunk):
-                n = min(chunk, nbytes - i)
-                buffer[dst + i:dst + i + n] = buffer[src + i:src + i + n]
+        """Copy ``buffer[src:src + nbytes]`` to ``buffer[dst:dst + nbytes]`` with ``dst < src``
+        (the ranges may overlap)."""
+        raise NotImplementedError
 
     def copy_within(self, buffer, src: int, dst: int, nbytes: int) -> None:
         """Copy ``buffer[src:src + nbytes]`` to ``buffer[dst:dst + nbytes]``; the ranges must not
@@ -133,66 +200,49 @@ class Device:
 
     def uniform(self, seed: int, out) -> None:
         """Fill ``out`` (float32 or float64) with uniform draws in [0, 1) from a stream fixed by
-        ``seed``, so that a recomputed dropout mask equals the first one. On ``cpu``, NumPy's
-        Philox; on ``cuda``, a counter-based hash of (seed, element index) in one kernel
-        (:data:`UNIFORM_KERNEL`): no generator state (CuPy's default generator would allocate
-        and initialise about 12 MiB of cuRAND states at each call) and no temporaries."""
-        if self.xp is np:
-            np.random.Generator(np.random.Philox(seed)).random(out=out, dtype=out.dtype)
-        else:  # pragma: no cover - cuda only
-            if self._uniform is None:
-                self._uniform = self.xp.ElementwiseKernel("uint64 seed", "T out", UNIFORM_KERNEL, "tensile_uniform")
-            self._uniform(np.uint64(seed % (1 << 64)), out)
+        ``seed``, so that a recomputed dropout mask equals the first one."""
+        raise NotImplementedError
 
     def synchronize(self) -> None:
-        """Wait for the work queued on the compute stream (a no-op on ``cpu``); copies on the swap
-        engine's stream go on."""
-        if self.xp is not np:  # pragma: no cover - cuda only
-            self.xp.cuda.get_current_stream().synchronize()
+        """Wait for the work queued on the compute stream; copies on the swap engine go on."""
 
 
-#: The body of the CuPy kernel of :meth:`Device.uniform` on ``cuda``: SplitMix64's finaliser
-#: (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014) of the
-#: seed's stream at the element's index, its top 24 bits (float32) or 53 bits (float64) as a
-#: fraction, so that no draw rounds up to 1.
-UNIFORM_KERNEL = """
-    unsigned long long z = seed * 0xD1B54A32D192ED03ull + (unsigned long long)(i + 1) * 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    if (sizeof(T) == 4) out = (T)(z >> 40) * (T)(1.0 / 16777216.0);
-    else out = (T)(z >> 11) * (T)(1.0 / 9007199254740992.0);
-"""
+class CpuDevice(Device):
+    """``cpu``: NumPy arrays in host memory; the arena is page-aligned anonymous memory."""
 
+    name = "cpu"
+    xp = np
+    arena_in_host_memory = True
 
-def pinned_empty(cupy, shape, dtype) -> np.ndarray:  # pragma: no cover - cuda only
-    """A host array in page-locked memory (from CuPy's pinned memory pool)."""
-    dtype = np.dtype(dtype)
-    count = int(np.prod(shape, dtype=np.int64))
-    mem = cupy.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
-    return np.frombuffer(mem, dtype, count).reshape(shape)
+    def __init__(self):
+        self._compute = threading.Lock()
 
+    def copy_engine(self) -> CopyEngine:
+        return CpuCopyEngine()
 
-def is_pinned(host: np.ndarray) -> bool:  # pragma: no cover - cuda only
-    """Whether the host array ``host`` (or the array it is a view of) lies in page-locked memory
-    from :func:`pinned_empty`."""
-    import cupy
+    def computing(self):
+        """Lets one thread compute at a time: BLAS already spreads one matrix product over every
+        core, and several threads' products at once oversubscribe them (8 concurrent calls took
+        twice as long as the same calls one after another)."""
+        return self._compute
 
-    base = host
-    while isinstance(base, np.ndarray):
-        base = base.base
-    if isinstance(base, memoryview):                # NumPy's frombuffer keeps a view of the buffer
-        base = base.obj
-    return isinstance(base, cupy.cuda.PinnedMemoryPointer)
+    def arena_buffer(self, nbytes: int):
+        """Page-aligned anonymous memory (pages are committed as they are first touched), so every
+        512-byte arena block can be read from and written to a spill file with ``O_DIRECT``
+        (Note [Spill I/O] in :mod:`tensile_db.memory.spill`)."""
+        return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), np.uint8)[:nbytes]
 
+    def to_host(self, array) -> np.ndarray:
+        return array.copy()
 
-def make_device(name: str, **sim_options) -> Device:
-    """The device named ``name``: ``cpu``, ``cuda``, or ``sim`` (:class:`~.simulated.SimDevice`,
-    whose keyword arguments ``sim_options`` are: profile, seed, jitter, first_run_error,
-    contention). Raises InvalidArgument for an unknown name or a simulator option elsewhere."""
-    if name == "sim":
-        from .simulated import SimDevice
-        return SimDevice(**sim_options)
-    if sim_options:
-        raise InvalidArgument(f"options {sorted(sim_options)} apply to the 'sim' device only, not {name!r}")
-    return Device(name)
+    def to_device(self, host: np.ndarray, array) -> None:
+        np.copyto(array, host)
+
+    def move_down(self, buffer, src: int, dst: int, nbytes: int) -> None:
+        """NumPy copies overlapping slices correctly."""
+        assert dst < src
+        buffer[dst:dst + nbytes] = buffer[src:src + nbytes]
+
+    def uniform(self, seed: int, out) -> None:
+        """NumPy's Philox, keyed by ``seed``."""
+        np.random.Generator(np.random.Philox(seed)).random(out=out, dtype=out.dtype)

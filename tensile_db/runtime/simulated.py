@@ -30,20 +30,19 @@ RAM, copies compete with the arithmetic for the same cores, and short runs are d
   passive swap-ins can happen as on a real device.
 
 Same profile, seed and inputs, same result: the clock is pure arithmetic, and the executor plans
-synchronously on this device (:attr:`Device.simulated`) so that no thread's timing matters.
+synchronously on this device (:attr:`~.device.Device.virtual_time`) so that no thread's timing matters.
 Every figure it produces is simulated and must be labelled "simulated, <profile>".
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
 
 import numpy as np
 
 from . import gpus
-from .device import Device
+from .device import CopyEngine, Device, Transfer
 
 
 class SimArray:
@@ -195,7 +194,8 @@ class SimDevice(Device):
     """
 
     name = "sim"
-    simulated = True
+    holds_values = False
+    virtual_time = True
 
     def __init__(self, profile: str | gpus.GpuProfile = "h100", seed: int = 0, jitter: float = 0.03,
                  first_run_error: float = 0.0, contention: float = gpus.CONTENTION):
@@ -214,6 +214,9 @@ class SimDevice(Device):
 
     def now(self) -> float:
         return self.clock.now_s
+
+    def idle_until(self, t_s: float) -> None:
+        self.clock.idle_until(t_s)
 
     def op_seconds(self, op) -> float:
         """The roofline time of ``op`` (a :class:`~.program.Op`) on the profile, seconds, before
@@ -245,8 +248,8 @@ class SimDevice(Device):
 
     # -- the Device interface: no values, only time -------------------------------------------------
 
-    def computing(self):
-        return contextlib.nullcontext()
+    def copy_engine(self) -> "SimCopyEngine":
+        return SimCopyEngine(self)
 
     def arena_buffer(self, nbytes: int) -> SimArray:
         return SimArray((nbytes,), np.uint8)
@@ -278,3 +281,24 @@ class SimDevice(Device):
 
     def synchronize(self) -> None:
         pass
+
+
+class SimCopyEngine(CopyEngine):
+    """The swap engine of ``sim``: a copy is queued on the simulated device's copy engine of its
+    direction and completes on its virtual clock. The device holds no values, so it has no disk
+    tier (the memory manager refuses a host budget on it)."""
+
+    duplex = True
+
+    def __init__(self, device: SimDevice):
+        self._device = device
+
+    def to_host(self, array) -> Transfer:
+        return self._copy("d2h", array, self._device.host_empty(array.shape, array.dtype))
+
+    def to_device(self, host, array) -> Transfer:
+        return self._copy("h2d", array)
+
+    def _copy(self, direction: str, array, host=None) -> Transfer:
+        copy, clock = self._device.start_copy(direction, array.nbytes), self._device.clock
+        return Transfer(lambda: copy.done, lambda: clock.wait(copy), host)

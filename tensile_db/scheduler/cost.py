@@ -97,7 +97,7 @@ class CostModel:
 
 def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) -> CostModel:
     """Measure host<->device bandwidth through ``engine`` (a
-    :class:`~tensile_db.memory.transfer.TransferEngine`): the best of ``repeats`` copies of
+    :meth:`~tensile_db.runtime.device.Device.copy_engine`): the best of ``repeats`` copies of
     ``nbytes`` bytes each way, and the latency (best of a 512-byte copy each way); the bandwidth
     is the slope between the two sizes, or ``nbytes`` over the large copy's time when noise makes
     the slope meaningless. Returns a :class:`CostModel` with an unbounded host tier.

@@ -170,13 +170,13 @@ class Scheduler:
         self.drift = drift
         self.drift_every = drift_every
         self.headroom = headroom
-        self.deterministic = manager.device.simulated      # plan synchronously, without a time limit
+        self.deterministic = manager.device.virtual_time   # plan synchronously, without a time limit
         self.reactive = FarthestNextUse()
         manager.next_use = self.reactive
         if policy == "tensile":        # the fallback keeps the plans' headroom too
             manager.limit_nbytes = int(manager.budget_nbytes * (1.0 - headroom)) // UNIT_NBYTES * UNIT_NBYTES
-        # On cpu the buffers are plain host memory; on cuda they come from the arena.
-        nbytes = 16 << 20 if manager.device.name == "cpu" else min(16 << 20, max(manager.budget_nbytes // 4, 4096))
+        # Where the arena is host memory the probe's buffers are too; elsewhere they come from the arena.
+        nbytes = 16 << 20 if manager.device.arena_in_host_memory else min(16 << 20, max(manager.budget_nbytes // 4, 4096))
         self.cost = cost or self._measure(manager, nbytes)
         # Fields below are used by the executor's thread only, except ``plan`` (read by describe()).
         self.jobs: dict[int, object] = {}                 # running jobs, in admission order
