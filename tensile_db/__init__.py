@@ -21,4 +21,11 @@ error root), ``client.py`` (the analysts' Python client over SQLAlchemy), ``clus
 embedded PostgreSQL cluster for the demo and the tests), ``demo.py`` and ``cli.py``.
 """
 
-__version__ = "0.2.0"
+from importlib.metadata import PackageNotFoundError, version
+
+#: The package's version, as installed (``pyproject.toml``); the extension's default version
+#: (``extension/tensile_db.control``) is the same, which ``tests/test_versions.py`` checks.
+try:
+    __version__ = version("tensile_db")
+except PackageNotFoundError:        # imported from a checkout that is not installed
+    __version__ = "unknown"

@@ -20,6 +20,7 @@ import pytest
 
 from conftest import wait_until
 from test_sql import assert_nothing_left, error_of, running, train, train_in_background
+import tensile_db
 from tensile_db.coordinator import client as coordinator_client
 from tensile_db.coordinator.address import MAX_SOCKET_PATH, SOCKET_NAME, coordinator_state, socket_dir_for
 from tensile_db.runtime.model import ModelSpec, init_weights, parse_architecture
@@ -205,7 +206,7 @@ def test_an_installation_upgraded_from_0_1_0_equals_a_fresh_one(cluster, conn):
             if db == "tensile_up":
                 assert c.execute("SELECT has_table_privilege('public', 'tensile.models', 'INSERT')").fetchone()[0]
                 c.execute("ALTER EXTENSION tensile_db UPDATE")
-            assert c.execute("SELECT extversion FROM pg_extension WHERE extname = 'tensile_db'").fetchone()[0] == "0.3.0"
+            assert c.execute("SELECT extversion FROM pg_extension WHERE extname = 'tensile_db'").fetchone()[0] == tensile_db.__version__
             assert not c.execute("SELECT has_table_privilege('public', 'tensile.models', 'INSERT')").fetchone()[0]
             catalogs[db] = c.execute(CATALOG).fetchall()
         conn.execute(f"DROP DATABASE {db}")

@@ -12,6 +12,7 @@ import pytest
 
 from test_hostile import CATALOG, fired, fresh_role, trojans  # noqa: F401 (trojans: a fixture)
 from test_sql import FEATURES, error_of, train
+import tensile_db
 from tensile_db.runtime import model as models
 from tensile_db.runtime.weights import serialize_weights
 
@@ -392,8 +393,16 @@ def test_an_upgrade_from_0_2_0_keeps_each_model_as_version_1_deployed(cluster, c
                                  "ORDER BY d.id").fetchall() == [("old_a", 1, "train", True),
                                                                  ("old_b", 1, "train", True)]
                 assert c.execute("SELECT tensile.predict('old_a', ARRAY[0.5, 1]::real[])").fetchone()[0] in (0, 1)
-            assert c.execute("SELECT extversion FROM pg_extension WHERE extname = 'tensile_db'").fetchone()[0] == "0.3.0"
+            assert c.execute("SELECT extversion FROM pg_extension WHERE extname = 'tensile_db'").fetchone()[0] == tensile_db.__version__
             structures[db] = c.execute(STRUCTURE).fetchall() + c.execute(CATALOG).fetchall()
         conn.execute(f"DROP DATABASE {db}")
     assert structures["tensile_up2"] == structures["tensile_fresh2"]
     assert ("index", "models_one_deployed") in [row[:2] for row in structures["tensile_fresh2"]]
+
+
+def test_the_extension_and_the_package_have_one_version():
+    """``pyproject.toml`` holds the version; the control file's default version must be it."""
+    from pathlib import Path
+
+    control = (Path(__file__).resolve().parent.parent / "extension" / "tensile_db.control").read_text()
+    assert f"default_version = '{tensile_db.__version__}'" in control

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 
-from ..errors import TensileError
 
 SOCKET_NAME = "coordinator.sock"
 LOCK_NAME = "coordinator.lock"
@@ -32,18 +30,6 @@ _PROCESS_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O
 def socket_dir_for(data_dir: str) -> str:
     """The coordinator's directory for the cluster whose data directory is ``data_dir``."""
     return os.path.join(data_dir, "tensile_coordinator")
-
-
-def secure_dir(path: str) -> str:
-    """Create ``path`` with mode 0700 if missing; raise TensileError for one that is not owned by
-    this OS user or that others may enter."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
-        raise TensileError(f"socket directory {path} must be a directory owned by uid {os.geteuid()} with mode "
-                           f"0700 (it has uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); remove it and call "
-                           "again")
-    return path
 
 
 @contextlib.contextmanager

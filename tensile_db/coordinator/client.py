@@ -28,7 +28,8 @@ from ..errors import CoordinatorNotRunning, CoordinatorUnavailable
 from .. import settings
 from ..runtime.model import Limits
 from . import protocol
-from .address import LOG_NAME, SOCKET_NAME, coordinator_state, secure_dir, socket_address
+from ..dirs import secure_dir
+from .address import LOG_NAME, SOCKET_NAME, coordinator_state, socket_address
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def command(socket_dir: str, spec: StartSpec) -> list[str]:
 
 def start(socket_dir: str, spec: StartSpec) -> subprocess.Popen:
     """Spawn a detached coordinator for ``socket_dir``."""
-    secure_dir(socket_dir)
+    secure_dir(socket_dir, "socket directory")
     argv = command(socket_dir, spec)
     env = dict(os.environ)
     if spec.python_path:

@@ -35,6 +35,7 @@ from multiprocessing.connection import Listener
 import numpy as np
 
 from .. import settings
+from ..dirs import secure_dir
 from ..errors import CorruptModel, JobCancelled, ProtocolError, TensileError
 from ..inference.service import InferenceService
 from ..memory.manager import MemoryManager
@@ -42,7 +43,7 @@ from ..memory.spill import SpillDir
 from ..runtime import model as models
 from ..runtime.devices import make_device
 from . import protocol, reports
-from .address import LOCK_NAME, SOCKET_NAME, resident_set, secure_dir, socket_address
+from .address import LOCK_NAME, SOCKET_NAME, resident_set, socket_address
 from .executor import Executor
 from .training import TrainingService
 
@@ -66,7 +67,7 @@ class Coordinator:
                  policy: str = settings.DEFAULT_POLICY, pool: str = settings.DEFAULT_POOL,
                  limits: models.Limits = models.Limits(),
                  host_budget_nbytes: int | None = settings.DEFAULT_HOST_BUDGET_NBYTES, spill_dir: str | None = None):
-        self.socket_dir = secure_dir(socket_dir)
+        self.socket_dir = secure_dir(socket_dir, "socket directory")
         self.host_budget_nbytes = host_budget_nbytes
         self.spill_root = spill_dir or os.path.join(self.socket_dir, settings.DEFAULT_SPILL_SUBDIR)
         self.models_dir = os.path.join(self.socket_dir, "models")    # the served models' files
@@ -105,7 +106,7 @@ class Coordinator:
         device.route_allocations(self.manager)
         self.executor = Executor(self.manager, self.max_active_jobs, policy=self.policy)
         self.executor.start()
-        self.inference = InferenceService(self.manager, models_dir=secure_dir(self.models_dir))
+        self.inference = InferenceService(self.manager, models_dir=secure_dir(self.models_dir, "model directory"))
         self.training = TrainingService(self.executor, self.limits, lambda: {
             "device": self.device_name, "budget_nbytes": self.manager.budget_nbytes, "policy": self.policy})
         if os.path.exists(self.socket_path):

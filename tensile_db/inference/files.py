@@ -87,8 +87,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CorruptModel, TensileError
-from ..memory.spill import ALIGN_NBYTES, direct_alignment, round_up as _round_up   # regions start at ALIGN_NBYTES
+from ..memory.spill import ALIGN_NBYTES, direct_alignment   # regions start at ALIGN_NBYTES
 from ..runtime import model as models
+from ..runtime.units import round_up
 from ..runtime.weights import check_array, check_declared, weight_shapes
 
 log = logging.getLogger(__name__)
@@ -147,9 +148,9 @@ class Layout:
             offset = self.header_nbytes
             for nbytes in sizes:
                 self.regions.append(Region(offset, nbytes))
-                offset += _round_up(max(nbytes, 1), ALIGN_NBYTES)
+                offset += round_up(max(nbytes, 1), ALIGN_NBYTES)
             self.end_nbytes = offset
-            need = _round_up(PREFIX.size + len(self.body()), ALIGN_NBYTES)
+            need = round_up(PREFIX.size + len(self.body()), ALIGN_NBYTES)
             if need <= self.header_nbytes:
                 return
             self.header_nbytes = need
@@ -177,7 +178,7 @@ _bounce_nbytes = 0                   # bytes of the bounce buffers of reads in p
 def _bounce_buffer(nbytes: int):
     """A page-aligned buffer of at least ``nbytes`` (at most :data:`BOUNCE_NBYTES`) for one read."""
     global _bounce_nbytes
-    size = _round_up(min(max(nbytes, 1), BOUNCE_NBYTES), ALIGN_NBYTES)
+    size = round_up(min(max(nbytes, 1), BOUNCE_NBYTES), ALIGN_NBYTES)
     with _bounce_lock:
         _bounce_nbytes += size
     try:
@@ -268,7 +269,7 @@ class ModelFile:
         with _bounce_buffer(n - start) as bounce:     # the tail, or everything when unaligned
             while start < n:
                 part = min(len(bounce), n - start)
-                self._all(bounce[:_round_up(part, align)], offset + start, part)
+                self._all(bounce[:round_up(part, align)], offset + start, part)
                 view[start:start + part] = bounce[:part]
                 start += part
 
@@ -475,7 +476,7 @@ def _pread_exact(fd: int, offset: int, nbytes: int) -> bytes:
     Raises EOFError when the file ends before."""
     start = offset - offset % ALIGN_NBYTES
     need = offset + nbytes - start
-    with mmap.mmap(-1, _round_up(max(need, 1), ALIGN_NBYTES)) as buf:
+    with mmap.mmap(-1, round_up(max(need, 1), ALIGN_NBYTES)) as buf:
         view, done = memoryview(buf), 0
         while done < need:
             got = os.preadv(fd, [view[done:]], start + done)

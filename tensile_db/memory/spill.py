@@ -38,14 +38,15 @@ import math
 import mmap
 import os
 import shutil
-import stat
 import tempfile
 import threading
 import time
 
 import numpy as np
 
+from ..dirs import secure_dir
 from ..errors import TensileError
+from ..runtime.units import round_up
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +64,6 @@ _instances = itertools.count(1)     # spill directories made by this process (te
 #: directory is left alone before it is taken for one whose coordinator died starting, seconds.
 STARTING = ".starting-"
 STARTING_S = 600
-
-
-def round_up(n: int, unit: int) -> int:
-    """``n`` rounded up to a multiple of ``unit``."""
-    return -(-n // unit) * unit
 
 
 def direct_alignment(fd: int, write: bool) -> int:
@@ -131,7 +127,7 @@ class SpillFile:
     @staticmethod
     def slot_nbytes(nbytes: int) -> int:
         """Bytes of the slot that :meth:`reserve` hands out for ``nbytes``."""
-        return round_up(max(nbytes, 1), ALIGN_NBYTES)
+        return round_up(nbytes, ALIGN_NBYTES)
 
     def reserve(self, nbytes: int) -> int:
         """A free slot of at least ``nbytes`` bytes: its file offset, bytes."""
@@ -234,12 +230,7 @@ class SpillDir:
     def __init__(self, root: str):
         self.root = root
         try:
-            os.makedirs(root, mode=0o700, exist_ok=True)
-            st = os.lstat(root)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
-                raise TensileError(f"spill directory {root} must be a directory owned by uid {os.geteuid()} with mode "
-                                   f"0700 (it has uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); fix it or set "
-                                   "tensile.spill_dir to another")
+            secure_dir(root, "spill directory", "fix it or set tensile.spill_dir to another")
             self.removed_files, self.removed_nbytes = self._remove_dead()
             # Made under a temporary name and locked before it gets its name, so a coordinator
             # directory another one sees is always locked while its owner lives.

@@ -43,6 +43,7 @@ import numpy as np
 from ..errors import CorruptModel, InvalidArgument, ModelNotFound, ProtocolError
 from ..runtime import model as models
 from ..runtime import preprocess
+from ..runtime.checks import check_keys
 from ..runtime.metrics import class_text
 from ..runtime.preprocess import Preprocessor
 from ..runtime.weights import load_weights
@@ -106,7 +107,7 @@ def parse_options(value) -> BatchOptions:
     """Validate predict_batch's options (JSON text or dict). Raises InvalidArgument naming the key,
     the value and what it must be."""
     obj = models.load_json_object(value, "options")
-    models.check_keys(obj, tuple(_OPTIONS), "options")
+    check_keys(obj, tuple(_OPTIONS), "options")
     for key, val in obj.items():
         what, ok = _OPTIONS[key]
         if not ok(val):

@@ -55,15 +55,19 @@ from ..errors import InvalidArgument
 from ..runtime.model import FLOAT32_MAX
 from ..runtime.preprocess import MAX_CATEGORY_CHARS, Categories, check_configured
 
-#: PostgreSQL type OIDs accepted as numeric input, with their SQL names.
-NUMERIC_TYPES = {16: "boolean", 20: "bigint", 21: "smallint", 23: "integer", 700: "real",
-                 701: "double precision", 1700: "numeric"}
-INTEGER_TYPES = {16, 20, 21, 23}
+#: PostgreSQL's type OIDs of the types read here (``src/include/catalog/pg_type.dat``).
+BOOL_OID, INT8_OID, INT2_OID, INT4_OID, FLOAT4_OID, FLOAT8_OID, NUMERIC_OID = 16, 20, 21, 23, 700, 701, 1700
+INT2_ARRAY_OID, INT4_ARRAY_OID, INT8_ARRAY_OID, FLOAT4_ARRAY_OID, FLOAT8_ARRAY_OID, NUMERIC_ARRAY_OID = (
+    1005, 1007, 1016, 1021, 1022, 1231)
+#: Type OIDs accepted as numeric input, with their SQL names.
+NUMERIC_TYPES = {BOOL_OID: "boolean", INT8_OID: "bigint", INT2_OID: "smallint", INT4_OID: "integer",
+                 FLOAT4_OID: "real", FLOAT8_OID: "double precision", NUMERIC_OID: "numeric"}
+INTEGER_TYPES = {BOOL_OID, INT8_OID, INT2_OID, INT4_OID}
 #: Type OIDs a key column may have: the integers, not boolean.
-KEY_TYPES = {21: "smallint", 23: "integer", 20: "bigint"}
+KEY_TYPES = {INT2_OID: "smallint", INT4_OID: "integer", INT8_OID: "bigint"}
 #: Array type OIDs accepted as the one feature column that holds a row's values, with their SQL names.
-ARRAY_TYPES = {1005: "smallint[]", 1007: "integer[]", 1016: "bigint[]", 1021: "real[]", 1022: "double precision[]",
-               1231: "numeric[]"}
+ARRAY_TYPES = {INT2_ARRAY_OID: "smallint[]", INT4_ARRAY_OID: "integer[]", INT8_ARRAY_OID: "bigint[]",
+               FLOAT4_ARRAY_OID: "real[]", FLOAT8_ARRAY_OID: "double precision[]", NUMERIC_ARRAY_OID: "numeric[]"}
 #: More distinct labels than this is almost surely a regression target.
 MAX_CLASSES = 10_000
 _TABLE_NAME = re.compile(r'^("[^"]+"|[A-Za-z_][A-Za-z0-9_$]*)(\.("[^"]+"|[A-Za-z_][A-Za-z0-9_$]*))?$')
@@ -71,8 +75,6 @@ _TABLE_NAME = re.compile(r'^("[^"]+"|[A-Za-z_][A-Za-z0-9_$]*)(\.("[^"]+"|[A-Za-z
 #: dtype (an array's is decoded by :func:`_decode_arrays`).
 _ENCODINGS = {"real": ("float4send", ">f4"), "double precision": ("float8send", ">f8"), "bigint": ("int8send", ">i8"),
               "real[]": ("array_send", None)}
-#: The element type OID in array_send's header of a real[]: real (float4).
-_FLOAT4_OID = 700
 #: Bytes array_send writes per value (its length and the float4) and per array besides (ndim,
 #: has-NULL flag, element type, and one dimension's size and lower bound).
 _ARRAY_VALUE_NBYTES = 8
@@ -231,7 +233,7 @@ def _decode_arrays(data: bytes, rows: int, width: int, column: str) -> np.ndarra
                               f"row's has {ndim}); give every row the same shape, or flatten the arrays in the source: "
                               f"ARRAY(SELECT unnest({column}))")
     words = words.reshape(rows, stride)
-    if words[:, 1].any() or (words[:, 2] != _FLOAT4_OID).any() or (words[:, header::2] != 4).any():
+    if words[:, 1].any() or (words[:, 2] != FLOAT4_OID).any() or (words[:, header::2] != 4).any():
         raise RuntimeError(f'array_send of column "{column}" wrote a NULL element or a type other than real')
     return np.frombuffer(data, dtype=">f4").reshape(rows, stride)[:, header + 1::2].astype(np.float32)
 
@@ -289,7 +291,7 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
             utf8 = f"pg_catalog.convert_to({text}, 'UTF8')"
             return (f"CASE WHEN {ident(c)} IS NULL THEN pg_catalog.int4send(-1) ELSE "
                     f"pg_catalog.int4send(pg_catalog.octet_length({utf8})) OPERATOR(pg_catalog.||) {utf8} END")
-        cast = f"{ident(c)}::int::{sql_type}" if types[c] == 16 else f"{ident(c)}::{sql_type}"
+        cast = f"{ident(c)}::int::{sql_type}" if types[c] == BOOL_OID else f"{ident(c)}::{sql_type}"
         return f"COALESCE({cast}, 'NaN'::{sql_type})" if c in nullable else cast
 
     def encoded(c, sql_type):
@@ -367,7 +369,7 @@ def _kinds(plpy, types: dict[str, int]) -> dict[str, str | None]:
     """Each column's kind as a feature: ``numeric``, ``categorical`` (text, varchar, char, enum,
     boolean and domains over them: the catalog's type categories S, E and B), ``array`` (a
     numeric array), or None (a type that cannot be used)."""
-    kinds = {c: "numeric" if t in NUMERIC_TYPES and t != 16 else "array" if t in ARRAY_TYPES else None
+    kinds = {c: "numeric" if t in NUMERIC_TYPES and t != BOOL_OID else "array" if t in ARRAY_TYPES else None
              for c, t in types.items()}
     others = sorted({t for c, t in types.items() if kinds[c] is None})
     if others:

@@ -31,6 +31,7 @@ import numpy as np
 from ..errors import InvalidArgument
 from ..runtime import model as models
 from ..runtime import preprocess
+from ..runtime.checks import shown
 from ..runtime.metrics import class_text
 from ..runtime.preprocess import Categories, Preprocessor
 from ..runtime.weights import load_weights
@@ -152,7 +153,7 @@ def _from_row(m: CachedModel, name: str, row: dict) -> dict[str, np.ndarray]:
             continue
         if c.kind == "array":
             if not isinstance(value, list):
-                raise InvalidArgument(f'column "{c.name}" must be an array of {c.width} numbers, got {_shown(value)}')
+                raise InvalidArgument(f'column "{c.name}" must be an array of {c.width} numbers, got {shown(value)}')
             raw[c.name] = np.asarray(_from_array(m, name, value)[c.name], np.float32)
             continue
         try:
@@ -160,17 +161,12 @@ def _from_row(m: CachedModel, name: str, row: dict) -> dict[str, np.ndarray]:
                 raise ValueError
             number = np.nan if value is None else float(value)      # JSON number text, or "NaN" (missing)
         except ValueError:
-            raise InvalidArgument(f'column "{c.name}" is numeric in model "{name}"; got {_shown(value)}: give a '
+            raise InvalidArgument(f'column "{c.name}" is numeric in model "{name}"; got {shown(value)}: give a '
                                   "number, or null for a missing value") from None
         if not math.isnan(number) and not math.isfinite(number):
             raise InvalidArgument(f'column "{c.name}" is {number}; model "{name}" needs finite numbers')
         raw[c.name] = np.array([number], dtype=np.float32)
     return raw
-
-
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _outputs(plpy, GD, name: str, features) -> tuple[CachedModel, np.ndarray]:
@@ -183,7 +179,7 @@ def _outputs(plpy, GD, name: str, features) -> tuple[CachedModel, np.ndarray]:
         except json.JSONDecodeError as exc:       # jsonb text is valid JSON; guard anyway
             raise InvalidArgument(f"features is not valid JSON: {exc}") from None
         if not isinstance(features, dict):
-            raise InvalidArgument(f"a jsonb row must be an object of column -> value, got {_shown(features)}")
+            raise InvalidArgument(f"a jsonb row must be an object of column -> value, got {shown(features)}")
         raw = _from_row(m, name, features)
     else:
         raw = _from_array(m, name, list(features))

@@ -27,7 +27,8 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from . import network as networks
-from .network import MAX_WIDTH, Layer, _shown  # noqa: F401  (re-exported: the MLP's layer, its width limit)
+from .checks import check_keys, shown
+from .network import MAX_WIDTH, Layer  # noqa: F401  (re-exported: the MLP's layer, its width limit)
 
 TASKS = ("classification", "regression")
 OPTIMIZERS = ("adam", "sgd")
@@ -207,13 +208,6 @@ def load_json_object(value, what: str) -> dict:
     return value
 
 
-def check_keys(obj: dict, allowed, where: str) -> None:
-    """Raise InvalidArgument for the first key of ``obj`` not in ``allowed``, listing those."""
-    for key in obj:
-        if key not in allowed:
-            raise InvalidArgument(f"{where}: unknown key {key!r}; allowed keys: {', '.join(allowed)}")
-
-
 def parse_architecture(value) -> Architecture:
     """Validate an architecture (JSON text or dict): ``layers`` (see :func:`.network.parse_layers`)
     or ``model`` with its options (:mod:`.zoo`), and an optional ``input`` shape. Raises
@@ -243,7 +237,7 @@ def _input_shape(value) -> tuple[int, ...]:
             or math.prod(shape) > MAX_INPUT_VALUES):
         raise InvalidArgument(f'architecture."input" must be {{"shape": [C, H, W]}} (an image) or {{"shape": [F]}}, '
                               f"sides from 1 to {MAX_INPUT_SIDE} and at most {MAX_INPUT_VALUES:,} values, got "
-                              f"{_shown(value)}")
+                              f"{shown(value)}")
     return tuple(shape)
 
 
@@ -255,7 +249,7 @@ def check_float32(key: str, value) -> float:
     except OverflowError:
         number = math.inf
     if not (math.isfinite(number) and abs(number) <= FLOAT32_MAX):
-        raise InvalidArgument(f"{key} is {_shown(value)}, beyond the range of real (float32, about 3.4e38); "
+        raise InvalidArgument(f"{key} is {shown(value)}, beyond the range of real (float32, about 3.4e38); "
                               "pass a finite value of a sensible size")
     return number
 
@@ -283,7 +277,7 @@ def parse_options(value) -> TrainOptions:
     for key, val in obj.items():
         types = _OPTION_TYPES[key]
         if not isinstance(val, types) or (isinstance(val, bool) and types is not bool):
-            raise InvalidArgument(f"options.{key} has the wrong type: got {_shown(val)}")
+            raise InvalidArgument(f"options.{key} has the wrong type: got {shown(val)}")
         if key in ("lr", "momentum", "weight_decay") and val is not None:
             obj[key] = check_float32(f"options.{key}", val)
     opts = TrainOptions(**obj)
@@ -292,11 +286,11 @@ def parse_options(value) -> TrainOptions:
     if opts.optimizer not in OPTIMIZERS:
         raise InvalidArgument(f"options.optimizer must be one of {', '.join(OPTIMIZERS)}, got {opts.optimizer!r}")
     if not 1 <= opts.epochs <= 100_000:
-        raise InvalidArgument(f"options.epochs must be from 1 to 100000, got {_shown(opts.epochs)}")
+        raise InvalidArgument(f"options.epochs must be from 1 to 100000, got {shown(opts.epochs)}")
     if not 1 <= opts.batch_size <= 1 << 20:
-        raise InvalidArgument(f"options.batch_size must be from 1 to {1 << 20}, got {_shown(opts.batch_size)}")
+        raise InvalidArgument(f"options.batch_size must be from 1 to {1 << 20}, got {shown(opts.batch_size)}")
     if not 0 <= opts.seed < 1 << 63:
-        raise InvalidArgument(f"options.seed must be an integer from 0 to 2^63 - 1, got {_shown(opts.seed)}")
+        raise InvalidArgument(f"options.seed must be an integer from 0 to 2^63 - 1, got {shown(opts.seed)}")
     if opts.lr is not None and not (math.isfinite(opts.lr) and opts.lr > 0):
         raise InvalidArgument(f"options.lr must be a positive number, got {opts.lr}")
     if not 0 <= opts.momentum < 1:
@@ -305,20 +299,20 @@ def parse_options(value) -> TrainOptions:
         raise InvalidArgument(f"options.weight_decay must be a non-negative number, got {opts.weight_decay}")
     if not 0 <= opts.test_size <= MAX_TEST_SIZE:
         raise InvalidArgument(f"options.test_size must be from 0 (no held-out rows) to {MAX_TEST_SIZE}, "
-                              f"got {_shown(opts.test_size)}")
+                              f"got {shown(opts.test_size)}")
     _check_choice("test_sampling", opts.test_sampling, TEST_SAMPLINGS, none_ok=True)
     if opts.test_sampling == "stratified" and opts.task == "regression":
         raise InvalidArgument('options.test_sampling "stratified" needs classes; use "random" or "last" for '
                               "regression")
     if opts.patience is not None and not 1 <= opts.patience <= 100_000:
-        raise InvalidArgument(f"options.patience must be from 1 to 100000 epochs (or null), got {_shown(opts.patience)}")
+        raise InvalidArgument(f"options.patience must be from 1 to 100000 epochs (or null), got {shown(opts.patience)}")
     if opts.patience is not None and opts.test_size == 0:
         raise InvalidArgument("options.patience stops on the held-out loss, but options.test_size is 0; "
                               "hold out rows (test_size 0.2) or leave patience out")
     _check_choice("deploy", opts.deploy, DEPLOY_MODES)
     if not 1 <= opts.max_categories <= MAX_CATEGORIES:
         raise InvalidArgument(f"options.max_categories must be from 1 to {MAX_CATEGORIES}, got "
-                              f"{_shown(opts.max_categories)}")
+                              f"{shown(opts.max_categories)}")
     from . import preprocess, search       # validated where they are defined
 
     preprocess.check_options(opts)
@@ -330,7 +324,7 @@ def parse_options(value) -> TrainOptions:
 
 def _check_choice(key: str, value, allowed, none_ok: bool = False) -> None:
     if not (value in allowed or (none_ok and value is None)):
-        raise InvalidArgument(f"options.{key} must be one of {', '.join(allowed)}, got {_shown(value)}")
+        raise InvalidArgument(f"options.{key} must be one of {', '.join(allowed)}, got {shown(value)}")
 
 
 # --- weights ------------------------------------------------------------------------------------

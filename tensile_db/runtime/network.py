@@ -18,7 +18,6 @@ normalisation. An MLP's nodes are its dense layers, so its weights are ``W0, b0,
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -28,6 +27,7 @@ import numpy as np
 from ..errors import InvalidArgument
 from . import conv_kernels as ck
 from . import kernels
+from .checks import check_keys, shown
 
 ACTIVATIONS = ("relu", "tanh", "sigmoid", "none")
 #: Largest width of one dense layer and largest channel count of a convolution.
@@ -135,12 +135,6 @@ _KEYS = {
 LAYER_KINDS = tuple(_KEYS) + ("activation", "dropout")
 
 
-def _shown(value) -> str:
-    """A JSON value as the user wrote it, cut to a readable length (for error messages)."""
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -148,7 +142,7 @@ def _is_int(v) -> bool:
 def _int(layer: dict, key: str, where: str, default, low: int, high: int) -> int:
     v = layer.get(key, default)
     if not _is_int(v) or not low <= v <= high:
-        raise InvalidArgument(f'{where}."{key}" must be an integer from {low} to {high}, got {_shown(v)}')
+        raise InvalidArgument(f'{where}."{key}" must be an integer from {low} to {high}, got {shown(v)}')
     return v
 
 
@@ -157,20 +151,20 @@ def _pair(layer: dict, key: str, where: str, default, low: int) -> tuple[int, in
     v = [written, written] if _is_int(written) else written
     if (not isinstance(v, (list, tuple)) or len(v) != 2 or not all(_is_int(e) and low <= e <= MAX_WINDOW for e in v)):
         raise InvalidArgument(f'{where}."{key}" must be an integer from {low} to {MAX_WINDOW} or a pair [h, w] of '
-                              f"them, got {_shown(written)}")
+                              f"them, got {shown(written)}")
     return int(v[0]), int(v[1])
 
 
 def _activation(layer: dict, where: str, default: str) -> str:
     v = layer.get("activation", default)
     if v not in ACTIVATIONS:
-        raise InvalidArgument(f'{where}."activation" must be one of {", ".join(ACTIVATIONS)}, got {_shown(v)}')
+        raise InvalidArgument(f'{where}."activation" must be one of {", ".join(ACTIVATIONS)}, got {shown(v)}')
     return v
 
 
 def _probability(v, where: str) -> float:
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1:
-        raise InvalidArgument(f"{where} must be a number in [0, 1), got {_shown(v)}")
+        raise InvalidArgument(f"{where} must be a number in [0, 1), got {shown(v)}")
     return float(v)
 
 
@@ -181,27 +175,24 @@ def parse_layers(layers, where: str, depth: int = 0) -> tuple:
     if depth > MAX_DEPTH:
         raise InvalidArgument(f"{where}: blocks nest more than {MAX_DEPTH} deep")
     if not isinstance(layers, list):
-        raise InvalidArgument(f"{where} must be an array of layers, got {_shown(layers)}")
+        raise InvalidArgument(f"{where} must be an array of layers, got {shown(layers)}")
     return tuple(_parse_layer(layer, f"{where}[{i}]", depth) for i, layer in enumerate(layers))
 
 
 def _parse_layer(layer, where: str, depth: int):
     if not isinstance(layer, dict):
-        raise InvalidArgument(f'{where} must be an object like {{"dense": 128}}, got {_shown(layer)}')
+        raise InvalidArgument(f'{where} must be an object like {{"dense": 128}}, got {shown(layer)}')
     kinds = [k for k in _KEYS if k in layer]
     if not kinds:
         if set(layer) == {"activation"}:
             return Activation(_activation(layer, where, "none"))
         if set(layer) == {"dropout"}:
             return Dropout(_probability(layer["dropout"], f'{where}."dropout"'))
-        raise InvalidArgument(f"{where} must have one of the keys {', '.join(LAYER_KINDS)}, got {_shown(layer)}")
+        raise InvalidArgument(f"{where} must have one of the keys {', '.join(LAYER_KINDS)}, got {shown(layer)}")
     if len(kinds) > 1:
         raise InvalidArgument(f"{where} has the keys {' and '.join(kinds)}; a layer is of one kind: split it in two")
     kind = kinds[0]
-    for key in layer:
-        if key != kind and key not in _KEYS[kind]:
-            allowed = ", ".join((kind,) + _KEYS[kind])
-            raise InvalidArgument(f"{where}: unknown key {key!r} for a {kind} layer; allowed keys: {allowed}")
+    check_keys(layer, (kind,) + _KEYS[kind], where, f"a {kind} layer")
     value = layer[kind]
     if kind == "dense":
         units = _int(layer, "dense", where, None, 1, MAX_WIDTH)
@@ -216,15 +207,13 @@ def _parse_layer(layer, where: str, depth: int):
         options = {} if value is True else value
         if not isinstance(options, dict):
             raise InvalidArgument(f'{where}."batch_norm" must be an object such as {{}} or {{"momentum": 0.1, '
-                                  f'"eps": 1e-5}}, got {_shown(value)}')
-        for key in options:
-            if key not in ("momentum", "eps"):
-                raise InvalidArgument(f'{where}."batch_norm": unknown key {key!r}; allowed keys: momentum, eps')
+                                  f'"eps": 1e-5}}, got {shown(value)}')
+        check_keys(options, ("momentum", "eps"), f'{where}."batch_norm"')
         momentum, eps = options.get("momentum", 0.1), options.get("eps", 1e-5)
         if not isinstance(momentum, (int, float)) or isinstance(momentum, bool) or not 0 <= momentum <= 1:
-            raise InvalidArgument(f'{where}."batch_norm"."momentum" must be a number in [0, 1], got {_shown(momentum)}')
+            raise InvalidArgument(f'{where}."batch_norm"."momentum" must be a number in [0, 1], got {shown(momentum)}')
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 1e-12 <= eps <= 1:
-            raise InvalidArgument(f'{where}."batch_norm"."eps" must be a number in [1e-12, 1], got {_shown(eps)}')
+            raise InvalidArgument(f'{where}."batch_norm"."eps" must be a number in [1e-12, 1], got {shown(eps)}')
         return BatchNorm(float(momentum), float(eps), _activation(layer, where, "none"))
     if kind in ("max_pool", "avg_pool"):
         kernel = _pair(layer, kind, where, None, 1)
@@ -232,7 +221,7 @@ def _parse_layer(layer, where: str, depth: int):
                     _pair(layer, "padding", where, 0, 0))
     if kind in ("global_avg_pool", "flatten"):
         if value is not True and value != {}:              # not ``in ({}, True)``: 1 == True
-            raise InvalidArgument(f'{where}."{kind}" takes no options: write {{"{kind}": {{}}}}, got {_shown(value)}')
+            raise InvalidArgument(f'{where}."{kind}" takes no options: write {{"{kind}": {{}}}}, got {shown(value)}')
         return GlobalAvgPool() if kind == "global_avg_pool" else Flatten()
     if kind == "residual":
         body = parse_layers(value, f"{where}.residual", depth + 1)
@@ -242,14 +231,14 @@ def _parse_layer(layer, where: str, depth: int):
                         _activation(layer, where, "none"))
     if not isinstance(value, list) or len(value) < 2:
         raise InvalidArgument(f"{where}.concat must be an array of at least two branches (arrays of layers; [] is the "
-                              f"identity), got {_shown(value)}")
+                              f"identity), got {shown(value)}")
     return Concat(tuple(parse_layers(b, f"{where}.concat[{i}]", depth + 1) for i, b in enumerate(value)))
 
 
 def _bool(layer: dict, key: str, where: str, default: bool) -> bool:
     v = layer.get(key, default)
     if not isinstance(v, bool):
-        raise InvalidArgument(f'{where}."{key}" must be true or false, got {_shown(v)}')
+        raise InvalidArgument(f'{where}."{key}" must be true or false, got {shown(v)}')
     return v
 
 

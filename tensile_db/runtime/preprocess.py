@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..errors import InvalidArgument
+from .checks import check_keys, shown
 
 IMPUTE = ("error", "mean", "median", "mode")
 ENCODINGS = ("one_hot", "ordinal")
@@ -89,12 +90,6 @@ def as_categories(values) -> Categories:
     return values if isinstance(values, Categories) else Categories.of(list(values))
 
 
-def _shown(value) -> str:
-    from .network import _shown as shown
-
-    return shown(value)
-
-
 def _check_impute(value, where: str) -> None:
     if value in IMPUTE:
         return
@@ -104,7 +99,7 @@ def _check_impute(value, where: str) -> None:
                                           and math.isfinite(constant)):
             return
     raise InvalidArgument(f"{where} must be one of {', '.join(IMPUTE)} or {{\"constant\": value}} (a finite number "
-                          f"or a string), got {_shown(value)}")
+                          f"or a string), got {shown(value)}")
 
 
 def _check_encode(value, where: str) -> None:
@@ -115,12 +110,12 @@ def _check_encode(value, where: str) -> None:
             and len(set(value["ordinal"])) == len(value["ordinal"])):
         return
     raise InvalidArgument(f"{where} must be one of {', '.join(ENCODINGS)} or {{\"ordinal\": [distinct strings, in "
-                          f"order]}}, got {_shown(value)}")
+                          f"order]}}, got {shown(value)}")
 
 
 def _check_scale(value, where: str) -> None:
     if value not in SCALES:
-        raise InvalidArgument(f"{where} must be one of {', '.join(SCALES)}, got {_shown(value)}")
+        raise InvalidArgument(f"{where} must be one of {', '.join(SCALES)}, got {shown(value)}")
 
 
 def check_options(opts) -> None:
@@ -132,15 +127,13 @@ def check_options(opts) -> None:
     if opts.scale is not None:
         _check_scale(opts.scale, "options.scale")
     if opts.unseen not in UNSEEN:
-        raise InvalidArgument(f"options.unseen must be one of {', '.join(UNSEEN)}, got {_shown(opts.unseen)}")
+        raise InvalidArgument(f"options.unseen must be one of {', '.join(UNSEEN)}, got {shown(opts.unseen)}")
     for column, rule in (opts.preprocess or {}).items():
         where = f'options.preprocess."{column}"'
         if not isinstance(rule, dict):
             raise InvalidArgument(f'{where} must be an object such as {{"impute": "mean", "scale": "minmax"}}, '
-                                  f"got {_shown(rule)}")
-        for key in rule:
-            if key not in COLUMN_KEYS:
-                raise InvalidArgument(f"{where}: unknown key {key!r}; allowed keys: {', '.join(COLUMN_KEYS)}")
+                                  f"got {shown(rule)}")
+        check_keys(rule, COLUMN_KEYS, where)
         if "impute" in rule:
             _check_impute(rule["impute"], f"{where}.impute")
         if "encode" in rule:
@@ -200,7 +193,7 @@ def _fit_numeric(name: str, values: np.ndarray, rule: dict) -> Column:
     if isinstance(impute, dict):
         if isinstance(impute["constant"], str):
             raise InvalidArgument(f'column "{name}" is numeric; its impute constant must be a number, got '
-                                  f"{_shown(impute['constant'])}")
+                                  f"{shown(impute['constant'])}")
         impute, fill = "constant", float(impute["constant"])
     elif impute != "error":
         if len(present) == 0:
@@ -217,7 +210,7 @@ def _fit_categorical(name: str, values: Categories, rule: dict, max_categories: 
     if isinstance(impute, dict):
         if not isinstance(impute["constant"], str):
             raise InvalidArgument(f'column "{name}" is categorical; its impute constant must be a string, got '
-                                  f"{_shown(impute['constant'])}")
+                                  f"{shown(impute['constant'])}")
         impute, fill = "constant", impute["constant"]
     elif impute in ("mean", "median"):
         raise InvalidArgument(f'column "{name}" is categorical: impute {impute} needs numbers; use "mode" or '
@@ -235,7 +228,7 @@ def _fit_categorical(name: str, values: Categories, rule: dict, max_categories: 
     if isinstance(encode, dict):                     # ordinal in the order given: it names every value
         missing = sorted({values.values[i] for i in seen} - set(encode["ordinal"]))
         if missing:
-            raise InvalidArgument(f'column "{name}" holds {", ".join(map(_shown, missing[:5]))}'
+            raise InvalidArgument(f'column "{name}" holds {", ".join(map(shown, missing[:5]))}'
                                   f'{" and more" if len(missing) > 5 else ""} in the training rows, which the ordinal '
                                   f'order of options.preprocess."{name}".encode does not name; add '
                                   f'{"them" if len(missing) > 1 else "it"} to the list in its place')
@@ -366,7 +359,7 @@ class Preprocessor:
             first = values.values[int(values.codes[np.flatnonzero(unseen)[0]])]
             count = int(unseen.sum())
             raise InvalidArgument(f'column "{c.name}" has {count:,} value{"s" if count > 1 else ""} never seen in '
-                                  f"training (the first: {_shown(first)}); the model was trained with unseen "
+                                  f"training (the first: {shown(first)}); the model was trained with unseen "
                                   '"error": filter such rows, or train with options.unseen "other"')
         return index
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgument
+from .checks import check_keys, shown
 
 METHODS = ("grid", "random")
 #: The options a search may vary, besides the architecture's ``layers``.
@@ -50,38 +51,30 @@ class Search:
     halving: bool
 
 
-def _shown(value) -> str:
-    from .network import _shown as shown
-
-    return shown(value)
-
-
 def parse(value) -> Search:
     """Validate ``options.search`` (a dict). Raises InvalidArgument naming the key and value.
     The values themselves are checked when the trials' options are (:func:`trials`)."""
     if not isinstance(value, dict):
         raise InvalidArgument(f'options.search must be an object such as {{"method": "grid", "params": {{"lr": '
-                              f"[0.001, 0.01]}}}}, got {_shown(value)}")
-    for key in value:
-        if key not in KEYS:
-            raise InvalidArgument(f"options.search: unknown key {key!r}; allowed keys: {', '.join(KEYS)}")
+                              f"[0.001, 0.01]}}}}, got {shown(value)}")
+    check_keys(value, KEYS, "options.search")
     method = value.get("method", "grid")
     if method not in METHODS:
-        raise InvalidArgument(f"options.search.method must be one of {', '.join(METHODS)}, got {_shown(method)}")
+        raise InvalidArgument(f"options.search.method must be one of {', '.join(METHODS)}, got {shown(method)}")
     params = value.get("params")
     if not isinstance(params, dict) or not params:
         raise InvalidArgument('options.search.params must be a non-empty object of lists, such as {"lr": [0.001, '
-                              f"0.01], \"batch_size\": [32, 128]}}, got {_shown(params)}")
+                              f"0.01], \"batch_size\": [32, 128]}}, got {shown(params)}")
     for name, values in params.items():
         if name not in PARAMS:
             raise InvalidArgument(f"options.search.params: unknown parameter {name!r}; a search may vary "
                                   f"{', '.join(PARAMS)}")
         if not isinstance(values, list) or not 1 <= len(values) <= MAX_TRIALS:
             raise InvalidArgument(f'options.search.params."{name}" must be a list of 1 to {MAX_TRIALS} values, got '
-                                  f"{_shown(values)}")
+                                  f"{shown(values)}")
     trials = value.get("trials")
     if trials is not None and not (_is_int(trials) and 1 <= trials <= MAX_TRIALS):
-        raise InvalidArgument(f"options.search.trials must be an integer from 1 to {MAX_TRIALS}, got {_shown(trials)}")
+        raise InvalidArgument(f"options.search.trials must be an integer from 1 to {MAX_TRIALS}, got {shown(trials)}")
     grid = math.prod(len(v) for v in params.values())
     if method == "grid" and trials is None and grid > MAX_TRIALS:
         raise InvalidArgument(f"options.search asks for a grid of {grid:,} trials, more than {MAX_TRIALS}; list fewer "
@@ -89,10 +82,10 @@ def parse(value) -> Search:
     parallel = value.get("parallel", DEFAULT_PARALLEL)
     if not (_is_int(parallel) and 1 <= parallel <= MAX_TRIALS):
         raise InvalidArgument(f"options.search.parallel must be an integer from 1 to {MAX_TRIALS}, got "
-                              f"{_shown(parallel)}")
+                              f"{shown(parallel)}")
     halving = value.get("halving", False)
     if not isinstance(halving, bool):
-        raise InvalidArgument(f"options.search.halving must be true or false, got {_shown(halving)}")
+        raise InvalidArgument(f"options.search.halving must be true or false, got {shown(halving)}")
     return Search(method, tuple((k, tuple(v)) for k, v in params.items()), trials, parallel, halving)
 
 

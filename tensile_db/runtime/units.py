@@ -11,6 +11,6 @@ from __future__ import annotations
 UNIT_NBYTES = 512
 
 
-def round_up(nbytes: int) -> int:
-    """``nbytes`` rounded up to a whole number of units (at least one unit), bytes."""
-    return max(UNIT_NBYTES, -(-nbytes // UNIT_NBYTES) * UNIT_NBYTES)
+def round_up(nbytes: int, unit: int = UNIT_NBYTES) -> int:
+    """``nbytes`` rounded up to a whole number of ``unit`` bytes (at least one), bytes."""
+    return max(unit, -(-nbytes // unit) * unit)

@@ -42,13 +42,12 @@ smallest square side at which every spatial size stays at least 1.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import InvalidArgument
-from .model import check_keys
+from .checks import check_keys, shown
 
 #: The keys ``expand`` accepts in its options.
 OPTION_KEYS = ("width",)
@@ -213,12 +212,6 @@ NAMED: dict[str, NamedModel] = {
 # --- expansion ----------------------------------------------------------------------------------
 
 
-def _shown(value) -> str:
-    """A value as JSON, cut to a readable length."""
-    text = json.dumps(value, default=repr)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def expand(name: str, options: dict | None = None, where: str = "architecture") -> tuple[list[int], list[dict]]:
     """The default input shape ``[C, H, W]`` and a fresh layer list of the named model ``name``
     (one of NAMED), with ``options`` (keys OPTION_KEYS; None: none) applied. The list leaves out
@@ -226,16 +219,16 @@ def expand(name: str, options: dict | None = None, where: str = "architecture") 
     ``where``, for an unknown name, an unknown option or a bad option value."""
     model = NAMED.get(name) if isinstance(name, str) else None
     if model is None:
-        raise InvalidArgument(f"{where}: unknown named model {_shown(name)}; known models: {', '.join(NAMED)}")
+        raise InvalidArgument(f"{where}: unknown named model {shown(name)}; known models: {', '.join(NAMED)}")
     if options is None:
         options = {}
     if not isinstance(options, dict):
-        raise InvalidArgument(f"{where}: the options of model {name!r} must be an object, got {_shown(options)}")
+        raise InvalidArgument(f"{where}: the options of model {name!r} must be an object, got {shown(options)}")
     check_keys(options, OPTION_KEYS, where)
     width = options.get("width", 1.0)
     if (not isinstance(width, (int, float)) or isinstance(width, bool) or not math.isfinite(width)
             or not 0 < width <= MAX_WIDTH_MULTIPLIER):
         raise InvalidArgument(f'{where}."width" must be a number in (0, {MAX_WIDTH_MULTIPLIER:g}], '
-                              f"got {_shown(width)}")
+                              f"got {shown(width)}")
     width = float(width)
     return list(model.input_shape), model.build(lambda c: max(1, round(c * width)))
