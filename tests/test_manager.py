@@ -374,7 +374,7 @@ def test_a_compaction_copies_adjacent_blocks_sliding_alike_as_one(monkeypatch):
     """Four adjacent 1-unit blocks above a 4-unit hole slide down together: one copy, not four,
     and every block keeps its values; with a 1-unit hole they would overlap their own copy, and go
     one by one."""
-    from tensile_db.memory.residency import coalesced
+    from tensile_db.memory.moves import coalesced
 
     mm = make(9)
     hole = new(mm, 1, "hole", 4)
@@ -449,7 +449,7 @@ def test_limit_evicts_early_but_a_lone_working_set_may_use_the_whole_budget():
 
 def test_order_moves_copies_device_to_device_where_safe_and_parks_blocks_to_break_cycles():
     from types import SimpleNamespace
-    from tensile_db.memory.residency import free_in_both, order_moves
+    from tensile_db.memory.moves import free_in_both, order_moves
 
     rng = np.random.default_rng(3)
     for trial in range(300):
@@ -497,7 +497,7 @@ def test_a_region_install_that_would_stage_much_through_a_host_link_is_not_made(
     a, b = new(mm, 1, "a", 2, pattern(2 * F32_PER_UNIT, 1)), new(mm, 1, "b", 2, pattern(2 * F32_PER_UNIT, 2))
     assert (a.offset, b.offset) == (0, 2 * U) and a.key != b.key
     plan = PoolPlan("test", {a.key: 2 * U, b.key: 0}, 4 * U)
-    out = mm._install_region(plan, {a.key, b.key}, 0)
+    out = mm.installer.install(plan, {a.key, b.key}, 0)
     if device == "sim":
         assert out == f"installing a planned region of {4 * U:,} bytes would move {4 * U:,} bytes through host memory"
         assert (a.offset, b.offset) == (0, 2 * U)

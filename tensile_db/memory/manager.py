@@ -43,6 +43,7 @@ from ..settings import DEFAULT_POOL, POOLS
 from .arena import ArenaAllocator
 from .cache import WeightCache
 from .eviction import Eviction, Fragmented
+from .moves import RegionInstaller
 from .planned import PlannedPool
 from .residency import Residencies
 from .spill import SpillDir, SpillFile
@@ -121,7 +122,8 @@ class MemoryManager(Residencies):
         self._lock = threading.RLock()           # CuPy temporaries re-enter on cuda
         self._unpinned = threading.Condition(self._lock)   # notified when pins or blocks go
         # guarded by _lock
-        self.pool = PlannedPool(self._install_region, self._dissolve_region, enabled=pool == "planned",
+        self.installer = RegionInstaller(self)
+        self.pool = PlannedPool(self.installer.install, self.installer.dissolve, enabled=pool == "planned",
                                 synchronous=device.virtual_time, where=self._live_offsets)
         self.eviction = Eviction(self)
         self.cache = WeightCache(self)

@@ -13,26 +13,21 @@ The transitions of :class:`~tensile_db.memory.tensors.Residency`, each written o
 works on the manager's fields (the registry, the allocator, the planned pool, the swap engine),
 every one guarded by the manager's lock. It holds the two chokepoints: every block is allocated
 in :meth:`Residencies._place` and given back in :meth:`Residencies._free_block`, and every per-job
-counter changes in :meth:`Residencies._account`. It also performs the planned pool's install
-and dissolve (:meth:`Residencies._install_region`: the pool computes the layout and the moves).
-Which tensor to evict and when to compact are
+counter changes in :meth:`Residencies._account`. The planned pool's install and dissolve are the
+manager's :class:`~tensile_db.memory.moves.RegionInstaller`'s. Which tensor to evict and when to compact are
 the eviction policy's (:mod:`tensile_db.memory.eviction`); the methods under "the policies'
 interface" are what the policies call, with the lock held.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 
 import numpy as np
 
 from .eviction import Fragmented
-from .planned import region_layout
+from .moves import coalesced
 from .tensors import Residency, Tensor
-
-#: most of a planned region an install may move through host memory (Residencies._install_region)
-MAX_STAGED_FRACTION = 0.05
 
 log = logging.getLogger(__name__)
 
@@ -339,96 +334,6 @@ class Residencies:
         if not t.readonly:
             self.pool.freed(t.key, t.arena_nbytes)
 
-    def _install_region(self, plan, live_keys: set, reserve_nbytes: int) -> int | str:
-        """The planned pool's install: let the copies in flight land, take the layout the pool
-        computes (:func:`~tensile_db.memory.planned.region_layout`), evict the cached blocks it
-        leaves out and perform its moves. Returns the region's offset, or why it was not installed
-        (nothing changed then).
-
-        A block moves device to device when its new place overlaps no block still to move; where
-        the moves form cycles, one block is parked in arena bytes free before and after the
-        install (:func:`order_moves`); what is left moves through host memory (each copied out,
-        then all copied in).
-        Through the host, every byte crosses the host link twice: on four ResNet-50 on the
-        simulated H100 at 35% of their peak, an install that staged 0.97 GiB of the 1.59 GiB it
-        moved took 94 ms, a whole period, and that one period doubled the run's EOR (+0.59, against
-        +0.28 on the general pool). So an install that would stage more than
-        :data:`MAX_STAGED_FRACTION` of the region is not made, except on ``cpu``, where the host is
-        the device's own memory and a staged move costs what a direct one does; the pool records
-        again after its back-off, when the blocks may lie better."""
-        self.land_copies()
-        layout = region_layout(plan, [t for t in self._tensors.values() if t.offset is not None],
-                               live_keys, reserve_nbytes, self.budget_nbytes)
-        if layout is None:
-            return (f"a planned region of {plan.arena_nbytes:,} bytes and {reserve_nbytes:,} bytes "
-                    "of library temporaries do not fit beside the blocks in use")
-        # scratch: bytes no block holds before or after the install, among them the region's
-        # bytes that no live block takes (nothing else is placed until the install ends)
-        after = [(new, t.arena_nbytes) for t, new in layout.placed.items()]
-        scratch = free_in_both(self.allocator.blocks(), after, self.budget_nbytes)
-        copies, pending = order_moves(layout.moves, scratch)
-        staged = sum(t.arena_nbytes for t, _ in pending)
-        if not self.device.arena_in_host_memory and staged > MAX_STAGED_FRACTION * plan.arena_nbytes:
-            return (f"installing a planned region of {plan.arena_nbytes:,} bytes would move {staged:,} "
-                    "bytes through host memory")
-        for t in layout.evicted:
-            self.evict(t)
-        for t, old, new in copies:
-            if new < old:
-                self.device.move_down(self.buffer, old, new, t.arena_nbytes)
-            else:
-                self.device.copy_within(self.buffer, old, new, t.arena_nbytes)
-            t.offset = new
-        self._stage_moves(pending)
-        for t in layout.placed:
-            t.planned = t.key in live_keys
-        self.allocator.relayout(layout.used)
-        return layout.base
-
-    def _stage_moves(self, pending: list) -> None:
-        """Move each ``(tensor, new offset)`` of ``pending`` (whose places overlap each other's)
-        through a copy outside the arena: all copied out, then all copied in. The copies are host
-        memory when the host tier has room for them all (counted in it while they exist), else
-        slots of the tensors' spill files, so a region install never takes host memory beyond the
-        host budget."""
-        if not pending:
-            return
-        nbytes = sum(t.arena_nbytes for t, _ in pending)
-        if self._host_room(nbytes):
-            self.host_copies_nbytes += nbytes
-            self.host_peak_nbytes = max(self.host_peak_nbytes, self.host_used_nbytes())
-            try:
-                staged = [self.device.to_host(self._block(t)) for t, _ in pending]
-                for (t, new), host in zip(pending, staged):
-                    t.offset = new
-                    self.device.to_device(host, self._block(t))
-            finally:
-                self.host_copies_nbytes -= nbytes
-            return
-        slots = []
-        try:
-            for t, _ in pending:
-                slots.append(self._spill_now(t))
-        except BaseException:
-            for (t, _), (file, offset) in zip(pending, slots):
-                file.release(offset, t.arena_nbytes)
-            raise
-        for (t, new), (file, offset) in zip(pending, slots):
-            t.offset = new
-            if self.device.arena_in_host_memory:
-                file.read_into(offset, self._block(t))
-            else:
-                self.engine.from_disk(lambda out, f=file, o=offset: f.read_into(o, out), self._block(t)).wait()
-            file.release(offset, t.arena_nbytes)
-
-    def _dissolve_region(self) -> None:
-        """Turn the planned region back into general-pool blocks: each live planned block stays
-        where it is as an ordinary block; the rest of the region becomes free."""
-        used = {t.offset: t.arena_nbytes for t in self._tensors.values() if t.offset is not None}
-        for t in self._tensors.values():
-            t.planned = False
-        self.allocator.relayout(used)
-
     def _drop(self, t: Tensor) -> None:
         if t.transfer is not None:                  # never free a block a copy still uses
             try:
@@ -540,84 +445,3 @@ class Residencies:
         """The raw bytes of ``t``'s arena block (``arena_nbytes``, uint8): what the disk tier
         reads and writes, whole 512-byte units (Note [Spill I/O])."""
         return self.device.view(self.buffer, t.offset, (t.arena_nbytes,), np.uint8)
-
-
-
-def order_moves(moves: list, scratch: list | None = None) -> tuple[list, list]:
-    """Order the moves of a region install. ``moves``: (tensor, new offset) pairs, each tensor at
-    its current ``offset``, of ``arena_nbytes``, the new places disjoint; ``scratch``: (start,
-    end) byte ranges free before and after the install (so no block is there and none goes
-    there). Returns (copies, staged): ``copies``, (tensor, from, to) device-to-device copies in an
-    order in which each is safe, since its destination overlaps no block still to move (its own
-    excepted when it moves down, which :meth:`Device.move_down` copies correctly); and
-    ``staged``, the (tensor, new offset) moves left, to go through host memory. Where the moves
-    left form cycles, a block of one is parked in a scratch range that fits it (a copy, then its
-    move from there), which breaks the cycle. The pending blocks' ranges are kept sorted, so each
-    check is a bisection."""
-    at = {id(t): t.offset for t, _ in moves}            # where each block is now
-    pending = sorted((t.offset, t.offset + t.arena_nbytes, id(t)) for t, _ in moves)
-    starts = [p[0] for p in pending]
-    scratch = sorted(scratch or [])
-    left, copies, parked = list(moves), [], set()
-
-    def leave(t) -> None:
-        if id(t) not in parked:                        # a parked block is in no pending range
-            k = bisect.bisect_left(starts, at[id(t)])
-            del pending[k], starts[k]
-
-    while left:
-        stuck = []
-        for t, new in left:
-            end, old, size = new + t.arena_nbytes, at[id(t)], t.arena_nbytes
-            first = max(bisect.bisect_right(starts, new) - 1, 0)
-            last = bisect.bisect_left(starts, end)
-            if any(p[1] > new and p[2] != id(t) for p in pending[first:last]) or old < new < old + size:
-                stuck.append((t, new))
-                continue
-            copies.append((t, old, new))
-            leave(t)
-        if len(stuck) == len(left):                   # cycles: park a block once, if a range fits it
-            fits = ((t, k) for t, _ in stuck if id(t) not in parked
-                    for k, (lo, hi) in enumerate(scratch) if hi - lo >= t.arena_nbytes)
-            t, room = next(fits, (None, None))
-            if t is None:
-                return copies, stuck
-            lo, hi = scratch[room]
-            scratch[room] = (lo + t.arena_nbytes, hi)
-            copies.append((t, at[id(t)], lo))
-            leave(t)
-            at[id(t)] = lo                              # outside every destination: blocks nothing
-            parked.add(id(t))
-        left = stuck
-    return copies, []
-
-
-def coalesced(moves: list) -> list:
-    """The ``(old, new, size)`` moves of a compaction (in copy order, each down) as fewer copies:
-    adjacent blocks that slide by the same distance make one copy while its span stays within that
-    distance, so that no copy overlaps itself. A compaction slides runs of adjacent blocks, one
-    copy (one launch) each: on four ResNet-50 at 50% on the simulated H100, 21,257 block moves
-    became 2,487 copies."""
-    out: list[tuple[int, int, int]] = []
-    for old, new, size in moves:
-        if out:
-            o, n, s = out[-1]
-            if old == o + s and old - new == o - n and s + size <= old - new:
-                out[-1] = (o, n, s + size)
-                continue
-        out.append((old, new, size))
-    return out
-
-
-def free_in_both(before: list, after: list, capacity: int) -> list:
-    """(start, end) byte ranges of ``[0, capacity)`` that neither the ``before`` nor the
-    ``after`` blocks ((offset, size) pairs) touch."""
-    edges = sorted((o, o + size) for o, size in list(before) + list(after))
-    out, cursor = [], 0
-    for lo, hi in edges:
-        if lo > cursor:
-            out.append((cursor, lo))
-        cursor = max(cursor, hi)
-    if cursor < capacity:
-        out.append((cursor, capacity))
-    return out
