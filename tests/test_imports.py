@@ -40,20 +40,57 @@ def test_the_coordinator_loads_what_it_runs():
 LAYERS = ("runtime", "memory", "scheduler", "inference", "coordinator", "pg")
 
 
-def _imports(path) -> set[str]:
-    """The tensile_db modules a source file imports (relative imports resolved)."""
+def _imports(path, package: list[str] | None = None) -> set[str]:
+    """The tensile_db modules a source file imports, at the top or inside functions (relative
+    imports resolved in ``package``, by default the file's own); ``from package import name``
+    counts as an import of ``package.name`` too, which may be a module."""
     import ast
 
-    package = ["tensile_db", *Path(path).relative_to(ROOT / "tensile_db").parent.parts]
+    package = package or ["tensile_db", *Path(path).relative_to(ROOT / "tensile_db").parent.parts]
     found = set()
     for node in ast.walk(ast.parse(Path(path).read_text())):
         if isinstance(node, ast.ImportFrom):
             base = package[:len(package) - node.level + 1] if node.level else []
             module = ".".join(base + ([node.module] if node.module else []))
-            found.update([module] if node.module else [f"{module}.{a.name}" for a in node.names])
+            found.update([module] if node.module else [])
+            found.update(f"{module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
     return {m for m in found if m.startswith("tensile_db")}
+
+
+def _module_of(path) -> str:
+    parts = Path(path).relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph`` (module -> the modules it imports): its strongly connected
+    components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):                                   # recursion depth: the longest import chain
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return cycles
 
 
 def test_no_module_imports_from_a_layer_above_its_own():
@@ -65,3 +102,21 @@ def test_no_module_imports_from_a_layer_above_its_own():
                 if len(parts) > 1 and parts[1] in LAYERS and LAYERS.index(parts[1]) > layer_index:
                     upward.append(f"{path.relative_to(ROOT)} imports {module}")
     assert upward == []
+
+
+
+def test_no_import_cycle():
+    """No module imports itself through others, at the top or inside a function: each has its
+    place in the layers by what it needs."""
+    files = {_module_of(p): p for p in (ROOT / "tensile_db").rglob("*.py")}
+    graph = {m: (_imports(p) & set(files)) - {m} for m, p in files.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_finds_modules_that_import_each_other_inside_functions(tmp_path):
+    (tmp_path / "a.py").write_text("def f():\n    from . import b\n")
+    (tmp_path / "b.py").write_text("def g():\n    from .a import f\n")
+    (tmp_path / "c.py").write_text("from . import a\n")
+    graph = {f"tensile_db.x.{n}": _imports(tmp_path / f"{n}.py", ["tensile_db", "x"]) for n in "abc"}
+    graph = {m: deps & set(graph) for m, deps in graph.items()}
+    assert _cycles(graph) == [["tensile_db.x.a", "tensile_db.x.b"]]

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tensile_db.errors import InvalidArgument
+from tensile_db.runtime import model as models
 from tensile_db.runtime import preprocess
 from tensile_db.runtime.model import parse_options
 from tensile_db.runtime.preprocess import Preprocessor, fit, fit_scaling
@@ -252,7 +253,7 @@ def test_json_round_trip_gives_the_same_transform():
              "img": np.ones((4, 2), np.float32)}
     assert np.array_equal(again.transform(probe), pre.transform(probe))
     assert again.transform(probe).shape == (4, 1 + 3 + 1 + 2)
-    via_row = preprocess.of_row(json.dumps(pre.to_json()), ["n", "c", "o", "img"], {"layers": [{"dense": 4}]})
+    via_row = models.preprocessor_of_row(json.dumps(pre.to_json()), ["n", "c", "o", "img"], {"layers": [{"dense": 4}]})
     assert np.array_equal(via_row.transform(probe), pre.transform(probe))
 
 
@@ -265,7 +266,7 @@ def test_a_record_that_does_not_fit_is_refused():
 
 
 def test_a_model_without_a_record_reads_numeric_features():
-    pre = preprocess.of_row(None, ["a", "b"], {"layers": [{"dense": 4}]})
+    pre = models.preprocessor_of_row(None, ["a", "b"], {"layers": [{"dense": 4}]})
     assert pre == Preprocessor.numeric_only(["a", "b"], 2)
     assert [(c.kind, c.fill, c.scale) for c in pre.columns] == [("numeric", None, "standardize")] * 2
     assert pre.transform({"a": num(1, 2), "b": num(3, 4)}).tolist() == [[1, 3], [2, 4]]
@@ -275,13 +276,13 @@ def test_a_model_without_a_record_reads_numeric_features():
 
 def test_a_model_without_a_record_reads_one_array_column():
     arch = json.dumps({"layers": [{"dense": 4}], "input": {"shape": [1, 2, 3]}})
-    pre = preprocess.of_row(None, ["pixels"], arch)
+    pre = models.preprocessor_of_row(None, ["pixels"], arch)
     assert [(c.kind, c.width) for c in pre.columns] == [("array", 6)] and pre.width == 6
     assert pre.scale_modes() == ["standardize"] * 6
     assert pre.input_names()[0] == "pixels[1]" and pre.input_names()[-1] == "pixels[6]"
     image = np.arange(12, dtype=np.float32).reshape(2, 6)
     assert np.array_equal(pre.transform({"pixels": image}), image)
-    one = preprocess.of_row(None, ["v"], {"layers": [{"dense": 4}]})
+    one = models.preprocessor_of_row(None, ["v"], {"layers": [{"dense": 4}]})
     assert [(c.kind, c.width) for c in one.columns] == [("numeric", 1)]
 
 

@@ -42,7 +42,6 @@ import numpy as np
 
 from ..errors import CorruptModel, InvalidArgument, ModelNotFound, ProtocolError
 from ..runtime import model as models
-from ..runtime import preprocess
 from ..runtime.checks import check_keys
 from ..runtime.metrics import class_text
 from ..runtime.preprocess import Preprocessor
@@ -133,7 +132,7 @@ def read_model(plpy, GD, name, limits: models.Limits) -> ModelRow:
     row = rows[0]
     architecture = json.loads(row["architecture"])
     classes = list(row["label_classes"]) if row["label_classes"] else None
-    pre = preprocess.of_row(row["preprocess"], row["feature_names"], architecture)
+    pre = models.preprocessor_of_row(row["preprocess"], row["feature_names"], architecture)
     spec = models.ModelSpec.of_row(architecture, row["feature_names"], len(classes) if classes else 1, row["task"],
                                    pre.width)
     limits.check(spec, name)

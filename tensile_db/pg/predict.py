@@ -30,7 +30,6 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from ..runtime import model as models
-from ..runtime import preprocess
 from ..runtime.checks import shown
 from ..runtime.metrics import class_text
 from ..runtime.preprocess import Categories, Preprocessor
@@ -70,7 +69,7 @@ def load(plpy, GD, name: str) -> CachedModel:
                    preprocess::pg_catalog.text AS preprocess, label_names
             FROM tensile.models WHERE id OPERATOR(pg_catalog.=) $1""", ["pg_catalog.int8"]), [rows[0]["id"]])[0]
         classes = list(row["label_classes"]) if row["label_classes"] else None
-        pre = preprocess.of_row(row["preprocess"], row["feature_names"], row["architecture"])
+        pre = models.preprocessor_of_row(row["preprocess"], row["feature_names"], row["architecture"])
         spec = models.ModelSpec.of_row(row["architecture"], row["feature_names"],
                                       len(classes) if classes else 1, row["task"], pre.width)
         session.limits(plpy, GD, session.settings(plpy, GD)).check(spec, name)

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from . import network as networks
+from . import preprocess, search
 from .checks import check_keys, shown
 from .network import MAX_WIDTH, Layer  # noqa: F401  (re-exported: the MLP's layer, its width limit)
 
@@ -230,6 +231,17 @@ def parse_architecture(value) -> Architecture:
     return Architecture(networks.parse_layers(layers, "architecture.layers"), input_shape)
 
 
+def preprocessor_of_row(record, feature_names: list[str], architecture) -> preprocess.Preprocessor:
+    """The preprocessing of a registry row: its ``preprocess`` record (JSON text, a dict, or
+    None for a model stored without one), its feature columns and its architecture (JSON text or
+    a dict; its input shape gives an array column's width). Raises InvalidArgument for a record
+    that does not fit."""
+    if isinstance(record, str):
+        record = json.loads(record)
+    n_values = parse_architecture(architecture).n_features
+    return preprocess.Preprocessor.from_json(record, list(feature_names), n_values or len(feature_names))
+
+
 def _input_shape(value) -> tuple[int, ...]:
     shape = value.get("shape") if isinstance(value, dict) and set(value) == {"shape"} else None
     if (not isinstance(shape, list) or len(shape) not in (1, 3)
@@ -313,9 +325,7 @@ def parse_options(value) -> TrainOptions:
     if not 1 <= opts.max_categories <= MAX_CATEGORIES:
         raise InvalidArgument(f"options.max_categories must be from 1 to {MAX_CATEGORIES}, got "
                               f"{shown(opts.max_categories)}")
-    from . import preprocess, search       # validated where they are defined
-
-    preprocess.check_options(opts)
+    preprocess.check_options(opts)         # validated where they are defined
     if opts.search is not None and search.parse(opts.search).halving and opts.test_size == 0:
         raise InvalidArgument("options.search.halving compares held-out losses, but options.test_size is 0; hold "
                               "out rows (test_size 0.2) or leave halving out")

@@ -364,21 +364,6 @@ class Preprocessor:
         return index
 
 
-def of_row(record, feature_names: list[str], architecture) -> Preprocessor:
-    """The preprocessing of a registry row: its ``preprocess`` record (JSON text, a dict, or
-    None for a model stored without one), its feature columns and its architecture (JSON text or
-    a dict; its input shape gives an array column's width). Raises InvalidArgument for a record
-    that does not fit."""
-    import json
-
-    from .model import parse_architecture
-
-    if isinstance(record, str):
-        record = json.loads(record)
-    n_values = parse_architecture(architecture).n_features
-    return Preprocessor.from_json(record, list(feature_names), n_values or len(feature_names))
-
-
 def check_configured(configured, features: list[str]) -> None:
     """Raise InvalidArgument when ``configured`` (the columns options.preprocess names) holds one
     that is not among ``features``."""
