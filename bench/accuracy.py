@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 import time
 import warnings
@@ -43,6 +42,7 @@ import numpy as np
 from sqlalchemy import create_engine, text
 from tabulate import tabulate
 
+from common import better, spread
 import cnn
 from tensile_db import datasets
 from tensile_db.client import TensileClient
@@ -233,19 +233,6 @@ def recomputed(engine, case: Case, model: str, test_ids: np.ndarray) -> float:
     return accuracy_score([str(y) for y in truth], [str(p) if isinstance(p, str) else f"{p:g}" for p in predicted])
 
 
-def spread(values: list[float], fmt: str) -> str:
-    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
-
-
-def verdict(ours: list[float], theirs: list[float], higher_is_better: bool) -> str:
-    """Which side is better, only where the two ranges do not overlap."""
-    if min(ours) > max(theirs):
-        return "tensile_db better" if higher_is_better else "scikit-learn better"
-    if max(ours) < min(theirs):
-        return "scikit-learn better" if higher_is_better else "tensile_db better"
-    return "not decided"
-
-
 def report(results: Results, seeds: list[int], device: str) -> bool:
     rows = []
     for case in CASES:
@@ -257,7 +244,8 @@ def report(results: Results, seeds: list[int], device: str) -> bool:
             theirs = results.values[(case.table, "scikit-learn", key)]
             rows.append([case.table if i == 0 else "", case.task if i == 0 else "",
                          f"{n_train} / {n_test}" if i == 0 else "", name, spread(ours, fmt), spread(theirs, fmt),
-                         verdict(ours, theirs, higher)])
+                         {"ours": "tensile_db better", "theirs": "scikit-learn better", None: "not decided"}[
+                             better(ours, theirs, higher)]])
     print(tabulate(rows, headers=["data set", "task", "rows train / test", "metric (held out)",
                                   "tensile_db median [min, max]", "scikit-learn median [min, max]", "difference"],
                    tablefmt="github", disable_numparse=True))

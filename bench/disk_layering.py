@@ -49,6 +49,7 @@ import zlib
 import numpy as np
 from tabulate import tabulate
 
+from common import spread
 from tensile_db.coordinator.__main__ import fix_mmap_threshold
 from tensile_db.coordinator.address import resident_set
 from tensile_db.inference.files import ModelFiles
@@ -152,10 +153,6 @@ def child(args, run: str) -> dict:
 # --- the table ---------------------------------------------------------------------------------
 
 
-def spread(values, fmt: str) -> str:
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default=None, help="where the model file and spill files go (default: the system's "
@@ -210,12 +207,12 @@ def main() -> None:
             within &= ok
         table.append([
             "all resident (unlimited budget)" if run == "resident" else f"window {run}",
-            spread([r["device_peak_nbytes"] / 2**20 for r in s], "{:.1f}"),
-            spread([1 - r["device_peak_nbytes"] / ref_device for r in s], "{:.1%}"),
-            spread([r["time_s"] for r in s], "{:.2f}"),
-            spread([r["time_s"] / ref_s - 1 for r in s], "{:+.1%}"),
-            spread([r["peak_rss_nbytes"] / 2**20 for r in s], "{:.0f}"),
-            spread([1 - r["peak_rss_nbytes"] / ref_rss for r in s], "{:.1%}"),
+            spread([r["device_peak_nbytes"] / 2**20 for r in s], ".1f"),
+            spread([1 - r["device_peak_nbytes"] / ref_device for r in s], ".1%"),
+            spread([r["time_s"] for r in s], ".2f"),
+            spread([r["time_s"] / ref_s - 1 for r in s], "+.1%"),
+            spread([r["peak_rss_nbytes"] / 2**20 for r in s], ".0f"),
+            spread([1 - r["peak_rss_nbytes"] / ref_rss for r in s], ".1%"),
             "-" if run == "resident" else f"{bound / 2**20:.0f} {'yes' if ok else 'NO'}"])
     for label, saved, delay in PAPER:
         table.append([label, "", saved, "", delay, "", "", ""])

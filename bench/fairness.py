@@ -29,6 +29,7 @@ import time
 import numpy as np
 from tabulate import tabulate
 
+from common import spread
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.manager import MemoryManager
@@ -82,10 +83,6 @@ def run(beside: int | None, policy: str, cost: CostModel) -> float:
         return seconds
     finally:
         executor.stop()
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
 
 
 def compare(slow: list[float], fast: list[float]) -> tuple[str, str]:

@@ -33,13 +33,14 @@ import errno
 import hashlib
 import mmap
 import os
-import statistics
 import tempfile
 import time
 import zlib
 
 import numpy as np
 from tabulate import tabulate
+
+from common import median_and_range
 
 #: Regions start at multiples of this, bytes (as in a model file).
 ALIGN_NBYTES = 4096
@@ -128,14 +129,8 @@ def checksum_speeds(nbytes: int, repeats: int) -> list[list]:
             start = time.perf_counter()
             fn(data)
             times.append(time.perf_counter() - start)
-        rows.append([name, *spread([nbytes / t for t in times], 1e-9, "{:.2f}")])
+        rows.append([name, *median_and_range([nbytes / t * 1e-9 for t in times], ".2f")])
     return rows
-
-
-def spread(values, scale: float, fmt: str) -> list[str]:
-    """``[median, "[min, max]"]`` of ``values`` times ``scale``, formatted."""
-    v = [x * scale for x in values]
-    return [fmt.format(statistics.median(v)), f"[{fmt.format(min(v))}, {fmt.format(max(v))}]"]
 
 
 def main() -> None:
@@ -181,8 +176,8 @@ def main() -> None:
     print(f"{args.layers} layers of {layer_nbytes:,} bytes ({total:,} bytes) read in order, each verified; "
           f"{args.repeats} interleaved runs, medians [min, max]; file in {args.dir or tempfile.gettempdir()}"
           + ("" if cold else "; not root: no cold runs (the page cache could not be dropped)"))
-    rows = [[state, method, name, *spread([total / t for t in times], 1e-9, "{:.2f}"),
-             *spread([t / args.layers for t in times], 1e3, "{:.1f}")]
+    rows = [[state, method, name, *median_and_range([total / t * 1e-9 for t in times], ".2f"),
+             *median_and_range([t / args.layers * 1e3 for t in times], ".1f")]
             for (state, method, name), times in sorted(samples.items())]
     print(tabulate(rows, headers=["page cache", "method", "checksum", "GB/s", "range", "ms / layer", "range"],
                    colalign=("left", "left", "left", "right", "left", "right", "left")))

@@ -59,6 +59,7 @@ import numpy as np
 from tabulate import tabulate
 
 from cupy_pool import replay_cupy_pool
+from common import POLICIES, RIVALS
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.lifetimes import max_live_nbytes, replay_general_pool
@@ -87,9 +88,6 @@ WORKLOADS = {
 DEFAULT_WORKLOADS = ["1x resnet50", "4x resnet50", "mixed"]
 STAGGERED = {"mixed"}
 ARRIVAL_ITERATIONS = 1          # solo iterations of the first job between two arrivals
-POLICIES = ("reactive", "dtr", "vdnn", "swap_score", "capuchin", "checkpoint", "tensile_published", "tensile")
-#: what users would pick instead: the published planners, PyTorch-style checkpointing and DTR
-RIVALS = ("vdnn", "swap_score", "capuchin", "checkpoint", "dtr", "tensile_published")
 #: tensile's EOR may exceed a rival's by this much and still count as no loss
 NO_LOSS_EOR = 0.01
 BUDGETS = (0.70, 0.50, 0.35)

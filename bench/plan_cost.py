@@ -27,8 +27,8 @@ import numpy as np
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import PLANNED  # noqa: E402  (beside this one)
 from paper import make_jobs  # noqa: E402  (a benchmark beside this one)
-
 from tensile_db.memory.manager import MemoryManager  # noqa: E402
 from tensile_db.runtime.simulated import SimDevice  # noqa: E402
 from tensile_db.scheduler.cost import measure_bandwidth  # noqa: E402
@@ -40,7 +40,7 @@ from tensile_db.scheduler.work import PLAN_OVERHEAD_S, SECONDS_PER_UNIT, PlanWor
 #: workload -> iterations per period of each job (as the executor paces the paper's jobs)
 WORKLOADS = {"1x resnet50": [1], "4x resnet50": [1, 1, 1, 1], "mixed": [1, 2, 3, 2]}
 FRACTIONS = (0.70, 0.50, 0.35)
-POLICIES = ("tensile", "swap_score", "vdnn", "capuchin", "checkpoint", "tensile_published")
+POLICIES = PLANNED
 
 
 def traces(workload: str, device: SimDevice) -> list[JobTrace]:

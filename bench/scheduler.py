@@ -25,7 +25,7 @@ its own repeat.
 Printed: a header (device, cost model, models and their memory make-up), a Markdown table with
 per configuration the peak device bytes, MSR = 1 - peak/vanilla peak, EOR = time/vanilla time - 1
 (wall time from the first submit to the last job done; median over the repeats, with its spread
-from min to max), CBR = MSR/EOR (of the medians), planned and passive swap-ins, recomputes, bytes
+[min, max]), CBR = MSR/EOR (of the medians), planned and passive swap-ins, recomputes, bytes
 swapped out, the plans made and the time spent making them (on the executor's thread, so it
 counts in EOR) and whether every job completed (counts of the median run); then where the
 recomputes were chosen: per run that planned or did any, the dropped tensors of the last plan
@@ -60,6 +60,8 @@ from pathlib import Path
 import numpy as np
 from tabulate import tabulate
 
+import common
+from common import spread, verdict
 import cnn
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
@@ -125,8 +127,8 @@ WORKLOADS = {   # name -> models of its jobs, in submission order
 DEFAULT_WORKLOADS = ["1x deep", "4x deep", "mixed", "1x resnet50", "1x vgg16"]
 STAGGERED = {"mixed", "resnet50 + vgg16"}   # workloads whose jobs arrive one after another
 BUDGET_FRACTIONS = (0.70, 0.50, 0.35)
-POLICIES = ("reactive", "vdnn", "swap_score", "capuchin", "checkpoint", "tensile_published", "tensile")
-BASELINES = ("vdnn", "swap_score", "capuchin", "checkpoint", "tensile_published")  # tensile's EOR target is against these
+POLICIES = tuple(p for p in common.POLICIES if p != "dtr")      # DTR is measured by paper.py
+BASELINES = tuple(p for p in common.RIVALS if p in POLICIES)     # tensile's EOR target is against these
 EOR_TARGET_WORKLOADS = ("4x deep", "mixed")   # the workloads of that target
 VANILLA_HEADROOM = 64               # the vanilla budget: this many times the jobs' unscheduled peaks
 MiB = 1 << 20
@@ -325,12 +327,6 @@ class Repeated:
         return [e for r in self.runs for e in r.errors]
 
 
-def spread(values: list[float], fmt: str) -> str:
-    """``median (min to max)`` of ``values``, each formatted with ``fmt``."""
-    return (f"{statistics.median(values):{fmt}} ({min(values):{fmt}} to {max(values):{fmt}})" if len(values) > 1
-            else f"{values[0]:{fmt}}")
-
-
 def table_row(rep: Repeated, vanilla_peak_nbytes: int) -> list:
     r, msrs, eors = rep.median, rep.msrs(), rep.eors()
     cbr = cbr_of(statistics.median(msrs), statistics.median(eors))
@@ -342,7 +338,7 @@ def table_row(rep: Repeated, vanilla_peak_nbytes: int) -> list:
             f"{r.plans_made} ({r.plan_s:.2f})" if r.plans_made else "-", "yes" if rep.completed else "NO"]
 
 
-HEADERS = ["workload", "budget %", "policy", "peak bytes", "MSR", "EOR (min to max)", "CBR", "time s",
+HEADERS = ["workload", "budget %", "policy", "peak bytes", "MSR", "EOR [min, max]", "CBR", "time s",
            "planned swap-ins", "passive swap-ins", "recomputes", "swapped out MiB",
            "plans (s planning)", "all done"]
 
@@ -408,11 +404,6 @@ def compare(low_a: float, high_a: float, low_b: float, high_b: float) -> str:
     """``yes`` if every value of spread a is <= every value of spread b, ``no`` if every value of a
     is above every value of b, else ``not decided`` (the spreads overlap)."""
     return "yes" if high_a <= low_b else "no" if low_a > high_b else "not decided"
-
-
-def verdict(parts) -> str:
-    """``PASS`` if every part is ``yes``, ``FAIL`` if any is ``no``, else ``not decided``."""
-    return "PASS" if all(p == "yes" for p in parts) else "FAIL" if "no" in parts else "not decided"
 
 
 def checks(results: dict[str, dict], fractions) -> list[str]:

@@ -43,6 +43,7 @@ import time
 from sqlalchemy import create_engine, text
 from tabulate import tabulate
 
+from common import spread
 import cnn
 from tensile_db.client import TensileClient
 from tensile_db.cluster import scratch_cluster
@@ -115,10 +116,6 @@ def run(cluster, engine, client: TensileClient, name: str, epochs: int, parallel
             "vanilla_peaks": sorted(v["metrics"]["vanilla_peak_nbytes"] for v in versions),
             "swapped_out_nbytes": sum(v["metrics"]["swapped_out_nbytes"] for v in versions),
             "stopped": sum(v["metrics"].get("stopped") == "halving" for v in versions)}
-
-
-def spread(values, fmt: str) -> str:
-    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
 
 
 def main() -> int:

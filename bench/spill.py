@@ -50,6 +50,7 @@ import time
 import numpy as np
 from tabulate import tabulate
 
+from common import spread
 from tensile_db.coordinator import client as coordinator_client
 from tensile_db.coordinator.address import LOG_NAME
 from tensile_db.memory import spill
@@ -122,10 +123,6 @@ def run(budget: int, host_budget: int, root: str) -> dict:
             "disk_write": memory["disk_write_bytes_per_s"], "data_nbytes": x.nbytes + y.nbytes}
 
 
-def median(values) -> str:
-    return f"{statistics.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -156,7 +153,7 @@ def main() -> int:
     eor = [lo["wall_s"] / un["wall_s"] - 1 for lo, un in zip(runs["limited"], runs["unlimited"])]
     rows = []
     for kind, rs in runs.items():
-        rows.append([kind, median([r["wall_s"] for r in rs]),
+        rows.append([kind, spread([r["wall_s"] for r in rs], ".2f"),
                      f"{max(r['peak_rss'] for r in rs) / MIB:,.0f}",
                      f"{bound / MIB:,.0f}" if kind == "limited" else "-",
                      f"{max(r['peak_device'] for r in rs) / MIB:,.1f}",

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tabulate import tabulate
 
+from common import decided
 import cnn
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
@@ -170,15 +171,6 @@ def configurations(w: Workload) -> list[tuple[str, float | None]]:
     return [("pytorch", None)] + [("ours", f) for f in w.fractions]
 
 
-def spread(values) -> str:
-    return f"{min(values):,.0f} to {max(values):,.0f}"
-
-
-def decided(low: float, high: float, target: float) -> str:
-    """PASS when the whole spread is at or above ``target``, FAIL when below, else not decided."""
-    return "PASS" if low >= target else "FAIL" if high < target else "not decided"
-
-
 def label(w: Workload, kind: str, fraction: float | None, job_budget: int, vanilla: int) -> str:
     if kind == "pytorch":
         return "PyTorch 2.13, CPU"
@@ -208,7 +200,7 @@ def report(w: Workload, runs: dict) -> None:
         ratios = [m.samples_per_s / b for m, b in zip(ms, base)]
         mem = kind == "ours"
         rows.append([label(w, kind, fraction, ms[0].budget_nbytes, vanilla), f"{statistics.median(rates):,.0f}",
-                     spread(rates),
+                     f"{min(rates):,.0f} to {max(rates):,.0f}",
                      "-" if not mem else f"{statistics.median(ratios):.2f} ({min(ratios):.2f} to {max(ratios):.2f})",
                      f"{ms[0].budget_nbytes:,}" if mem else "-", f"{max(m.peak_nbytes for m in ms):,}" if mem else "-",
                      f"{statistics.median(m.swapped_out_nbytes_per_it for m in ms) / MiB:.1f}" if mem else "-",
