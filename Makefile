@@ -27,6 +27,7 @@ demo: package extension
 	$(PY) -m tensile_db.cli demo --home "$(TENSILE_HOME)"
 
 test: package extension
+	$(PY) -m ruff check tensile_db tests bench
 	$(PY) -m pytest
 
 bench: $(VENV)/.bench-deps package extension

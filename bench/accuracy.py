@@ -42,8 +42,8 @@ import numpy as np
 from sqlalchemy import create_engine, text
 from tabulate import tabulate
 
-from common import better, spread
 import cnn
+from common import better, spread
 from tensile_db import datasets
 from tensile_db.client import TensileClient
 from tensile_db.cluster import scratch_cluster

@@ -182,7 +182,7 @@ def main() -> None:
         started = time.perf_counter()
         file = mf.commit(mf.write(MODEL_ID, VERSION, NAME, spec, Generated(spec)), spec)
         write_s = time.perf_counter() - started
-        file_nbytes, direct = file.nbytes, file.direct
+        file_nbytes = file.nbytes
         file.close()
         runs = ["resident"] + args.windows.split(",")
         samples: dict[str, list[dict]] = {r: [] for r in runs}

@@ -58,8 +58,8 @@ from pathlib import Path
 import numpy as np
 from tabulate import tabulate
 
-from cupy_pool import replay_cupy_pool
 from common import POLICIES, RIVALS
+from cupy_pool import replay_cupy_pool
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.lifetimes import max_live_nbytes, replay_general_pool

@@ -32,10 +32,10 @@ from paper import make_jobs  # noqa: E402  (a benchmark beside this one)
 from tensile_db.memory.manager import MemoryManager  # noqa: E402
 from tensile_db.runtime.simulated import SimDevice  # noqa: E402
 from tensile_db.scheduler.cost import measure_bandwidth  # noqa: E402
-from tensile_db.scheduler.worker import PLANNERS  # noqa: E402
 from tensile_db.scheduler.timeline import JobTrace, Timeline  # noqa: E402
 from tensile_db.scheduler.trace import AccessSequence  # noqa: E402
 from tensile_db.scheduler.work import PLAN_OVERHEAD_S, SECONDS_PER_UNIT, PlanWork  # noqa: E402
+from tensile_db.scheduler.worker import PLANNERS  # noqa: E402
 
 #: workload -> iterations per period of each job (as the executor paces the paper's jobs)
 WORKLOADS = {"1x resnet50": [1], "4x resnet50": [1, 1, 1, 1], "mixed": [1, 2, 3, 2]}

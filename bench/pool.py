@@ -73,13 +73,19 @@ from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory import planned
 from tensile_db.memory.arena import ArenaAllocator
+from tensile_db.memory.lifetimes import (
+    Allocation,
+    PoolPlan,
+    max_live_nbytes,
+    plan_offsets,
+    plan_smallest,
+    replay_general_pool,
+)
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.memory.planned import PlannedPool
-from tensile_db.memory.lifetimes import (Allocation, PoolPlan, max_live_nbytes, plan_offsets, plan_smallest,
-                                         replay_general_pool)
+from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions, parse_architecture
-from tensile_db.runtime.builder import build_training_program
 from tensile_db.scheduler.allocations import allocations_of
 from tensile_db.scheduler.cost import CostModel
 from tensile_db.scheduler.planners import plan_tensile

@@ -60,9 +60,9 @@ from pathlib import Path
 import numpy as np
 from tabulate import tabulate
 
+import cnn
 import common
 from common import spread, verdict
-import cnn
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.manager import MemoryManager

@@ -43,8 +43,8 @@ import time
 from sqlalchemy import create_engine, text
 from tabulate import tabulate
 
-from common import spread
 import cnn
+from common import spread
 from tensile_db.client import TensileClient
 from tensile_db.cluster import scratch_cluster
 from tensile_db.demo import FEATURES, load_digits_tables

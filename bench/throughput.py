@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from tabulate import tabulate
 
-from common import decided
 import cnn
+from common import decided
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.manager import MemoryManager

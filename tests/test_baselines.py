@@ -19,14 +19,19 @@ import math
 import numpy as np
 import pytest
 
-from test_scheduler import FAST, SLOW, _assert_valid, sequence
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
 from tensile_db.runtime.program import Kind
-from tensile_db.scheduler.baselines import (BASELINE_PLANNERS, checkpoint_segments, plan_capuchin,
-                                            plan_checkpoint, plan_tensile_published)
+from tensile_db.scheduler.baselines import (
+    BASELINE_PLANNERS,
+    checkpoint_segments,
+    plan_capuchin,
+    plan_checkpoint,
+    plan_tensile_published,
+)
 from tensile_db.scheduler.cost import CostModel
 from tensile_db.scheduler.planners import plan_tensile
 from tensile_db.scheduler.timeline import JobTrace, Timeline, simulate
+from test_scheduler import FAST, SLOW, _assert_valid, sequence
 
 #: copies far slower than any op: no swap hides
 CRAWL = CostModel(h2d_bytes_per_s=1e3, d2h_bytes_per_s=1e3)

@@ -29,23 +29,27 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
 from conftest import TEST_DEVICE
-from test_network import random_weights
-# The access-sequence invariants of the MLP programs, collected here with this module's
-# ``program`` fixture, so that they run on the CNN programs below.
-from test_program import (  # noqa: F401
-    test_every_read_was_written_earlier_or_is_persistent, test_frees_after_once_and_after_last_access,
-    test_next_use, test_peak_and_working_set, test_positions_match_ops,
-)
-from test_scheduler import SLOW, budget_of, run
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.manager import JobMemory, MemoryManager, Residency
-from tensile_db.runtime.devices import make_device
 from tensile_db.runtime.builder import build_training_program
+from tensile_db.runtime.devices import make_device
 from tensile_db.runtime.model import ModelSpec, TrainOptions
 from tensile_db.runtime.network import INPUT
 from tensile_db.runtime.program import Kind, Op, Program, StepContext
 from tensile_db.scheduler import Scheduler
 from tensile_db.settings import POLICIES, UNPLANNED_POLICIES
+from test_network import random_weights
+
+# The access-sequence invariants of the MLP programs, collected here with this module's
+# ``program`` fixture, so that they run on the CNN programs below.
+from test_program import (  # noqa: F401
+    test_every_read_was_written_earlier_or_is_persistent,
+    test_frees_after_once_and_after_last_access,
+    test_next_use,
+    test_peak_and_working_set,
+    test_positions_match_ops,
+)
+from test_scheduler import SLOW, budget_of, run
 
 #: Rows of 64 features seen as 1x8x8 images (sklearn's digits), 10 classes.
 RESIDUAL = ModelSpec.parse({"input": {"shape": [1, 8, 8]}, "layers": [

@@ -17,7 +17,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from cupy_pool import CupyPool, bin_of, replay_cupy_pool, round_size  # noqa: E402
-
 from tensile_db.memory.lifetimes import Allocation, max_live_nbytes, replay_general_pool  # noqa: E402
 
 U = 512

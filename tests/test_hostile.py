@@ -18,13 +18,13 @@ import numpy as np
 import psycopg
 import pytest
 
-from conftest import wait_until
-from test_sql import assert_nothing_left, error_of, running, train, train_in_background
 import tensile_db
+from conftest import wait_until
 from tensile_db.coordinator import client as coordinator_client
 from tensile_db.coordinator.address import MAX_SOCKET_PATH, SOCKET_NAME, coordinator_state, socket_dir_for
 from tensile_db.runtime.model import ModelSpec, init_weights, parse_architecture
 from tensile_db.runtime.weights import serialize_weights
+from test_sql import assert_nothing_left, error_of, running, train, train_in_background
 
 pytestmark = pytest.mark.db
 

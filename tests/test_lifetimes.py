@@ -12,10 +12,18 @@ import numpy as np
 import pytest
 
 from tensile_db.memory.arena import UNIT_NBYTES as U
-from tensile_db.memory.lifetimes import (ORDERS, Allocation, PoolPlan, check_plan, max_live_nbytes, plan_offsets,
-                                         plan_smallest, replay_general_pool)
-from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
+from tensile_db.memory.lifetimes import (
+    ORDERS,
+    Allocation,
+    PoolPlan,
+    check_plan,
+    max_live_nbytes,
+    plan_offsets,
+    plan_smallest,
+    replay_general_pool,
+)
 from tensile_db.runtime.builder import build_training_program
+from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
 from tensile_db.scheduler.allocations import allocations_of
 from tensile_db.scheduler.cost import CostModel
 from tensile_db.scheduler.planners import plan_tensile

@@ -449,6 +449,7 @@ def test_limit_evicts_early_but_a_lone_working_set_may_use_the_whole_budget():
 
 def test_order_moves_copies_device_to_device_where_safe_and_parks_blocks_to_break_cycles():
     from types import SimpleNamespace
+
     from tensile_db.memory.moves import free_in_both, order_moves
 
     rng = np.random.default_rng(3)

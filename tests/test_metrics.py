@@ -20,7 +20,12 @@ from sklearn.model_selection import train_test_split
 
 from tensile_db.errors import InvalidArgument
 from tensile_db.runtime.metrics import (
-    SCORE_NAMES, better_or_equal, classification_metrics, regression_metrics, split_rows)
+    SCORE_NAMES,
+    better_or_equal,
+    classification_metrics,
+    regression_metrics,
+    split_rows,
+)
 
 RTOL = {np.float64: 1e-9, np.float32: 1e-6}
 ATOL = 1e-12

@@ -16,7 +16,15 @@ import pytest
 
 from tensile_db.errors import CorruptModel, InvalidArgument
 from tensile_db.runtime.model import (
-    MAX_WIDTH, Architecture, Layer, Limits, ModelSpec, TrainOptions, forward, init_weights, parse_architecture,
+    MAX_WIDTH,
+    Architecture,
+    Layer,
+    Limits,
+    ModelSpec,
+    TrainOptions,
+    forward,
+    init_weights,
+    parse_architecture,
     parse_options,
 )
 from tensile_db.runtime.weights import load_weights, serialize_weights

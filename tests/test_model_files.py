@@ -22,14 +22,13 @@ import pytest
 from tensile_db.coordinator import protocol
 from tensile_db.errors import CorruptModel, ProtocolError
 from tensile_db.inference import INFERENCE_JOB, files, layered
-from tensile_db.inference.files import ALIGN_NBYTES, ModelFiles, TEMP_PREFIX, file_name
+from tensile_db.inference.files import ALIGN_NBYTES, TEMP_PREFIX, ModelFiles, file_name
 from tensile_db.inference.service import InferenceService
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.memory.spill import SpillDir
 from tensile_db.runtime import model as models
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.program import Kind
-
 from test_inference import cnn_spec, features, spec_of, weights_of
 
 

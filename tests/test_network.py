@@ -18,8 +18,21 @@ from torch import nn
 from tensile_db.errors import InvalidArgument
 from tensile_db.runtime.model import ModelSpec, parse_architecture
 from tensile_db.runtime.network import (
-    INPUT, MAX_DEPTH, Activation, BatchNorm, Concat, Conv, Dropout, Flatten, GlobalAvgPool, Layer, Network, Pool,
-    Residual, layers_to_json, parse_layers,
+    INPUT,
+    MAX_DEPTH,
+    Activation,
+    BatchNorm,
+    Concat,
+    Conv,
+    Dropout,
+    Flatten,
+    GlobalAvgPool,
+    Layer,
+    Network,
+    Pool,
+    Residual,
+    layers_to_json,
+    parse_layers,
 )
 
 #: The example of the README: rows of 64 features seen as 1x8x8 images.

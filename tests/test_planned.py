@@ -21,8 +21,8 @@ from tensile_db.memory.planned import PlannedPool, State, _allocations
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.model import TrainOptions
 from tensile_db.runtime.program import Op
-
 from test_scheduler import budget_of, make_job, run
+
 
 def K(slot: str) -> tuple:
     """A key as the manager makes them: (job, slot, op position)."""

@@ -24,10 +24,10 @@ from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
 from tensile_db.errors import DeviceOutOfMemory, InvalidArgument
 from tensile_db.memory.arena import UNIT_NBYTES, round_up
 from tensile_db.memory.manager import MemoryManager
-from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime import zoo
-from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions, parse_architecture
 from tensile_db.runtime.builder import build_training_program
+from tensile_db.runtime.device import CpuDevice
+from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions, parse_architecture
 from tensile_db.runtime.program import Kind, Op, Program, Slot
 
 SPECS = {

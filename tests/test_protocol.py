@@ -18,7 +18,12 @@ from tensile_db.coordinator import __main__ as coordinator_main
 from tensile_db.coordinator import client as coordinator_client
 from tensile_db.coordinator import protocol
 from tensile_db.errors import (
-    WIRE_ERRORS, CoordinatorUnavailable, InvalidArgument, JobCancelled, ModelNotFound, ProtocolError,
+    WIRE_ERRORS,
+    CoordinatorUnavailable,
+    InvalidArgument,
+    JobCancelled,
+    ModelNotFound,
+    ProtocolError,
     TensileError,
 )
 from tensile_db.scheduler import POLICIES

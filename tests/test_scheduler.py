@@ -17,27 +17,41 @@ import numpy as np
 import pytest
 
 from conftest import TEST_DEVICE, wait_done
-from test_bound import CNN
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
 from tensile_db.errors import InvalidArgument
 from tensile_db.memory.arena import UNIT_NBYTES
 from tensile_db.memory.manager import MemoryManager, Residency
+from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.devices import make_device
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions, parse_architecture
-from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.program import Op
 from tensile_db.scheduler import POLICIES
 from tensile_db.scheduler.cost import CostModel
 from tensile_db.scheduler.curves import plan_global
-from tensile_db.scheduler.planners import (_State, _greedy_steps, plan_swap_score, plan_tensile, plan_vdnn,
-                                           tensile_choice)
+from tensile_db.scheduler.planners import (
+    _greedy_steps,
+    _State,
+    plan_swap_score,
+    plan_tensile,
+    plan_vdnn,
+    tensile_choice,
+)
 from tensile_db.scheduler.reactive import FarthestNextUse
-from tensile_db.scheduler.timeline import (MAX_STRETCH, JobTrace, Simulator, Timeline, iterations_per_period,
-                                           period_of, round_of, simulate)
+from tensile_db.scheduler.timeline import (
+    MAX_STRETCH,
+    JobTrace,
+    Simulator,
+    Timeline,
+    iterations_per_period,
+    period_of,
+    round_of,
+    simulate,
+)
 from tensile_db.scheduler.trace import AccessSequence
 from tensile_db.settings import UNPLANNED_POLICIES
+from test_bound import CNN
 
 SPEC = ModelSpec(Architecture((Layer(96, "relu", 0.2), Layer(64, "tanh"), Layer(48, "relu"))), 16, 4,
                  "classification")

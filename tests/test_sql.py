@@ -4,7 +4,6 @@ policy setting, and the coordinator's lifecycle."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import site
@@ -12,7 +11,6 @@ import tempfile
 import threading
 import time
 
-import numpy as np
 import psycopg
 import pytest
 

@@ -11,11 +11,10 @@ import logging
 import os
 import sys
 
+from .. import settings
 from ..memory.arena import UNIT_NBYTES
 from ..runtime.model import Limits
-from .. import settings
 from .server import Coordinator
-
 
 #: glibc's ``mallopt`` parameter number of the mmap threshold (``malloc.h``).
 _M_MMAP_THRESHOLD = -3

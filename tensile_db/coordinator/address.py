@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 
-
 SOCKET_NAME = "coordinator.sock"
 LOCK_NAME = "coordinator.lock"
 LOG_NAME = "coordinator.log"

@@ -24,11 +24,11 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from ..errors import CoordinatorNotRunning, CoordinatorUnavailable
 from .. import settings
+from ..dirs import secure_dir
+from ..errors import CoordinatorNotRunning, CoordinatorUnavailable
 from ..runtime.model import Limits
 from . import protocol
-from ..dirs import secure_dir
 from .address import LOG_NAME, SOCKET_NAME, coordinator_state, socket_address
 
 

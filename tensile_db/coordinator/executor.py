@@ -126,61 +126,78 @@ class Executor:
     # -- the loop -----------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                if self._stopping and not self.running:
-                    return
-                while self.queued and len(self.running) < self.max_active_jobs and self._due(self.queued[0]):
-                    self._admit(self.queued.popleft())
-                if not self.running:
-                    if self.queued and self.manager.device.virtual_time:    # idle until it arrives
-                        self.manager.device.idle_until(self.queued[0].arrival_s)
-                    elif not self._stopping:
-                        self._cond.wait(None if not self.queued else 0.01)
-                    continue
-                if self._repace:
-                    self._set_paces()
-                turn = list(self.running.values())
+        while (turn := self._next_turn()) is not None:
+            if not turn:
+                continue
             period = self.period
-            plan = self.scheduler.plan
-            try:
-                if self.scheduler.replan_reasons:
-                    self.scheduler.replan({j.id: self._pace[j.id].start % period for j, _ in turn}, period,
-                                          {j.id: self._pace[j.id].repeats for j, _ in turn})
-                self.scheduler.poll()
-            except Exception:  # planning is an optimisation: never let it stop the jobs
-                log.exception("scheduling failed; the jobs go on under the reactive fallback")
-                self.scheduler.plan = None
-            if self.scheduler.plan is not plan:
-                self.manager.schedule_changed("the scheduler installed a new plan")
-            if self.round % period == 0:
-                try:
-                    self.manager.period_boundary()
-                except Exception:   # a failed spill write: the copies are called off, the jobs go on
-                    log.exception("the planned pool's period boundary failed")
+            self._schedule(turn, period)
             for job, ops in turn:
-                if job.cancel_requested.is_set():
-                    self._finish(job, JobState.CANCELLED, JobCancelled("cancelled by the caller"))
-                    continue
-                pace = self._pace[job.id]
-                while pace.start + pace.offset(job, period) <= self.round:
-                    try:
-                        next(ops)
-                    except StopIteration:
-                        self._finish(job, JobState.DONE)
-                        break
-                    except Exception as exc:  # the job fails; the coordinator goes on
-                        if not isinstance(exc, TensileError):
-                            log.exception("job %s failed", job.id)
-                        self._finish(job, JobState.FAILED, exc)
-                        break
-                    if job.next_position == 0:
-                        pace.iteration += 1
-                        if pace.iteration == pace.repeats:
-                            pace.start, pace.iteration = pace.start + period, 0
-                        self._repace |= self.scheduler.iteration_done(job)
-                        self.scheduler.at_iteration(job, pace.iteration)
+                self._advance(job, ops, period)
             self.round += 1
+
+    def _next_turn(self) -> list | None:
+        """Admit the queued jobs that are due and may run; the running jobs with their op
+        iterators for this round, ``[]`` when none runs yet (after idling or waiting), or None
+        once stopped with no job left."""
+        with self._cond:
+            if self._stopping and not self.running:
+                return None
+            while self.queued and len(self.running) < self.max_active_jobs and self._due(self.queued[0]):
+                self._admit(self.queued.popleft())
+            if not self.running:
+                if self.queued and self.manager.device.virtual_time:    # idle until it arrives
+                    self.manager.device.idle_until(self.queued[0].arrival_s)
+                elif not self._stopping:
+                    self._cond.wait(None if not self.queued else 0.01)
+                return []
+            if self._repace:
+                self._set_paces()
+            return list(self.running.values())
+
+    def _schedule(self, turn: list, period: int) -> None:
+        """Before a round: re-plan where the scheduler asks for it, install a plan that is ready,
+        and mark the planned pool's period boundary."""
+        plan = self.scheduler.plan
+        try:
+            if self.scheduler.replan_reasons:
+                self.scheduler.replan({j.id: self._pace[j.id].start % period for j, _ in turn}, period,
+                                      {j.id: self._pace[j.id].repeats for j, _ in turn})
+            self.scheduler.poll()
+        except Exception:  # planning is an optimisation: never let it stop the jobs
+            log.exception("scheduling failed; the jobs go on under the reactive fallback")
+            self.scheduler.plan = None
+        if self.scheduler.plan is not plan:
+            self.manager.schedule_changed("the scheduler installed a new plan")
+        if self.round % period == 0:
+            try:
+                self.manager.period_boundary()
+            except Exception:   # a failed spill write: the copies are called off, the jobs go on
+                log.exception("the planned pool's period boundary failed")
+
+    def _advance(self, job: TrainingJob, ops, period: int) -> None:
+        """Run ``job``'s ops that its pace puts at or before this round; finish it when it is
+        cancelled, done or failed."""
+        if job.cancel_requested.is_set():
+            self._finish(job, JobState.CANCELLED, JobCancelled("cancelled by the caller"))
+            return
+        pace = self._pace[job.id]
+        while pace.start + pace.offset(job, period) <= self.round:
+            try:
+                next(ops)
+            except StopIteration:
+                self._finish(job, JobState.DONE)
+                return
+            except Exception as exc:  # the job fails; the coordinator goes on
+                if not isinstance(exc, TensileError):
+                    log.exception("job %s failed", job.id)
+                self._finish(job, JobState.FAILED, exc)
+                return
+            if job.next_position == 0:
+                pace.iteration += 1
+                if pace.iteration == pace.repeats:
+                    pace.start, pace.iteration = pace.start + period, 0
+                self._repace |= self.scheduler.iteration_done(job)
+                self.scheduler.at_iteration(job, pace.iteration)
 
     def _due(self, job: TrainingJob) -> bool:
         """Whether the device clock has reached the job's arrival time (if it has one)."""

@@ -21,9 +21,9 @@ import math
 import queue
 import threading
 import time
-from typing import Callable, Protocol
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -157,37 +157,12 @@ class TrainingJob:
         or in a spill file when the host tier has no room for them); :meth:`discard_result` gives it back.
         """
         weights = list(self.spec.network.weight_shapes())     # the arrays a stored model holds
-        initial = self.spec.network.iter_init_weights(self.options.seed) if device.holds_values else ()
-        for name, value in initial:          # one at a time: each goes to the host tier or the disk tier
-            if name in self.program.slots:
-                self.tensors[name] = mm.adopt(self.id, name, self.program.slots[name].kind, value)
-        for name, slot in self.program.slots.items():
-            if slot.kind.persistent and name not in self.tensors:     # optimizer state; on sim, shapes only
-                value = np.zeros(slot.shape, slot.dtype) if device.holds_values else device.host_empty(slot.shape, slot.dtype)
-                self.tensors[name] = mm.adopt(self.id, name, slot.kind, value)
+        self._adopt_state(mm, device)
         rng = np.random.default_rng(self.options.seed)
         ctx = StepContext(device)
-        patience = self.options.patience
         current = best = None                           # copies of the weights after the last and the best epoch
         for epoch in range(1, self.options.epochs + 1):
-            order = rng.permutation(len(self.x))
-            loss_sum = 0.0
-            for it in range(self.steps_per_epoch):
-                index = order[it * self.batch:(it + 1) * self.batch]
-                ctx.batch_x, ctx.batch_y = self.x[index], self.y[index]
-                ctx.step += 1
-                ctx.seed = self.options.seed * 1_000_003 + ctx.step
-                for position, op in enumerate(self.program.ops):
-                    mm.at(self.id, position)
-                    hooks.before(self, position)
-                    loss, seconds = self._run_op(mm, position, op, ctx)
-                    if loss is not None:
-                        loss_sum += loss
-                    hooks.after(self, position, seconds)
-                    self.next_position = (position + 1) % len(self.program.ops)
-                    if self.next_position == 0:
-                        self.iterations += 1
-                    yield
+            loss_sum = yield from self._epoch_ops(mm, hooks, ctx, rng.permutation(len(self.x)))
             self.epoch = epoch
             self.loss = loss_sum / self.steps_per_epoch
             if not math.isfinite(self.loss):
@@ -195,17 +170,7 @@ class TrainingJob:
                                       f"lower options.lr (now {self.options.learning_rate})")
             record = {"epoch": epoch, "loss": self.loss}
             if self.x_val is not None and device.holds_values:
-                if current is not None and current is not best:
-                    current.close()
-                current = copy_weights(mm, self.id, {name: self.tensors[name] for name in weights})
-                self._copies = [c for c in (current, best) if c is not None]   # discard_result closes them
-                record["val_loss"] = self.validation_loss(current)
-                if self.best_epoch is None or record["val_loss"] < self.history[self.best_epoch - 1]["val_loss"]:
-                    self.best_epoch = epoch
-                    if best is not None and best is not current:
-                        best.close()
-                    best = current if patience is not None else None     # kept only for early stopping
-                    self._copies = [c for c in (current, best) if c is not None]
+                current, best = self._validate(mm, weights, current, best, record)
             self.history.append(record)
             mem = mm.jobs[self.id]
             self.events.put(("progress", {
@@ -213,14 +178,77 @@ class TrainingJob:
                 "device_nbytes": mem.device_nbytes, "peak_nbytes": mem.peak_nbytes,
                 "swapped_out_nbytes": mem.swapped_out_nbytes}))
             if epoch < self.options.epochs:
-                if patience is not None and self.best_epoch is not None and epoch - self.best_epoch >= patience:
-                    self.stopped = "patience"
-                elif self.stop_requested.is_set() or (self.keep_going is not None and "val_loss" in record
-                                                      and not self.keep_going(epoch, record["val_loss"])):
-                    self.stopped = "halving"
+                self.stopped = self._stop_reason(epoch, record)
             if self.stopped:
                 break
-        if patience is not None and self.best_epoch is not None:
+        self.result = self._result(mm, weights, current, best)
+
+    def _adopt_state(self, mm: MemoryManager, device) -> None:
+        """Register the initial weights and the zeroed optimizer state with the manager, one
+        array at a time (each goes to the host tier or the disk tier); on a device without
+        values, their shapes only."""
+        initial = self.spec.network.iter_init_weights(self.options.seed) if device.holds_values else ()
+        for name, value in initial:
+            if name in self.program.slots:
+                self.tensors[name] = mm.adopt(self.id, name, self.program.slots[name].kind, value)
+        for name, slot in self.program.slots.items():
+            if slot.kind.persistent and name not in self.tensors:     # optimizer state
+                value = np.zeros(slot.shape, slot.dtype) if device.holds_values else device.host_empty(slot.shape, slot.dtype)
+                self.tensors[name] = mm.adopt(self.id, name, slot.kind, value)
+
+    def _epoch_ops(self, mm: MemoryManager, hooks: OpHooks, ctx: StepContext, order: np.ndarray):
+        """Generator: one epoch's ops over the rows in ``order``, one per ``next()``; returns the
+        sum of the steps' losses."""
+        loss_sum = 0.0
+        for it in range(self.steps_per_epoch):
+            index = order[it * self.batch:(it + 1) * self.batch]
+            ctx.batch_x, ctx.batch_y = self.x[index], self.y[index]
+            ctx.step += 1
+            ctx.seed = self.options.seed * 1_000_003 + ctx.step
+            for position, op in enumerate(self.program.ops):
+                mm.at(self.id, position)
+                hooks.before(self, position)
+                loss, seconds = self._run_op(mm, position, op, ctx)
+                if loss is not None:
+                    loss_sum += loss
+                hooks.after(self, position, seconds)
+                self.next_position = (position + 1) % len(self.program.ops)
+                if self.next_position == 0:
+                    self.iterations += 1
+                yield
+        return loss_sum
+
+    def _validate(self, mm: MemoryManager, weights: list, current, best, record: dict) -> tuple:
+        """Copy the epoch's weights, put their held-out loss in ``record`` and keep the copy of
+        the best epoch (for early stopping); returns the (current, best) copies."""
+        if current is not None and current is not best:
+            current.close()
+        current = copy_weights(mm, self.id, {name: self.tensors[name] for name in weights})
+        self._copies = [c for c in (current, best) if c is not None]   # discard_result closes them
+        record["val_loss"] = self.validation_loss(current)
+        if self.best_epoch is None or record["val_loss"] < self.history[self.best_epoch - 1]["val_loss"]:
+            self.best_epoch = record["epoch"]
+            if best is not None and best is not current:
+                best.close()
+            best = current if self.options.patience is not None else None     # kept only for early stopping
+            self._copies = [c for c in (current, best) if c is not None]
+        return current, best
+
+    def _stop_reason(self, epoch: int, record: dict) -> str | None:
+        """Why training stops after ``epoch`` before its last: ``patience`` (no better held-out
+        loss for that many epochs), ``halving`` (the search stopped it), or None."""
+        patience = self.options.patience
+        if patience is not None and self.best_epoch is not None and epoch - self.best_epoch >= patience:
+            return "patience"
+        if self.stop_requested.is_set() or (self.keep_going is not None and "val_loss" in record
+                                            and not self.keep_going(epoch, record["val_loss"])):
+            return "halving"
+        return None
+
+    def _result(self, mm: MemoryManager, weights: list, current, best) -> WeightsCopy:
+        """The trained weights with the scaling: the best epoch's under early stopping, else the
+        last epoch's."""
+        if self.options.patience is not None and self.best_epoch is not None:
             result = best                         # early stopping keeps the best epoch's weights
             if current is not best:
                 current.close()
@@ -229,7 +257,7 @@ class TrainingJob:
         else:
             result = copy_weights(mm, self.id, {name: self.tensors[name] for name in weights})
         result.add(self.scaling)
-        self.result = result
+        return result
 
     def discard_result(self) -> None:
         """Give back what the job's copies of its weights hold (host bytes or a spill file):

@@ -87,7 +87,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CorruptModel, TensileError
-from ..memory.spill import ALIGN_NBYTES, direct_alignment   # regions start at ALIGN_NBYTES
+from ..memory.spill import ALIGN_NBYTES, direct_alignment  # regions start at ALIGN_NBYTES
 from ..runtime import model as models
 from ..runtime.units import round_up
 from ..runtime.weights import check_array, check_declared, weight_shapes

@@ -13,9 +13,8 @@ block. ``peak_nbytes`` is the arena's high-water mark of allocated bytes; it can
 
 from __future__ import annotations
 
-import itertools
-
 import bisect
+import itertools
 
 from ..runtime.units import UNIT_NBYTES, round_up
 

@@ -65,16 +65,24 @@ for the larger region, every live block still moves.
 from __future__ import annotations
 
 import collections
-import math
 import concurrent.futures
 import enum
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 from .arena import ArenaAllocator
-from .lifetimes import (ORDERS, Allocation, PoolPlan, check_plan, max_live_nbytes, plan_offsets, plan_smallest,
-                        replay_general_pool)
+from .lifetimes import (
+    ORDERS,
+    Allocation,
+    PoolPlan,
+    check_plan,
+    max_live_nbytes,
+    plan_offsets,
+    plan_smallest,
+    replay_general_pool,
+)
 
 log = logging.getLogger(__name__)
 

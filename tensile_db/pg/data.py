@@ -134,7 +134,7 @@ def source_query(source: str | None) -> str:
     if not text:
         raise InvalidArgument("source is empty; pass a query such as 'SELECT * FROM my_table' or a table name")
     if ";" in text:
-        import sqlparse      # only for sources that may hold several statements
+        import sqlparse  # only for sources that may hold several statements
 
         if len([s for s in sqlparse.split(text) if s.strip()]) > 1:
             raise _several_statements()

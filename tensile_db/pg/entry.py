@@ -14,9 +14,18 @@ import functools
 import json
 import time
 
-from ..errors import (CoordinatorNotRunning, CoordinatorUnavailable, CorruptModel, DeviceOutOfMemory,
-                      InvalidArgument, JobCancelled, ModelNotFound, ProtocolError, TensileError)
 from ..coordinator import address, reports
+from ..errors import (
+    CoordinatorNotRunning,
+    CoordinatorUnavailable,
+    CorruptModel,
+    DeviceOutOfMemory,
+    InvalidArgument,
+    JobCancelled,
+    ModelNotFound,
+    ProtocolError,
+    TensileError,
+)
 from . import batch as _batch
 from . import predict as _predict
 from . import registry, session

@@ -9,9 +9,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..errors import InvalidArgument
 from ..runtime import metrics as heldout
 from ..runtime import model as models
-from ..errors import InvalidArgument
 from ..runtime import preprocess
 from .data import TrainingData, encode_labels
 

@@ -65,11 +65,11 @@ import threading
 import time
 from pathlib import Path
 
+from .. import settings as server_settings
 from ..coordinator import address
 from ..coordinator import client as coordinator_client
 from ..errors import CoordinatorUnavailable, InvalidArgument
 from ..runtime.model import Limits
-from .. import settings as server_settings
 
 #: The tensile.* settings of the configuration files, by name, with their defaults.
 SERVER_SETTINGS = {"device": server_settings.DEFAULT_DEVICE,

@@ -28,7 +28,6 @@ import numpy as np
 
 from .kernels import array_module
 
-
 #: Workspace elements a convolution may take without chunking its batch (16 MB of float32): below
 #: it, more and smaller products cost more in kernel calls than the memory they save.
 UNCHUNKED_NELEMS = 1 << 22

@@ -483,81 +483,104 @@ def build_network(layers, input_shape: tuple[int, ...] | None, n_features: int, 
     if math.prod(shape) != n_features:
         raise InvalidArgument(f"architecture.input.shape {list(shape)} holds {math.prod(shape):,} values per row, but "
                               f"the data has {n_features:,} feature columns; give the input shape of the rows")
-    nodes: list[Node] = []
+    b = _Builder(shape)
+    last = b.chain(layers, INPUT, where)
+    if len(b.shape_of(last)) == 3:
+        last = b.add("flatten", [last], (math.prod(b.shape_of(last)),), "the output layer")
+    b.add("dense", [last], (n_outputs,), "the output layer", "none", layer=Layer(n_outputs, "none"))
+    return Network(shape, b.nodes)
 
-    def add(op, inputs, out_shape, where_, activation="none", dropout=0.0, layer=None) -> int:
-        in_shapes = tuple(shape_of(j) for j in inputs)
-        nodes.append(Node(len(nodes), op, tuple(inputs), tuple(int(d) for d in out_shape), in_shapes, where_,
-                          activation, dropout, layer))
-        return len(nodes) - 1
 
-    def shape_of(j: int) -> tuple[int, ...]:
-        return shape if j == INPUT else nodes[j].shape
+class _Builder:
+    """The nodes of a network being built from parsed layers (:func:`build_network`): one method
+    per layer kind, each checking that its input suits it and adding its node(s)."""
 
-    def image(j: int, where_: str, what: str) -> tuple[int, int, int]:
-        s = shape_of(j)
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape = shape
+        self.nodes: list[Node] = []
+
+    def add(self, op, inputs, out_shape, where, activation="none", dropout=0.0, layer=None) -> int:
+        in_shapes = tuple(self.shape_of(j) for j in inputs)
+        self.nodes.append(Node(len(self.nodes), op, tuple(inputs), tuple(int(d) for d in out_shape), in_shapes,
+                               where, activation, dropout, layer))
+        return len(self.nodes) - 1
+
+    def shape_of(self, j: int) -> tuple[int, ...]:
+        return self.shape if j == INPUT else self.nodes[j].shape
+
+    def image(self, j: int, where: str, what: str) -> tuple[int, int, int]:
+        s = self.shape_of(j)
         if len(s) != 3:
-            raise InvalidArgument(f"{where_}: a {what} needs images (C, H, W) as input, got vectors of {s[0]}; "
+            raise InvalidArgument(f"{where}: a {what} needs images (C, H, W) as input, got vectors of {s[0]}; "
                                   'give the rows\' shape as "input": {"shape": [C, H, W]} and put it before any '
                                   "dense, flatten or global_avg_pool layer")
         return s
 
-    def chain(layers_, j: int, where_: str) -> int:
-        for k, layer in enumerate(layers_):
-            j = one(layer, j, f"{where_}[{k}]")
+    def chain(self, layers, j: int, where: str) -> int:
+        for k, layer in enumerate(layers):
+            j = _BUILDS[type(layer)](self, layer, j, f"{where}[{k}]")
         return j
 
-    def one(l, j: int, where_: str) -> int:
-        if isinstance(l, Layer):
-            if len(shape_of(j)) == 3:
-                j = add("flatten", [j], (math.prod(shape_of(j)),), where_)
-            return add("dense", [j], (l.units,), where_, l.activation, l.dropout, l)
-        if isinstance(l, Conv):
-            c, h, w = image(j, where_, "convolution")
-            if c % l.groups or l.channels % l.groups:
-                raise InvalidArgument(f'{where_}."groups" {l.groups} must divide the input channels ({c}) and the '
-                                      f"output channels ({l.channels})")
-            g = _geometry(where_, c, h, w, l.channels, l.kernel, l.stride, l.padding, l.dilation, l.groups)
-            return add("conv", [j], g.out_shape[1:], where_, l.activation, layer=l)
-        if isinstance(l, BatchNorm):
-            return add("batch_norm", [j], shape_of(j), where_, l.activation, layer=l)
-        if isinstance(l, Pool):
-            c, h, w = image(j, where_, f"{l.kind}_pool")
-            if any(2 * p > k for p, k in zip(l.padding, l.kernel)):
-                raise InvalidArgument(f'{where_}."padding" {list(l.padding)} must be at most half the window '
-                                      f"{list(l.kernel)}")
-            g = _geometry(where_, c, h, w, c, l.kernel, l.stride, l.padding, (1, 1), 1)
-            return add(f"{l.kind}_pool", [j], g.out_shape[1:], where_, layer=l)
-        if isinstance(l, GlobalAvgPool):
-            return add("global_avg_pool", [j], image(j, where_, "global_avg_pool")[:1], where_)
-        if isinstance(l, Flatten):
-            return j if len(shape_of(j)) == 1 else add("flatten", [j], (math.prod(shape_of(j)),), where_)
-        if isinstance(l, Activation):
-            return add("activation", [j], shape_of(j), where_, l.name)
-        if isinstance(l, Dropout):
-            return add("dropout", [j], shape_of(j), where_, dropout=l.p)
-        if isinstance(l, Residual):
-            body = chain(l.body, j, f"{where_}.residual")
-            short = chain(l.shortcut, j, f"{where_}.shortcut")
-            if shape_of(body) != shape_of(short):
-                raise InvalidArgument(f"{where_}: the residual body gives {list(shape_of(body))} per row but the "
-                                      f"shortcut gives {list(shape_of(short))}; they are added, so they must match "
-                                      "(give the shortcut a 1x1 convolution with the body's channels and stride)")
-            if body == short:
-                raise InvalidArgument(f"{where_}: the residual body must hold at least one layer")
-            return add("add", [body, short], shape_of(body), where_, l.activation)
-        ends = [chain(b, j, f"{where_}.concat[{k}]") for k, b in enumerate(l.branches)]
-        shapes = [shape_of(e) for e in ends]
-        if any(len(s) != 3 for s in shapes) or len({s[1:] for s in shapes}) != 1:
-            raise InvalidArgument(f"{where_}: the branches give {[list(s) for s in shapes]} per row; concatenation "
-                                  "joins images (C, H, W) of the same H and W")
-        return add("concat", ends, (sum(s[0] for s in shapes), *shapes[0][1:]), where_)
+    def dense(self, l: Layer, j: int, where: str) -> int:
+        if len(self.shape_of(j)) == 3:
+            j = self.add("flatten", [j], (math.prod(self.shape_of(j)),), where)
+        return self.add("dense", [j], (l.units,), where, l.activation, l.dropout, l)
 
-    last = chain(layers, INPUT, where)
-    if len(shape_of(last)) == 3:
-        last = add("flatten", [last], (math.prod(shape_of(last)),), "the output layer")
-    add("dense", [last], (n_outputs,), "the output layer", "none", layer=Layer(n_outputs, "none"))
-    return Network(shape, nodes)
+    def conv(self, l: Conv, j: int, where: str) -> int:
+        c, h, w = self.image(j, where, "convolution")
+        if c % l.groups or l.channels % l.groups:
+            raise InvalidArgument(f'{where}."groups" {l.groups} must divide the input channels ({c}) and the '
+                                  f"output channels ({l.channels})")
+        g = _geometry(where, c, h, w, l.channels, l.kernel, l.stride, l.padding, l.dilation, l.groups)
+        return self.add("conv", [j], g.out_shape[1:], where, l.activation, layer=l)
+
+    def batch_norm(self, l: BatchNorm, j: int, where: str) -> int:
+        return self.add("batch_norm", [j], self.shape_of(j), where, l.activation, layer=l)
+
+    def pool(self, l: Pool, j: int, where: str) -> int:
+        c, h, w = self.image(j, where, f"{l.kind}_pool")
+        if any(2 * p > k for p, k in zip(l.padding, l.kernel)):
+            raise InvalidArgument(f'{where}."padding" {list(l.padding)} must be at most half the window '
+                                  f"{list(l.kernel)}")
+        g = _geometry(where, c, h, w, c, l.kernel, l.stride, l.padding, (1, 1), 1)
+        return self.add(f"{l.kind}_pool", [j], g.out_shape[1:], where, layer=l)
+
+    def global_avg_pool(self, l: GlobalAvgPool, j: int, where: str) -> int:
+        return self.add("global_avg_pool", [j], self.image(j, where, "global_avg_pool")[:1], where)
+
+    def flatten(self, l: Flatten, j: int, where: str) -> int:
+        return j if len(self.shape_of(j)) == 1 else self.add("flatten", [j], (math.prod(self.shape_of(j)),), where)
+
+    def activation(self, l: Activation, j: int, where: str) -> int:
+        return self.add("activation", [j], self.shape_of(j), where, l.name)
+
+    def dropout(self, l: Dropout, j: int, where: str) -> int:
+        return self.add("dropout", [j], self.shape_of(j), where, dropout=l.p)
+
+    def residual(self, l: Residual, j: int, where: str) -> int:
+        body = self.chain(l.body, j, f"{where}.residual")
+        short = self.chain(l.shortcut, j, f"{where}.shortcut")
+        if self.shape_of(body) != self.shape_of(short):
+            raise InvalidArgument(f"{where}: the residual body gives {list(self.shape_of(body))} per row but the "
+                                  f"shortcut gives {list(self.shape_of(short))}; they are added, so they must match "
+                                  "(give the shortcut a 1x1 convolution with the body's channels and stride)")
+        if body == short:
+            raise InvalidArgument(f"{where}: the residual body must hold at least one layer")
+        return self.add("add", [body, short], self.shape_of(body), where, l.activation)
+
+    def concat(self, l: Concat, j: int, where: str) -> int:
+        ends = [self.chain(b, j, f"{where}.concat[{k}]") for k, b in enumerate(l.branches)]
+        shapes = [self.shape_of(e) for e in ends]
+        if any(len(s) != 3 for s in shapes) or len({s[1:] for s in shapes}) != 1:
+            raise InvalidArgument(f"{where}: the branches give {[list(s) for s in shapes]} per row; concatenation "
+                                  "joins images (C, H, W) of the same H and W")
+        return self.add("concat", ends, (sum(s[0] for s in shapes), *shapes[0][1:]), where)
+
+
+#: Each parsed layer kind's method of :class:`_Builder`.
+_BUILDS = {Layer: _Builder.dense, Conv: _Builder.conv, BatchNorm: _Builder.batch_norm, Pool: _Builder.pool,
+           GlobalAvgPool: _Builder.global_avg_pool, Flatten: _Builder.flatten, Activation: _Builder.activation,
+           Dropout: _Builder.dropout, Residual: _Builder.residual, Concat: _Builder.concat}
 
 
 def _geometry(where: str, c, h, w, out, kernel, stride, padding, dilation, groups) -> ck.ConvGeometry:

@@ -30,7 +30,6 @@ from .cost import CostModel
 from .planners import Plan, _Gap, _greedy, _State, plan_tensile
 from .timeline import Decision, Simulation, Timeline, simulate
 
-
 # --- Capuchin -------------------------------------------------------------------------------------
 
 

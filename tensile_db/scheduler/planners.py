@@ -100,7 +100,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .cost import CostModel
-from .timeline import Decision, Simulator, Simulation, TensorInfo, Timeline, simulate
+from .timeline import Decision, Simulation, Simulator, TensorInfo, Timeline, simulate
 
 #: candidates compared by a full simulation per step of :func:`plan_tensile`
 SIMULATED_CANDIDATES = 4

@@ -402,8 +402,10 @@ class Simulator:
         _, period_s, _, _, _ = self._replay(*self._with(also), len(self.decisions) + 1, timed=False)
         return period_s - self._compute_s
 
-    def _replay(self, steps: list, recomputes: dict[int, float], wrapping: list[tuple[int, int, int]],
+    def _replay(self, steps: list, recomputes: dict[int, float], wrapping: list[tuple[int, int, int]],  # noqa: C901
                 transfers: int, timed: bool = True) -> tuple[np.ndarray | None, float, float, float, int]:
+        # (one function, over the complexity limit: the planners' innermost loop, where a call
+        # per step would cost more than the step)
         """Two periods of ``steps``; (the second's start times, its length, stall and copy
         channel's busy time, seconds; bytes it swaps out to the disk tier). Not ``timed``: no
         start times (None) and no :attr:`waited_s`, the clock moved between steps by prefix sums."""
