@@ -132,7 +132,7 @@ def run_once(args) -> dict:
         result = {"run": args.run, "time_s": elapsed, "device_peak_nbytes": stats.device_peak_nbytes,
                   "peak_rss_nbytes": peak_rss, "base_rss_nbytes": base_rss, "weight_loads": stats.weight_loads,
                   "load_wait_s": stats.load_wait_s, "direct": model.file.direct,
-                  "host_peak_nbytes": manager.host_peak_nbytes,
+                  "host_peak_nbytes": manager.host_tier.peak_nbytes,
                   "outputs_crc": zlib.crc32(outputs.tobytes())}
         manager.close()
         spill.close()

@@ -407,7 +407,7 @@ def test_the_store_holds_no_layer_in_host_memory(model_dir, tmp_path):
     assert stats.weight_loads == len(model.layers) * stats.batches           # every batch read every layer
     np.testing.assert_allclose(out, models.forward(spec, w, x), rtol=1e-5, atol=1e-6)
     assert all(t.host is None and t.offset is None for t in model.layers)
-    assert svc.manager.host_cache_nbytes == 0
+    assert svc.manager.host_tier.cache_nbytes == 0
     d = svc.describe()
     scaling = sum(w[k].nbytes for k in ("x_mean", "x_std"))
     assert scaling <= d["served_host_nbytes"] <= scaling + files.bounce_nbytes()

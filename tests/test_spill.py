@@ -114,7 +114,7 @@ def test_swapped_out_tensors_spill_when_the_host_tier_is_full_and_reload_bit_exa
     assert all(t.spill is not None for t in tensors[1:])
     j = mm.jobs[JOB]
     assert j.host_nbytes == 3072 * 4 and j.disk_nbytes == 5 * 3072 * 4 and j.spilled_nbytes == j.disk_nbytes
-    assert mm.host_peak_nbytes <= 16 << 10
+    assert mm.host_tier.peak_nbytes <= 16 << 10
     for i, t in enumerate(tensors):
         if planned:
             mm.swap_in(t)
@@ -128,10 +128,10 @@ def test_swapped_out_tensors_spill_when_the_host_tier_is_full_and_reload_bit_exa
 def test_release_job_removes_its_spill_file(spill):
     mm = manager(spill)
     t = mm.adopt(JOB, "w", Kind.WEIGHT, values(2048, 0))
-    path = mm._spill_files[JOB].path
+    path = mm.host_tier.files[JOB].path
     assert t.spill is not None and os.path.getsize(path) >= 8192
     mm.release_job(JOB)
-    assert not os.path.exists(path) and mm.disk_nbytes == 0
+    assert not os.path.exists(path) and mm.host_tier.disk_nbytes == 0
     mm.close()
 
 
@@ -192,7 +192,7 @@ def test_read_only_tensors_load_from_their_source_and_cache_on_the_host_within_t
         if prefetch:
             mm.cache.unwant(t)
     assert ts.host is not None and tl.host is None        # 4096 bytes cached; 8192 more do not fit
-    assert mm.host_cache_nbytes == 4096
+    assert mm.host_tier.cache_nbytes == 4096
     mm.evict(ts)
     mm.evict(tl)
     assert np.array_equal(load(mm, ts), small) and ts.source.reads == 1      # from the host cache
@@ -206,9 +206,9 @@ def test_a_job_needing_host_room_takes_it_from_cached_read_only_copies(spill):
     v = values(1024, 1)
     t = mm.adopt_source(JOB, "layer", Kind.WEIGHT, v.shape, v.dtype, Source(v))
     load(mm, t)
-    assert mm.host_cache_nbytes == 4096
+    assert mm.host_tier.cache_nbytes == 4096
     w = mm.adopt(JOB, "w", Kind.WEIGHT, values(1024, 2))
-    assert w.host is not None and w.spill is None and mm.host_cache_nbytes == 0 and t.host is None
+    assert w.host is not None and w.spill is None and mm.host_tier.cache_nbytes == 0 and t.host is None
     mm.check()
     mm.close()
 
@@ -263,7 +263,7 @@ def test_training_through_the_disk_tier_is_bit_identical_to_an_unlimited_run(spi
     mm = MemoryManager(make_device(TEST_DEVICE), 1 << 20, host_budget_nbytes=256 << 10, spill=spill)
     spilled = train(mm, policy)
     assert spilled.memory.spilled_nbytes > 0 and spilled.memory.disk_read_nbytes > 0
-    assert mm.host_peak_nbytes <= 256 << 10
+    assert mm.host_tier.peak_nbytes <= 256 << 10
     assert set(spilled.result) == set(reference.result)
     for name, array in reference.result.items():
         assert np.array_equal(spilled.result[name], array), name
@@ -272,7 +272,7 @@ def test_training_through_the_disk_tier_is_bit_identical_to_an_unlimited_run(spi
     assert len(left) == 2 and left[0] == "lock" and left[1].startswith(f"weights-{spilled.id}-")
     spilled.discard_result()
     assert os.listdir(spill.directory) == ["lock"]
-    assert mm.host_used_nbytes() == 0
+    assert mm.host_tier.used_nbytes() == 0
 
 
 def test_a_result_that_fits_the_host_tier_is_counted_in_it_until_discarded(spill):
@@ -280,9 +280,9 @@ def test_a_result_that_fits_the_host_tier_is_counted_in_it_until_discarded(spill
     job = train(mm, "tensile")
     assert job.result.in_memory
     weights = sum(a.nbytes for name, a in job.result.items() if name[0] not in "xy")
-    assert mm.host_used_nbytes() == weights
+    assert mm.host_tier.used_nbytes() == weights
     job.discard_result()
-    assert mm.host_used_nbytes() == 0 and job.result is None
+    assert mm.host_tier.used_nbytes() == 0 and job.result is None
 
 
 def test_held_out_losses_and_early_stopping_with_weights_beyond_the_host_budget(spill):
@@ -297,7 +297,7 @@ def test_held_out_losses_and_early_stopping_with_weights_beyond_the_host_budget(
     for name, array in reference.result.items():
         assert np.array_equal(spilled.result[name], array), name
     spilled.discard_result()
-    assert os.listdir(spill.directory) == ["lock"] and mm.host_used_nbytes() == 0
+    assert os.listdir(spill.directory) == ["lock"] and mm.host_tier.used_nbytes() == 0
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -337,13 +337,13 @@ def test_random_moves_through_three_tiers_keep_the_values_and_the_budgets(spill,
             tensors.remove(t)
             create()
         mm.check()
-        assert mm.host_peak_nbytes <= 12 << 10
+        assert mm.host_tier.peak_nbytes <= 12 << 10
     for t in tensors:
         assert np.array_equal(load(mm, t), expected[t.id])
     j = mm.jobs[JOB]
     assert 0 < j.spilled_nbytes < j.swapped_out_nbytes and j.disk_read_nbytes > 0    # both tiers were used
     mm.release_job(JOB)
-    assert (mm.host_nbytes, mm.disk_nbytes, mm.host_used_nbytes()) == (0, 0, 0)
+    assert (mm.host_tier.nbytes, mm.host_tier.disk_nbytes, mm.host_tier.used_nbytes()) == (0, 0, 0)
     assert os.listdir(spill.directory) == ["lock"]
     mm.close()
 
@@ -393,7 +393,7 @@ def test_a_full_disk_fails_the_move_and_loses_nothing(spill, full_disk, how):
     full_disk(False)
     assert np.array_equal(load(mm, keep), v)
     mm.release_job(JOB)
-    assert (mm.disk_nbytes, mm.host_used_nbytes()) == (0, 0) and os.listdir(spill.directory) == ["lock"]
+    assert (mm.host_tier.disk_nbytes, mm.host_tier.used_nbytes()) == (0, 0) and os.listdir(spill.directory) == ["lock"]
     mm.close()
 
 
@@ -414,7 +414,7 @@ def test_a_job_cancelled_while_holding_copies_of_its_weights_gives_them_back(spi
         assert job.state is JobState.CANCELLED
     finally:
         ex.stop()
-    assert os.listdir(spill.directory) == ["lock"] and mm.host_used_nbytes() == 0
+    assert os.listdir(spill.directory) == ["lock"] and mm.host_tier.used_nbytes() == 0
 
 
 def test_a_failed_read_is_met_by_its_owner_not_by_whoever_lets_the_copies_land(spill):

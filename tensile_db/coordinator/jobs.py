@@ -423,7 +423,7 @@ def copy_weights(mm: MemoryManager, job_id: int, tensors: dict[str, Tensor]) -> 
         except BaseException:
             mm.give_host(nbytes)
             raise
-    spilled = SpilledArrays(mm.spill.open(f"weights-{job_id}-{next(_copy_names)}"))
+    spilled = SpilledArrays(mm.host_tier.spill.open(f"weights-{job_id}-{next(_copy_names)}"))
     try:
         for name, t in tensors.items():
             spilled.put(name, mm.to_host(t))

@@ -14,6 +14,10 @@ arena and host memory. The mechanism (the core) and its policies are apart:
 - ``planned.py``: the planned pool: records a period, installs a lifetime-planned region, serves
   recurring allocations by lookup (Note [Planned pool]).
 - ``lifetimes.py``: the offline lifetime planner (interval colouring, arXiv 1903.06631 section III).
+- ``moves.py``: the planned region's install and dissolve (:class:`RegionInstaller`, held by the
+  manager) and the orders of block moves.
+- ``tiers.py``: the tiers under the device, host memory within the host budget and the jobs'
+  spill files (:class:`HostTier`, held by the manager); ``spill.py``: the spill files' I/O.
 The swap engine that copies between the arena, host memory and spill files is the device's
 (:meth:`tensile_db.runtime.device.Device.copy_engine`).
 """

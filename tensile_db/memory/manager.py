@@ -28,7 +28,6 @@ two threads wait for each other.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import math
 import threading
@@ -46,8 +45,9 @@ from .eviction import Eviction, Fragmented
 from .moves import RegionInstaller
 from .planned import PlannedPool
 from .residency import Residencies
-from .spill import SpillDir, SpillFile
+from .spill import SpillDir
 from .tensors import JobMemory, Residency, Tensor
+from .tiers import HostTier
 
 __all__ = ["PIN_WAIT_S", "JobMemory", "MemoryManager", "NextUse", "Residency", "Tensor"]
 
@@ -92,16 +92,7 @@ class MemoryManager(Residencies):
         if host_budget_nbytes is not None and (host_budget_nbytes < 0 or spill is None or not device.holds_values):
             raise InvalidArgument(f"a host budget of {host_budget_nbytes} bytes needs a spill directory and a device "
                                   "with values (cpu or cuda), and must not be negative")
-        self.host_budget_nbytes = host_budget_nbytes   # constant; None: the host tier is unbounded
-        self.spill = spill                             # constant: where the disk tier's files go
-        self.host_nbytes = 0           # the jobs' swapped-out host copies now, bytes; guarded by _lock
-        self.host_pending_nbytes = 0   # swap-outs to the host in flight, bytes; guarded by _lock
-        self.host_cache_nbytes = 0     # cached host copies of read-only tensors, bytes; guarded by _lock
-        self.host_copies_nbytes = 0    # jobs' copies of their weights (take_host), bytes; guarded by _lock
-        self.host_peak_nbytes = 0      # high-water mark of host_used_nbytes(); guarded by _lock
-        self.disk_nbytes = 0           # the jobs' bytes in the disk tier now; guarded by _lock
-        self._host_cache: collections.OrderedDict[int, Tensor] = collections.OrderedDict()   # guarded by _lock
-        self._spill_files: dict[int, SpillFile] = {}   # job id -> its spill file; guarded by _lock
+        self.host_tier = HostTier(host_budget_nbytes, spill)    # guarded by _lock
         self.device = device
         self.allocator = ArenaAllocator(budget_nbytes)       # guarded by _lock
         self.budget_nbytes = self.allocator.capacity_nbytes  # constant
@@ -144,9 +135,7 @@ class MemoryManager(Residencies):
             for t in [t for t in self._tensors.values() if t.job_id == job_id]:
                 self._drop(t)
             self._position.pop(job_id, None)
-            file = self._spill_files.pop(job_id, None)
-            if file is not None:
-                file.close()
+            self.host_tier.close_job(job_id)
             return self.jobs.pop(job_id, JobMemory())
 
     def close(self) -> None:
@@ -154,9 +143,7 @@ class MemoryManager(Residencies):
         self.engine.close()
         self.pool.close()
         with self._lock:
-            for file in self._spill_files.values():
-                file.close()
-            self._spill_files.clear()
+            self.host_tier.close()
 
     def at(self, job_id: int, position: int) -> None:
         """The job is about to run op ``position``: blocks allocated until the next call are
@@ -205,7 +192,7 @@ class MemoryManager(Residencies):
                 t.host = self.device.host_copy(host)
                 self._account(t, host=t.nbytes)
             else:
-                file, offset = where = self._spill_slot(t)
+                file, offset = where = self.host_tier.slot(t)
                 try:
                     file.write_from(offset, host)
                 except BaseException:       # the disk is full: nothing of it stays
@@ -343,15 +330,15 @@ class MemoryManager(Residencies):
         with self._lock:
             if not self._host_room(nbytes):
                 return False
-            self.host_copies_nbytes += nbytes
-            self.host_peak_nbytes = max(self.host_peak_nbytes, self.host_used_nbytes())
+            self.host_tier.copies_nbytes += nbytes
+            self.host_tier.note_peak()
             return True
 
     def give_host(self, nbytes: int) -> None:
         """Give back host bytes :meth:`take_host` reserved."""
         with self._lock:
-            self.host_copies_nbytes -= nbytes
-            assert self.host_copies_nbytes >= 0
+            self.host_tier.copies_nbytes -= nbytes
+            assert self.host_tier.copies_nbytes >= 0
 
     def note_recompute(self, t: Tensor) -> None:
         """The owning job recomputed the dropped tensor ``t``."""
@@ -414,26 +401,26 @@ class MemoryManager(Residencies):
                 _require((j.device_nbytes, j.host_nbytes, j.disk_nbytes) == (device, host, disk),
                          f"job {job_id} counts {j.device_nbytes:,} device, {j.host_nbytes:,} host and "
                          f"{j.disk_nbytes:,} disk bytes; its tensors hold {device:,}, {host:,} and {disk:,}")
-            cached = sum(t.nbytes for t in self._host_cache.values())
-            _require(cached == self.host_cache_nbytes, f"{self.host_cache_nbytes:,} cached host bytes counted, "
+            cached = sum(t.nbytes for t in self.host_tier.cache.values())
+            _require(cached == self.host_tier.cache_nbytes, f"{self.host_tier.cache_nbytes:,} cached host bytes counted, "
                      f"{cached:,} held")
-            _require((self.host_nbytes, self.disk_nbytes) == (sum(j.host_nbytes for j in self.jobs.values()),
+            _require((self.host_tier.nbytes, self.host_tier.disk_nbytes) == (sum(j.host_nbytes for j in self.jobs.values()),
                                                               sum(j.disk_nbytes for j in self.jobs.values())),
-                     f"the totals of {self.host_nbytes:,} host and {self.disk_nbytes:,} disk bytes are not the jobs'")
+                     f"the totals of {self.host_tier.nbytes:,} host and {self.host_tier.disk_nbytes:,} disk bytes are not the jobs'")
             out = [t for t in self._tensors.values() if t.residency is Residency.SWAPPING_OUT]
             pending = sum(t.nbytes for t in out if t.transfer.spill is None)
-            _require(pending == self.host_pending_nbytes, f"{self.host_pending_nbytes:,} bytes of swap-outs to the "
+            _require(pending == self.host_tier.pending_nbytes, f"{self.host_tier.pending_nbytes:,} bytes of swap-outs to the "
                      f"host counted in flight, {pending:,} are")
-            for job_id, file in self._spill_files.items():
+            for job_id, file in self.host_tier.files.items():
                 slots = [t for t in self._tensors.values() if t.job_id == job_id and t.spill is not None] + \
                         [t for t in out if t.job_id == job_id and t.transfer.spill is not None]
                 held = sum(file.slot_nbytes(t.arena_nbytes) for t in slots)
                 _require(held == file.in_use_nbytes, f"job {job_id}'s spill file has {file.in_use_nbytes:,} bytes of "
                          f"slots handed out; its tensors hold {held:,}")
-            if self.host_budget_nbytes is not None:
-                _require(self.host_used_nbytes() <= self.host_budget_nbytes,
-                         f"the host tier holds {self.host_used_nbytes():,} bytes, over its budget of "
-                         f"{self.host_budget_nbytes:,}")
+            if self.host_tier.budget_nbytes is not None:
+                _require(self.host_tier.used_nbytes() <= self.host_tier.budget_nbytes,
+                         f"the host tier holds {self.host_tier.used_nbytes():,} bytes, over its budget of "
+                         f"{self.host_tier.budget_nbytes:,}")
             for t in self._tensors.values():
                 _require(not t.pins or t.residency is Residency.DEVICE,
                          f"{t.slot} of job {t.job_id} is pinned but {t.residency.value}")
@@ -452,13 +439,13 @@ class MemoryManager(Residencies):
                 "fragmentation": round(a.fragmentation, 4),
                 "compactions": self.compactions,
                 "compacted_nbytes": self.compacted_nbytes,
-                "host_nbytes": self.host_nbytes,
-                "host_budget_nbytes": self.host_budget_nbytes,
-                "host_used_nbytes": self.host_used_nbytes(),
-                "host_peak_nbytes": self.host_peak_nbytes,
-                "host_cache_nbytes": self.host_cache_nbytes,
-                "disk_nbytes": self.disk_nbytes,
-                "spill_file_nbytes": sum(f.end_nbytes for f in self._spill_files.values()),
+                "host_nbytes": self.host_tier.nbytes,
+                "host_budget_nbytes": self.host_tier.budget_nbytes,
+                "host_used_nbytes": self.host_tier.used_nbytes(),
+                "host_peak_nbytes": self.host_tier.peak_nbytes,
+                "host_cache_nbytes": self.host_tier.cache_nbytes,
+                "disk_nbytes": self.host_tier.disk_nbytes,
+                "spill_file_nbytes": sum(f.end_nbytes for f in self.host_tier.files.values()),
                 **self.pool.describe(),
                 "jobs": {job_id: dict(vars(j), **self.pool.job_figures(job_id)) for job_id, j in self.jobs.items()},
             }

@@ -83,15 +83,15 @@ class RegionInstaller:
             return
         nbytes = sum(t.arena_nbytes for t, _ in pending)
         if mm._host_room(nbytes):
-            mm.host_copies_nbytes += nbytes
-            mm.host_peak_nbytes = max(mm.host_peak_nbytes, mm.host_used_nbytes())
+            mm.host_tier.copies_nbytes += nbytes
+            mm.host_tier.note_peak()
             try:
                 staged = [mm.device.to_host(mm._block(t)) for t, _ in pending]
                 for (t, new), host in zip(pending, staged):
                     t.offset = new
                     mm.device.to_device(host, mm._block(t))
             finally:
-                mm.host_copies_nbytes -= nbytes
+                mm.host_tier.copies_nbytes -= nbytes
             return
         slots = []
         try:

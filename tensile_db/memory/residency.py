@@ -66,10 +66,10 @@ class Residencies:
         with self._lock:
             if t.residency is Residency.DEVICE and not t.pins:
                 if self._host_room(t.nbytes):
-                    self.host_pending_nbytes += t.nbytes
+                    self.host_tier.pending_nbytes += t.nbytes
                     t.transfer = self.engine.to_host(self.array(t))
                 else:
-                    file, offset = where = self._spill_slot(t)
+                    file, offset = where = self.host_tier.slot(t)
                     t.transfer = self.engine.to_disk(self._block(t), file, offset)
                     t.transfer.spill = where
                 t.residency = Residency.SWAPPING_OUT
@@ -213,16 +213,16 @@ class Residencies:
 
     def _account(self, t: Tensor, device: int = 0, host: int = 0, disk: int = 0, **counts: int) -> None:
         """The one place per-job counters change: device, host and disk bytes held now (deltas,
-        bytes; the manager's ``host_nbytes`` and ``disk_nbytes`` totals with them) and the
+        bytes; the host tier's ``nbytes`` and ``disk_nbytes`` totals with them) and the
         cumulative ``counts`` (deltas of :class:`JobMemory` fields)."""
         j = self.jobs[t.job_id]
         j.device_nbytes += device
         j.host_nbytes += host
         j.disk_nbytes += disk
-        self.host_nbytes += host
-        self.disk_nbytes += disk
+        self.host_tier.nbytes += host
+        self.host_tier.disk_nbytes += disk
         assert j.device_nbytes >= 0 and j.host_nbytes >= 0 and j.disk_nbytes >= 0
-        self.host_peak_nbytes = max(self.host_peak_nbytes, self.host_used_nbytes())
+        self.host_tier.note_peak()
         j.peak_nbytes = max(j.peak_nbytes, j.device_nbytes)
         for name, delta in counts.items():
             setattr(j, name, getattr(j, name) + delta)
@@ -261,7 +261,7 @@ class Residencies:
         if spill is not None:
             spill[0].release(spill[1], t.arena_nbytes)
         else:
-            self.host_pending_nbytes -= t.nbytes
+            self.host_tier.pending_nbytes -= t.nbytes
         t.transfer, t.residency = None, Residency.DEVICE
 
     def _out_done(self, t: Tensor) -> None:
@@ -272,7 +272,7 @@ class Residencies:
         if spill is not None:
             self._left(t, spill=spill)
         else:
-            self.host_pending_nbytes -= t.nbytes
+            self.host_tier.pending_nbytes -= t.nbytes
             self._left(t, host=t.transfer.host)
 
     def _landed(self, t: Tensor) -> bool:
@@ -281,9 +281,7 @@ class Residencies:
         it was a swap-in. A read-only tensor keeps its host copy and counts a weight load."""
         if t.readonly:
             self._account(t, weight_loads=1, weight_loaded_nbytes=t.nbytes)
-            if t.id in self._host_cache:
-                self._host_cache.move_to_end(t.id)      # least recently used goes first
-            elif t.host is None and t.source is not None:
+            if not self.host_tier.touch(t) and t.host is None and t.source is not None:
                 self._cache_host_copy(t)
             return False
         if t.spill is not None:
@@ -344,67 +342,48 @@ class Residencies:
             if spill is not None:                   # a swap-out to the disk tier in flight
                 spill[0].release(spill[1], t.arena_nbytes)
             elif t.residency is Residency.SWAPPING_OUT:
-                self.host_pending_nbytes -= t.nbytes
+                self.host_tier.pending_nbytes -= t.nbytes
         if t.residency in (Residency.DEVICE, Residency.SWAPPING_OUT, Residency.SWAPPING_IN):
             self._free_block(t)
         if t.residency in (Residency.HOST, Residency.SWAPPING_IN) and t.host is not None and not t.readonly:
             self._account(t, host=-t.nbytes)
         if t.spill is not None:
             self._release_spill(t)
-        self._uncache_host_copy(t)
+        self.host_tier.forget(t)
         t.residency, t.offset, t.host, t.transfer = Residency.FREED, None, None, None
         self._tensors.pop(t.id, None)
 
     # -- the tiers under the device (the caller holds the lock) --------------------------------
 
-    def host_used_nbytes(self) -> int:
-        """Bytes the host tier holds or has promised: the jobs' swapped-out copies, the
-        swap-outs to the host in flight, the cached copies of read-only tensors and the jobs'
-        copies of their weights."""
-        return self.host_nbytes + self.host_pending_nbytes + self.host_cache_nbytes + self.host_copies_nbytes
-
     def _host_room(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more fit the host budget, giving up cached host copies of
         read-only tensors (least recently used first; their source keeps the values) to make
         room. Always true without a host budget."""
-        if self.host_budget_nbytes is None:
+        tier = self.host_tier
+        if tier.budget_nbytes is None:
             return True
-        if self.host_used_nbytes() + nbytes > self.host_budget_nbytes:
+        if not tier.fits(nbytes):
             for t in [t for t in self._tensors.values() if t.residency is Residency.SWAPPING_IN and not t.readonly
                       and t.host is not None and t.transfer.done()]:
                 self._settle(t)             # swap-ins from the host tier that have landed give their room back
-        for t in list(self._host_cache.values()):
-            if self.host_used_nbytes() + nbytes <= self.host_budget_nbytes:
+        for t in list(tier.cache.values()):
+            if tier.fits(nbytes):
                 break
             if t.transfer is None:                  # not being copied in from it now
-                self._uncache_host_copy(t)
-        return self.host_used_nbytes() + nbytes <= self.host_budget_nbytes
+                tier.forget(t)
+        return tier.fits(nbytes)
 
     def _cache_host_copy(self, t: Tensor) -> None:
         """Keep a host copy of the read-only tensor ``t``, just loaded from its source, if the
         host tier has room: the next load of it reads no file."""
-        if self.host_budget_nbytes is not None and self.host_used_nbytes() + t.nbytes > self.host_budget_nbytes:
+        if not self.host_tier.fits(t.nbytes):
             return
         t.host = self.device.host_empty(t.shape, t.dtype)     # page-locked on cuda: loads copy straight from it
         if self.device.xp is np:
             np.copyto(t.host, self.array(t))
         else:  # pragma: no cover - cuda only
             t.host[...] = self.device.to_host(self.array(t))
-        self._host_cache[t.id] = t
-        self.host_cache_nbytes += t.nbytes
-        self.host_peak_nbytes = max(self.host_peak_nbytes, self.host_used_nbytes())
-
-    def _uncache_host_copy(self, t: Tensor) -> None:
-        if self._host_cache.pop(t.id, None) is not None:
-            t.host = None
-            self.host_cache_nbytes -= t.nbytes
-
-    def _spill_slot(self, t: Tensor) -> tuple:
-        """A slot of ``t``'s job's spill file for ``t``: (file, offset)."""
-        file = self._spill_files.get(t.job_id)
-        if file is None:
-            file = self._spill_files[t.job_id] = self.spill.open(f"job-{t.job_id}")
-        return file, file.reserve(t.arena_nbytes)
+        self.host_tier.keep(t)
 
     def _release_spill(self, t: Tensor) -> None:
         file, offset = t.spill
@@ -423,7 +402,7 @@ class Residencies:
     def _spill_now(self, t: Tensor) -> tuple:
         """Write ``t``'s block to a new slot of its job's spill file now (the reactive path) and
         return the slot; on a failure the slot goes back and the error is raised."""
-        file, offset = where = self._spill_slot(t)
+        file, offset = where = self.host_tier.slot(t)
         try:
             if self.device.arena_in_host_memory:        # straight from the block
                 file.write_from(offset, self._block(t))
