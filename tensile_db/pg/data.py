@@ -282,6 +282,40 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
     ``prod(input_shape)`` values (None: as many as each other), else InvalidArgument names the
     rows that differ. A column beyond PostgreSQL's largest value (SQLSTATE 54000 from string_agg)
     is InvalidArgument too."""
+    width = math.prod(input_shape) if input_shape else None
+    arrays = [(i, c) for i, (c, t) in enumerate(columns) if t == "real[]"]
+    names = list(dict.fromkeys(c for c, _ in columns))
+    scan = _scan_query(plpy, query, types, columns, skip_nulls, want_kept, width, nullable)
+    parallel = plpy.execute("SELECT pg_catalog.current_setting('max_parallel_workers_per_gather') AS old, "
+                            "pg_catalog.set_config('max_parallel_workers_per_gather', '0', true)")[0]["old"]
+    try:
+        row = _run_one(plpy, scan)[0]
+    except plpy.spiexceptions.ProgramLimitExceeded:     # SQLSTATE 54000: a string_agg beyond 1 GB
+        raise _too_large(columns, width) from None
+    plpy.execute("SELECT pg_catalog.set_config('max_parallel_workers_per_gather', "
+                 f"{plpy.quote_literal(parallel)}, true)")
+    n = row["n"]
+    nulls = {c: n - row[f"nn{i}"] for i, c in enumerate(names) if row[f"nn{i}"] < n and c not in nullable}
+    holes = {c: row[f"holes{i}"] for i, c in arrays if row[f"holes{i}"]}
+    if (nulls or holes) and not skip_nulls:
+        listed = ", ".join([f'column "{c}" has {k:,} NULL{"s" if k > 1 else ""}' for c, k in nulls.items()]
+                           + [f'column "{c}" has {k:,} array{"s" if k > 1 else ""} with NULL elements'
+                              for c, k in holes.items()])
+        raise InvalidArgument(f"{listed} (of {n:,} rows); filter them in the source or pass "
+                              f"options => '{{\"skip_nulls\": true}}' to skip such rows")
+    widths = {c: _array_width(row, i, c, width, input_shape) for i, c in arrays}
+    decoded = [_decode_arrays(row[f"c{i}"] or b"", row["complete"], widths[c], c) if t == "real[]"
+               else _decode_texts(row[f"c{i}"] or b"", row["complete"]) if t == "text"
+               else np.frombuffer(row[f"c{i}"] or b"", dtype=_ENCODINGS[t][1]) for i, (c, t) in enumerate(columns)]
+    kept_mask = np.frombuffer(row["kept"], dtype=np.bool_) if row.get("kept") and row["complete"] < n else None
+    return _Scan(decoded, n, row["complete"], kept_mask)
+
+
+def _scan_query(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]], skip_nulls: bool,
+                want_kept: bool, width: int | None, nullable: frozenset[str]) -> str:
+    """The one statement of :func:`_scan` around the user's ``query``: the row counts, each
+    column's non-NULL count, each array column's holes and widths, each column's values encoded
+    into one ``bytea`` aggregate, and the kept-rows mask if asked."""
     def ident(c):
         return plpy.quote_ident(c)
 
@@ -297,17 +331,14 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
     def encoded(c, sql_type):
         return value(c, sql_type) if sql_type == "text" else f"pg_catalog.{_ENCODINGS[sql_type][0]}({value(c, sql_type)})"
 
-    def no_null_element(c):
-        return f"pg_catalog.num_nulls(VARIADIC {ident(c)}) OPERATOR(pg_catalog.=) 0"
-
     def cardinality(c):
         return f"pg_catalog.cardinality({ident(c)})"
 
-    width = math.prod(input_shape) if input_shape else None
     arrays = [(i, c) for i, (c, t) in enumerate(columns) if t == "real[]"]
     names = list(dict.fromkeys(c for c, _ in columns))
     complete = " AND ".join([f"{ident(c)} IS NOT NULL" for c in names if c not in nullable]
-                            + [no_null_element(c) for _, c in arrays if skip_nulls]) or "true"
+                            + [f"pg_catalog.num_nulls(VARIADIC {ident(c)}) OPERATOR(pg_catalog.=) 0"
+                               for _, c in arrays if skip_nulls]) or "true"
     aggregates = [f"pg_catalog.count({ident(c)}) AS nn{i}" for i, c in enumerate(names)]
     for i, c in arrays:
         aggregates += [f"pg_catalog.count(*) FILTER (WHERE pg_catalog.num_nulls(VARIADIC {ident(c)}) "
@@ -326,43 +357,25 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
                    f"FILTER (WHERE {read_when(c, t)}) AS c{i}" for i, (c, t) in enumerate(columns)]
     if want_kept and skip_nulls:
         aggregates.append(f"pg_catalog.string_agg(pg_catalog.boolsend({complete}), ''::pg_catalog.bytea) AS kept")
-    parallel = plpy.execute("SELECT pg_catalog.current_setting('max_parallel_workers_per_gather') AS old, "
-                            "pg_catalog.set_config('max_parallel_workers_per_gather', '0', true)")[0]["old"]
-    scan = (f"SELECT pg_catalog.count(*) AS n, pg_catalog.count(*) FILTER (WHERE {complete}) AS complete, "
+    return (f"SELECT pg_catalog.count(*) AS n, pg_catalog.count(*) FILTER (WHERE {complete}) AS complete, "
             f"{', '.join(aggregates)} FROM ({query}\n) AS tensile_source")
-    try:
-        row = _run_one(plpy, scan)[0]
-    except plpy.spiexceptions.ProgramLimitExceeded:     # SQLSTATE 54000: a string_agg beyond 1 GB
-        raise _too_large(columns, width) from None
-    plpy.execute("SELECT pg_catalog.set_config('max_parallel_workers_per_gather', "
-                 f"{plpy.quote_literal(parallel)}, true)")
-    n = row["n"]
-    nulls = {c: n - row[f"nn{i}"] for i, c in enumerate(names) if row[f"nn{i}"] < n and c not in nullable}
-    holes = {c: row[f"holes{i}"] for i, c in arrays if row[f"holes{i}"]}
-    if (nulls or holes) and not skip_nulls:
-        listed = ", ".join([f'column "{c}" has {k:,} NULL{"s" if k > 1 else ""}' for c, k in nulls.items()]
-                           + [f'column "{c}" has {k:,} array{"s" if k > 1 else ""} with NULL elements'
-                              for c, k in holes.items()])
-        raise InvalidArgument(f"{listed} (of {n:,} rows); filter them in the source or pass "
-                              f"options => '{{\"skip_nulls\": true}}' to skip such rows")
-    widths = {}
-    for i, c in arrays:
-        low, high, off = row[f"lo{i}"], row[f"hi{i}"], row.get(f"off{i}")
-        if off:
-            raise InvalidArgument(f'feature column "{c}" has {off:,} rows (of {n:,}) whose arrays do not hold '
-                                  f"{width:,} values, as architecture.input.shape {list(input_shape)} asks (they hold "
-                                  f"{low:,} to {high:,}); fix or filter those rows in the source, or give the "
-                                  f"input shape of the rows")
-        if width is None and row["complete"] and (low != high or high == 0):
-            raise InvalidArgument(f'feature column "{c}" holds arrays of {low:,} to {high:,} values; every row must '
-                                  "hold the same number of values, at least one; fix or filter the others in the "
-                                  "source")
-        widths[c] = width if width is not None else (high or 0)
-    decoded = [_decode_arrays(row[f"c{i}"] or b"", row["complete"], widths[c], c) if t == "real[]"
-               else _decode_texts(row[f"c{i}"] or b"", row["complete"]) if t == "text"
-               else np.frombuffer(row[f"c{i}"] or b"", dtype=_ENCODINGS[t][1]) for i, (c, t) in enumerate(columns)]
-    kept_mask = np.frombuffer(row["kept"], dtype=np.bool_) if row.get("kept") and row["complete"] < n else None
-    return _Scan(decoded, n, row["complete"], kept_mask)
+
+
+def _array_width(row: dict, i: int, column: str, width: int | None, input_shape) -> int:
+    """The values per row of the array column ``column`` (the ``i``-th read) in the scan's
+    ``row``: ``width`` (the input shape's) if given, else the one width all its arrays share.
+    Raises InvalidArgument naming the rows that differ."""
+    low, high, off, n = row[f"lo{i}"], row[f"hi{i}"], row.get(f"off{i}"), row["n"]
+    if off:
+        raise InvalidArgument(f'feature column "{column}" has {off:,} rows (of {n:,}) whose arrays do not hold '
+                              f"{width:,} values, as architecture.input.shape {list(input_shape)} asks (they hold "
+                              f"{low:,} to {high:,}); fix or filter those rows in the source, or give the "
+                              f"input shape of the rows")
+    if width is None and row["complete"] and (low != high or high == 0):
+        raise InvalidArgument(f'feature column "{column}" holds arrays of {low:,} to {high:,} values; every row must '
+                              "hold the same number of values, at least one; fix or filter the others in the "
+                              "source")
+    return width if width is not None else (high or 0)
 
 
 def _kinds(plpy, types: dict[str, int]) -> dict[str, str | None]:

@@ -221,8 +221,9 @@ class _Builder:
 
     def backward(self, node: Node) -> None:
         """Ops that turn the gradient of the node's output into its parameters' gradients and
-        contributions to the gradients of the inputs that need one."""
-        i, b = node.index, self.batch
+        contributions to the gradients of the inputs that need one: the dropout and activation
+        of a layer first, then the layer's own (:data:`_BACKWARD`, by op; a copy for the rest)."""
+        i = node.index
         g = self.grad[i]
         if node.op == "dense" and node.dropout:
             mask = f"mask{i}"
@@ -234,73 +235,91 @@ class _Builder:
             self.op(f"{node.activation}{i}_backward", (h, g), (gz,),
                     lambda a, ctx, g=g: bwd(a[h], a[g], a[gz]))
             g = gz
-        ins = [self.out[j] for j in node.inputs]
-        inp = ins[0]
         dx = self.contribution(node.inputs[0])             # None: the input needs no gradient
-        outs = (dx,) if dx else ()
-        if node.op == "dense":
-            w, bias = f"W{i}", f"b{i}"
-            dw, db = (self.slot(f"d{p}", Kind.GRADIENT, self.slots[p].shape) for p in (w, bias))
-            self.op(f"dense{i}_backward", (inp, w, g), (dw, db) + outs,
-                    lambda a, ctx: kernels.dense_backward(a[inp].reshape(b, -1), a[w], a[g],
-                                                          a[dx].reshape(b, -1) if dx else None, a[dw], a[db]),
-                    flops=2 * b * self.numel(w) * (1 + bool(dx)), unit="matmul")
-        elif node.op == "conv":
-            geo = node.geometry(b)
-            w, bias = f"W{i}", f"b{i}" if f"b{i}" in node.params else None
-            dw = self.slot(f"dW{i}", Kind.GRADIENT, self.slots[w].shape)
-            db = self.slot(f"db{i}", Kind.GRADIENT, self.slots[bias].shape) if bias else None
-            ws = self.workspace(f"wsb{i}", node.workspace_nelems(b))
-            self.op(f"conv{i}_backward", (inp, w, g), (dw,) + ((db,) if db else ()) + outs + (ws,),
-                    lambda a, ctx: ck.conv2d_backward_chunked(a[inp], a[w], a[g], a[dx] if dx else None, a[dw],
-                                                              a[db] if db else None, geo, a[ws]),
-                    flops=self.conv_flops(f"h{i}", w) * (1 + bool(dx)), unit="conv")
-        elif node.op == "batch_norm":
-            gamma, bm, bs = f"gamma{i}", f"bm{i}", f"bs{i}"
-            dgamma = self.slot(f"dgamma{i}", Kind.GRADIENT, self.slots[gamma].shape)
-            dbeta = self.slot(f"dbeta{i}", Kind.GRADIENT, self.slots[gamma].shape)
-            self.op(f"batch_norm{i}_backward", (inp, gamma, bm, bs, g), (dgamma, dbeta) + outs,
-                    lambda a, ctx: ck.batch_norm_backward(a[inp], a[gamma], a[bm], a[bs], a[g],
-                                                          a[dx] if dx else None, a[dgamma], a[dbeta]),
-                    flops=10 * self.numel(g))
-        elif node.op == "max_pool":
-            geo, am = node.geometry(b), f"am{i}"
-            ws = self.workspace(f"wsb{i}", node.workspace_nelems(b))
-            self.op(f"max_pool{i}_backward", (g, am), outs + (ws,),
-                    lambda a, ctx: ck.max_pool_backward(a[g], a[am], a[dx], geo, pool_workspace(geo, a[ws])))
-        elif node.op == "avg_pool":
-            geo = node.geometry(b)
-            ws = self.workspace(f"wsb{i}", node.workspace_nelems(b))
-            self.op(f"avg_pool{i}_backward", (g,), outs + (ws,),
-                    lambda a, ctx: ck.avg_pool_backward(a[g], a[dx], geo, pool_workspace(geo, a[ws])))
-        elif node.op == "global_avg_pool":
-            self.op(f"global_avg_pool{i}_backward", (g,), outs,
-                    lambda a, ctx: ck.global_avg_pool_backward(a[g], a[dx]))
-        elif node.op == "dropout":
-            mask = f"mask{i}"
-            self.op(f"dropout{i}_backward", (mask, g), outs,
-                    lambda a, ctx: kernels.dropout_backward(a[mask], a[g], a[dx]))
-        elif node.op in ("add", "concat"):
-            targets = [dx] + [self.contribution(j) for j in node.inputs[1:]]
-            kept = [(t, self.slots[s].shape) for t, s in zip(targets, ins)]
-            writes = tuple(dict.fromkeys(t for t in targets if t))
-            if node.op == "add":
-                def run(a, ctx):
-                    for t in writes:
-                        _copy_into(a[g], a[t])
-            else:
-                def run(a, ctx):
-                    start = 0
-                    for t, shape in kept:
-                        if t:
-                            a[t][...] = a[g][:, start:start + shape[1]]
-                        start += shape[1]
-            if writes:
-                self.op(f"{node.op}{i}_backward", (g,), writes, run)
-            self.accumulate(node.inputs[1:])
-        else:                                               # flatten, or an activation node's copy
-            self.op(f"{node.op}{i}_backward", (g,), outs, lambda a, ctx: _copy_into(a[g], a[dx]))
+        _BACKWARD.get(node.op, _Builder._copy_backward)(self, node, g, self.out[node.inputs[0]], dx)
         self.accumulate(node.inputs[:1])
+
+    # Each op's backward: ``g`` the gradient of its output (after its activation's), ``inp`` its
+    # first input's slot, ``dx`` where that input's gradient contribution goes (None: nowhere).
+
+    def _dense_backward(self, node: Node, g: str, inp: str, dx: str | None) -> None:
+        i, b = node.index, self.batch
+        w, bias = f"W{i}", f"b{i}"
+        dw, db = (self.slot(f"d{p}", Kind.GRADIENT, self.slots[p].shape) for p in (w, bias))
+        self.op(f"dense{i}_backward", (inp, w, g), (dw, db) + ((dx,) if dx else ()),
+                lambda a, ctx: kernels.dense_backward(a[inp].reshape(b, -1), a[w], a[g],
+                                                      a[dx].reshape(b, -1) if dx else None, a[dw], a[db]),
+                flops=2 * b * self.numel(w) * (1 + bool(dx)), unit="matmul")
+
+    def _conv_backward(self, node: Node, g: str, inp: str, dx: str | None) -> None:
+        i, b = node.index, self.batch
+        geo = node.geometry(b)
+        w, bias = f"W{i}", f"b{i}" if f"b{i}" in node.params else None
+        dw = self.slot(f"dW{i}", Kind.GRADIENT, self.slots[w].shape)
+        db = self.slot(f"db{i}", Kind.GRADIENT, self.slots[bias].shape) if bias else None
+        ws = self.workspace(f"wsb{i}", node.workspace_nelems(b))
+        self.op(f"conv{i}_backward", (inp, w, g), (dw,) + ((db,) if db else ()) + ((dx,) if dx else ()) + (ws,),
+                lambda a, ctx: ck.conv2d_backward_chunked(a[inp], a[w], a[g], a[dx] if dx else None, a[dw],
+                                                          a[db] if db else None, geo, a[ws]),
+                flops=self.conv_flops(f"h{i}", w) * (1 + bool(dx)), unit="conv")
+
+    def _batch_norm_backward(self, node: Node, g: str, inp: str, dx: str | None) -> None:
+        i = node.index
+        gamma, bm, bs = f"gamma{i}", f"bm{i}", f"bs{i}"
+        dgamma = self.slot(f"dgamma{i}", Kind.GRADIENT, self.slots[gamma].shape)
+        dbeta = self.slot(f"dbeta{i}", Kind.GRADIENT, self.slots[gamma].shape)
+        self.op(f"batch_norm{i}_backward", (inp, gamma, bm, bs, g), (dgamma, dbeta) + ((dx,) if dx else ()),
+                lambda a, ctx: ck.batch_norm_backward(a[inp], a[gamma], a[bm], a[bs], a[g],
+                                                      a[dx] if dx else None, a[dgamma], a[dbeta]),
+                flops=10 * self.numel(g))
+
+    def _max_pool_backward(self, node: Node, g: str, inp: str, dx: str | None) -> None:
+        i = node.index
+        geo, am = node.geometry(self.batch), f"am{i}"
+        ws = self.workspace(f"wsb{i}", node.workspace_nelems(self.batch))
+        self.op(f"max_pool{i}_backward", (g, am), ((dx,) if dx else ()) + (ws,),
+                lambda a, ctx: ck.max_pool_backward(a[g], a[am], a[dx], geo, pool_workspace(geo, a[ws])))
+
+    def _avg_pool_backward(self, node: Node, g: str, inp: str, dx: str | None) -> None:
+        i = node.index
+        geo = node.geometry(self.batch)
+        ws = self.workspace(f"wsb{i}", node.workspace_nelems(self.batch))
+        self.op(f"avg_pool{i}_backward", (g,), ((dx,) if dx else ()) + (ws,),
+                lambda a, ctx: ck.avg_pool_backward(a[g], a[dx], geo, pool_workspace(geo, a[ws])))
+
+    def _global_avg_pool_backward(self, node: Node, g: str, inp: str, dx: str | None) -> None:
+        self.op(f"global_avg_pool{node.index}_backward", (g,), (dx,) if dx else (),
+                lambda a, ctx: ck.global_avg_pool_backward(a[g], a[dx]))
+
+    def _dropout_backward(self, node: Node, g: str, inp: str, dx: str | None) -> None:
+        mask = f"mask{node.index}"
+        self.op(f"dropout{node.index}_backward", (mask, g), (dx,) if dx else (),
+                lambda a, ctx: kernels.dropout_backward(a[mask], a[g], a[dx]))
+
+    def _join_backward(self, node: Node, g: str, inp: str, dx: str | None) -> None:
+        """``add`` (each input gets the gradient) and ``concat`` (each its channels of it)."""
+        ins = [self.out[j] for j in node.inputs]
+        targets = [dx] + [self.contribution(j) for j in node.inputs[1:]]
+        kept = [(t, self.slots[s].shape) for t, s in zip(targets, ins)]
+        writes = tuple(dict.fromkeys(t for t in targets if t))
+        if node.op == "add":
+            def run(a, ctx):
+                for t in writes:
+                    _copy_into(a[g], a[t])
+        else:
+            def run(a, ctx):
+                start = 0
+                for t, shape in kept:
+                    if t:
+                        a[t][...] = a[g][:, start:start + shape[1]]
+                    start += shape[1]
+        if writes:
+            self.op(f"{node.op}{node.index}_backward", (g,), writes, run)
+        self.accumulate(node.inputs[1:])
+
+    def _copy_backward(self, node: Node, g: str, inp: str, dx: str | None) -> None:
+        """flatten, or an activation node's copy."""
+        self.op(f"{node.op}{node.index}_backward", (g,), (dx,) if dx else (), lambda a, ctx: _copy_into(a[g], a[dx]))
 
     def contribution(self, j: int) -> str | None:
         """The slot a backward op writes node ``j``'s gradient contribution to: its gradient slot
@@ -346,6 +365,13 @@ class _Builder:
                         lambda a, ctx, p=p, grad=grad, vel=vel: kernels.sgd_update(
                             a[p], a[grad], a[vel], lr, options.momentum, wd),
                         flops=4 * self.numel(p), unit="optimizer")
+
+
+#: Each op's backward in :class:`_Builder` (the others: a copy of the gradient).
+_BACKWARD = {"dense": _Builder._dense_backward, "conv": _Builder._conv_backward,
+             "batch_norm": _Builder._batch_norm_backward, "max_pool": _Builder._max_pool_backward,
+             "avg_pool": _Builder._avg_pool_backward, "global_avg_pool": _Builder._global_avg_pool_backward,
+             "dropout": _Builder._dropout_backward, "add": _Builder._join_backward, "concat": _Builder._join_backward}
 
 
 def _copy_into(src, dst) -> None:
