@@ -81,43 +81,22 @@ def torch_module(network: Network):
     from torch import nn
 
     acts = {"relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "none": lambda h: h}
-
-    def layer(node) -> nn.Module | None:
-        l, in_shape = node.layer, node.in_shapes[0] if node.in_shapes else None
-        if node.op == "dense":
-            return nn.Linear(in_shape[0], node.shape[0])
-        if node.op == "conv":
-            return nn.Conv2d(in_shape[0], l.channels, l.kernel, l.stride, l.padding, l.dilation, l.groups, l.bias)
-        if node.op == "batch_norm":
-            kind = nn.BatchNorm2d if len(node.shape) == 3 else nn.BatchNorm1d
-            return kind(node.shape[0], eps=l.eps, momentum=l.momentum)
-        if node.op == "max_pool":
-            return nn.MaxPool2d(l.kernel, l.stride, l.padding)
-        if node.op == "avg_pool":
-            return nn.AvgPool2d(l.kernel, l.stride, l.padding, count_include_pad=True)
-        if node.op == "dropout":
-            return nn.Dropout(node.dropout)
-        return None
+    without_weights = {"add": lambda ins: ins[0] + ins[1], "concat": lambda ins: torch.cat(ins, 1),
+                       "flatten": lambda ins: torch.flatten(ins[0], 1),
+                       "global_avg_pool": lambda ins: ins[0].mean((2, 3)), "activation": lambda ins: ins[0]}
 
     class Graph(nn.Module):
         def __init__(self):
             super().__init__()
-            self.layers = nn.ModuleDict({str(n.index): m for n in network.nodes if (m := layer(n)) is not None})
+            self.layers = nn.ModuleDict({str(n.index): m for n in network.nodes
+                                         if (m := _torch_layer(nn, n)) is not None})
 
         def forward(self, x):
             values = {INPUT: x.reshape(len(x), *network.input_shape)}
             for node in network.nodes:
                 ins = [values[j] for j in node.inputs]
-                if node.op == "add":
-                    h = ins[0] + ins[1]
-                elif node.op == "concat":
-                    h = torch.cat(ins, 1)
-                elif node.op == "flatten":
-                    h = torch.flatten(ins[0], 1)
-                elif node.op == "global_avg_pool":
-                    h = ins[0].mean((2, 3))
-                elif node.op == "activation":
-                    h = ins[0]
+                if node.op in without_weights:
+                    h = without_weights[node.op](ins)
                 else:
                     h = self.layers[str(node.index)](ins[0])
                 h = acts[node.activation](h)
@@ -127,6 +106,25 @@ def torch_module(network: Network):
             return values[network.nodes[-1].index]
 
     return Graph()
+
+
+def _torch_layer(nn, node):
+    """The ``torch.nn`` module of a node with weights or state (None for the others)."""
+    l, in_shape = node.layer, node.in_shapes[0] if node.in_shapes else None
+    if node.op == "dense":
+        return nn.Linear(in_shape[0], node.shape[0])
+    if node.op == "conv":
+        return nn.Conv2d(in_shape[0], l.channels, l.kernel, l.stride, l.padding, l.dilation, l.groups, l.bias)
+    if node.op == "batch_norm":
+        kind = nn.BatchNorm2d if len(node.shape) == 3 else nn.BatchNorm1d
+        return kind(node.shape[0], eps=l.eps, momentum=l.momentum)
+    if node.op == "max_pool":
+        return nn.MaxPool2d(l.kernel, l.stride, l.padding)
+    if node.op == "avg_pool":
+        return nn.AvgPool2d(l.kernel, l.stride, l.padding, count_include_pad=True)
+    if node.op == "dropout":
+        return nn.Dropout(node.dropout)
+    return None
 
 
 def check_same_parameters(network: Network, module) -> int:

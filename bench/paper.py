@@ -197,6 +197,30 @@ def run(workload: str, policy: str, fraction: float | None, vanilla_peak: int | 
     if sample:
         scheduler.after = on_after
     copied = dict(device.clock.copied_nbytes)        # the cost model's measuring copies are not the run's
+    errors = train(executor, jobs)
+    result.completed, result.error = not errors, "; ".join(errors)
+    result.peak_nbytes = manager.peak_nbytes
+    result.d2h_nbytes = device.clock.copied_nbytes["d2h"] - copied["d2h"]
+    result.h2d_nbytes = device.clock.copied_nbytes["h2d"] - copied["h2d"]
+    mems = [j.memory for j in jobs if j.memory is not None]
+    result.passive_swap_ins = sum(m.passive_swap_ins for m in mems)
+    result.plan_wall_s = scheduler.plan_seconds
+    result.plan_modelled_s = scheduler.modelled_plan_seconds
+    result.replans = [dict(r) for r in scheduler.history]
+    result.pool_history = list(manager.pool.history)
+    if result.completed:
+        result.window_start_s = max(t for t, j, n in done if n == WARMUP)
+        result.iteration_s = steady_iteration_s(jobs, done)
+    result.samples = [(t, {by.info.model_name: b.get(by.id, 0) for by in jobs}) for t, b in result.samples]
+    if recorded:                     # the budget binds hardest where the jobs' unplanned peak is highest
+        timeline = max(recorded.values(), key=Timeline.vanilla_peak_nbytes)
+        result.bounds = {f: lower_bound(timeline, scheduler.cost, int(result.peak_nbytes * f)) for f in BUDGETS}
+    return result
+
+
+def train(executor: Executor, jobs: list) -> list[str]:
+    """Submit ``jobs``, run them to their end on ``executor`` and stop it; returns what failed
+    (a job refused at submit, or one that ended otherwise than done), by model."""
     errors, submitted = [], []
     for job in jobs:
         try:
@@ -211,27 +235,18 @@ def run(workload: str, policy: str, fraction: float | None, vanilla_peak: int | 
         if event[0] != "done":
             errors.append(f"{job.info.model_name}: {type(event[1]).__name__}")
     executor.stop()
-    result.completed, result.error = not errors, "; ".join(errors)
-    result.peak_nbytes = manager.peak_nbytes
-    result.d2h_nbytes = device.clock.copied_nbytes["d2h"] - copied["d2h"]
-    result.h2d_nbytes = device.clock.copied_nbytes["h2d"] - copied["h2d"]
-    mems = [j.memory for j in jobs if j.memory is not None]
-    result.passive_swap_ins = sum(m.passive_swap_ins for m in mems)
-    result.plan_wall_s = scheduler.plan_seconds
-    result.plan_modelled_s = scheduler.modelled_plan_seconds
-    result.replans = [dict(r) for r in scheduler.history]
-    result.pool_history = list(manager.pool.history)
-    if result.completed:
-        result.window_start_s = max(t for t, j, n in done if n == WARMUP)
-        for job in jobs:
-            mine = {n: t for t, j, n in done if j == job.id}
-            last = max(mine)
-            result.iteration_s[job.info.model_name] = (mine[last] - mine[WARMUP]) / (last - WARMUP)
-    result.samples = [(t, {by.info.model_name: b.get(by.id, 0) for by in jobs}) for t, b in result.samples]
-    if recorded:                     # the budget binds hardest where the jobs' unplanned peak is highest
-        timeline = max(recorded.values(), key=Timeline.vanilla_peak_nbytes)
-        result.bounds = {f: lower_bound(timeline, scheduler.cost, int(result.peak_nbytes * f)) for f in BUDGETS}
-    return result
+    return errors
+
+
+def steady_iteration_s(jobs: list, done: list[tuple[float, int, int]]) -> dict[str, float]:
+    """Each job's seconds per iteration from its WARMUP-th iteration to its last, by model, from
+    ``done``: (virtual s, job id, iterations done) at each iteration's end."""
+    out = {}
+    for job in jobs:
+        mine = {n: t for t, j, n in done if j == job.id}
+        last = max(mine)
+        out[job.info.model_name] = (mine[last] - mine[WARMUP]) / (last - WARMUP)
+    return out
 
 
 def floor_runs(workload: str, policy: str, vanilla_peak: int, args) -> dict[float, Run]:

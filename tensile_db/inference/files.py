@@ -496,17 +496,7 @@ def _read_header(fd: int, path: str, model_id: int, version: str, spec: models.M
         return CorruptModel(f"model file {path} is not usable: {what}")
 
     size = os.fstat(fd).st_size
-    try:
-        magic, fmt, body_nbytes, body_crc, _ = PREFIX.unpack(_pread_exact(fd, 0, PREFIX.size))
-        if magic != MAGIC or fmt != FORMAT_VERSION:
-            raise bad(f"magic {magic!r}, format {fmt} (expected {MAGIC!r}, {FORMAT_VERSION})")
-        if body_nbytes > min(MAX_BODY_NBYTES, size):
-            raise bad(f"its header claims {body_nbytes:,} bytes")
-        body = _pread_exact(fd, PREFIX.size, body_nbytes)
-    except EOFError:
-        raise bad(f"it ends after {size:,} bytes") from None
-    if zlib.crc32(body) != body_crc:
-        raise bad("its header's checksum does not match")
+    body_nbytes, body = _header_body(fd, size, bad)
     try:
         head = json.loads(body)
         layers = [Region(int(o), int(n), int(c, 16)) for o, n, c in head["layers"]]
@@ -530,22 +520,44 @@ def _read_header(fd: int, path: str, model_id: int, version: str, spec: models.M
         if region.offset % ALIGN_NBYTES or region.offset < end or region.offset + region.nbytes > size:
             raise bad(f"a region at {region.offset:,} of {region.nbytes:,} bytes lies outside its place")
         end = region.offset + region.nbytes
-    expected_scaling = {k: v for k, v in weight_shapes(spec, [k for k, _ in scaling_shapes]).items() if k in _SCALING}
-    if dict(scaling_shapes) != expected_scaling or scaling_region.nbytes != sum(
-            math.prod(shape) * 4 for _, shape in scaling_shapes):
-        raise bad(f"its scaling arrays {scaling_shapes} do not fit the model")
+    return layers, _read_scaling(fd, scaling_region, scaling_shapes, spec, bad)
+
+
+def _header_body(fd: int, size: int, bad) -> tuple[int, bytes]:
+    """(bytes, contents) of the header's JSON body of the file ``fd`` of ``size`` bytes, its
+    magic, format and checksum checked; ``bad(what)`` makes the error raised."""
     try:
-        data = _pread_exact(fd, scaling_region.offset, scaling_region.nbytes)
+        magic, fmt, body_nbytes, body_crc, _ = PREFIX.unpack(_pread_exact(fd, 0, PREFIX.size))
+        if magic != MAGIC or fmt != FORMAT_VERSION:
+            raise bad(f"magic {magic!r}, format {fmt} (expected {MAGIC!r}, {FORMAT_VERSION})")
+        if body_nbytes > min(MAX_BODY_NBYTES, size):
+            raise bad(f"its header claims {body_nbytes:,} bytes")
+        body = _pread_exact(fd, PREFIX.size, body_nbytes)
+    except EOFError:
+        raise bad(f"it ends after {size:,} bytes") from None
+    if zlib.crc32(body) != body_crc:
+        raise bad("its header's checksum does not match")
+    return body_nbytes, body
+
+
+def _read_scaling(fd: int, region: Region, shapes: list, spec: models.ModelSpec, bad) -> dict[str, np.ndarray]:
+    """The scaling arrays (float32, of ``shapes``) in ``region`` of the file ``fd``, checked
+    against ``spec`` and the region's checksum; ``bad(what)`` makes the error raised."""
+    expected = {k: v for k, v in weight_shapes(spec, [k for k, _ in shapes]).items() if k in _SCALING}
+    if dict(shapes) != expected or region.nbytes != sum(math.prod(shape) * 4 for _, shape in shapes):
+        raise bad(f"its scaling arrays {shapes} do not fit the model")
+    try:
+        data = _pread_exact(fd, region.offset, region.nbytes)
     except EOFError:
         raise bad("its scaling region is cut short") from None
-    if zlib.crc32(data) != scaling_region.crc32:
+    if zlib.crc32(data) != region.crc32:
         raise bad("its scaling region's checksum does not match")
     scaling, at = {}, 0
-    for key, shape in scaling_shapes:
+    for key, shape in shapes:
         numel = math.prod(shape)
         scaling[key] = np.frombuffer(data, np.float32, numel, at).reshape(shape).copy()
         at += numel * 4
-    return layers, scaling
+    return scaling
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

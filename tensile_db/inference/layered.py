@@ -210,11 +210,7 @@ def run(mm: MemoryManager, model: ServedModel, x: np.ndarray, window: int, batch
     stats = CallStats(window, n_layers, n_batches, batch_size)
     uses = n_batches * n_layers
     steps = plan(model)
-    segments: list[list[Step]] = [[]]     # [i]: layer i's step and the steps without weights before it
-    for s in steps:
-        segments[-1].append(s)
-        if s.layer is not None and s is not steps[-1]:
-            segments.append([])
+    segments = _segments(steps)
 
     def window_of(k: int) -> list[int]:
         """The layers of uses k .. k + W, in use order, each once (none past the last use)."""
@@ -248,15 +244,30 @@ def run(mm: MemoryManager, model: ServedModel, x: np.ndarray, window: int, batch
                 held.discard(j)
                 mm.cache.unwant(model.layers[j], keep=cache)
     finally:
-        for t in acts.values():
-            mm.free(t)
-        for j in held:                  # each let go, whatever a failed load of another raises
-            try:
-                mm.cache.unwant(model.layers[j], keep=cache)
-            except Exception:           # the call's own error, if any, is the one raised
-                pass
+        _release(mm, model, acts, held, cache)
     stats.time_s = time.perf_counter() - started
     return models.finish(model.spec, model.scaling, logits), stats
+
+
+def _segments(steps: list[Step]) -> list[list[Step]]:
+    """The steps by layer: ``[i]`` holds layer i's step and the steps without weights before it."""
+    segments: list[list[Step]] = [[]]
+    for s in steps:
+        segments[-1].append(s)
+        if s.layer is not None and s is not steps[-1]:
+            segments.append([])
+    return segments
+
+
+def _release(mm: MemoryManager, model: ServedModel, acts: dict[int, Tensor], held: set[int], cache: bool) -> None:
+    """Free a call's activations and let go of the layers in its window, however the call ends."""
+    for t in acts.values():
+        mm.free(t)
+    for j in held:                  # each let go, whatever a failed load of another raises
+        try:
+            mm.cache.unwant(model.layers[j], keep=cache)
+        except Exception:           # the call's own error, if any, is the one raised
+            pass
 
 
 def _step(mm: MemoryManager, model: ServedModel, s: Step, n: int, acts: dict[int, Tensor], held: set[int],

@@ -284,6 +284,19 @@ MAX_CATEGORIES = 1000
 
 def parse_options(value) -> TrainOptions:
     """Validate training options (JSON text or dict). Raises InvalidArgument naming the key."""
+    opts = TrainOptions(**_typed_options(value))
+    _check_choices(opts)
+    _check_numbers(opts)
+    _check_held_out(opts)
+    preprocess.check_options(opts)         # validated where they are defined
+    if opts.search is not None and search.parse(opts.search).halving and opts.test_size == 0:
+        raise InvalidArgument("options.search.halving compares held-out losses, but options.test_size is 0; hold "
+                              "out rows (test_size 0.2) or leave halving out")
+    return opts
+
+
+def _typed_options(value) -> dict:
+    """The options object, each key known and each value of its type (floats checked as float32)."""
     obj = dict(load_json_object(value, "options"))
     check_keys(obj, tuple(_OPTION_TYPES), "options")
     for key, val in obj.items():
@@ -292,11 +305,19 @@ def parse_options(value) -> TrainOptions:
             raise InvalidArgument(f"options.{key} has the wrong type: got {shown(val)}")
         if key in ("lr", "momentum", "weight_decay") and val is not None:
             obj[key] = check_float32(f"options.{key}", val)
-    opts = TrainOptions(**obj)
+    return obj
+
+
+def _check_choices(opts: TrainOptions) -> None:
     if opts.task is not None and opts.task not in TASKS:
         raise InvalidArgument(f"options.task must be one of {', '.join(TASKS)}, got {opts.task!r}")
     if opts.optimizer not in OPTIMIZERS:
         raise InvalidArgument(f"options.optimizer must be one of {', '.join(OPTIMIZERS)}, got {opts.optimizer!r}")
+    _check_choice("test_sampling", opts.test_sampling, TEST_SAMPLINGS, none_ok=True)
+    _check_choice("deploy", opts.deploy, DEPLOY_MODES)
+
+
+def _check_numbers(opts: TrainOptions) -> None:
     if not 1 <= opts.epochs <= 100_000:
         raise InvalidArgument(f"options.epochs must be from 1 to 100000, got {shown(opts.epochs)}")
     if not 1 <= opts.batch_size <= 1 << 20:
@@ -309,10 +330,16 @@ def parse_options(value) -> TrainOptions:
         raise InvalidArgument(f"options.momentum must be in [0, 1), got {opts.momentum}")
     if not (math.isfinite(opts.weight_decay) and opts.weight_decay >= 0):
         raise InvalidArgument(f"options.weight_decay must be a non-negative number, got {opts.weight_decay}")
+    if not 1 <= opts.max_categories <= MAX_CATEGORIES:
+        raise InvalidArgument(f"options.max_categories must be from 1 to {MAX_CATEGORIES}, got "
+                              f"{shown(opts.max_categories)}")
+
+
+def _check_held_out(opts: TrainOptions) -> None:
+    """The held-out rows' options, and patience, which needs held-out rows."""
     if not 0 <= opts.test_size <= MAX_TEST_SIZE:
         raise InvalidArgument(f"options.test_size must be from 0 (no held-out rows) to {MAX_TEST_SIZE}, "
                               f"got {shown(opts.test_size)}")
-    _check_choice("test_sampling", opts.test_sampling, TEST_SAMPLINGS, none_ok=True)
     if opts.test_sampling == "stratified" and opts.task == "regression":
         raise InvalidArgument('options.test_sampling "stratified" needs classes; use "random" or "last" for '
                               "regression")
@@ -321,15 +348,6 @@ def parse_options(value) -> TrainOptions:
     if opts.patience is not None and opts.test_size == 0:
         raise InvalidArgument("options.patience stops on the held-out loss, but options.test_size is 0; "
                               "hold out rows (test_size 0.2) or leave patience out")
-    _check_choice("deploy", opts.deploy, DEPLOY_MODES)
-    if not 1 <= opts.max_categories <= MAX_CATEGORIES:
-        raise InvalidArgument(f"options.max_categories must be from 1 to {MAX_CATEGORIES}, got "
-                              f"{shown(opts.max_categories)}")
-    preprocess.check_options(opts)         # validated where they are defined
-    if opts.search is not None and search.parse(opts.search).halving and opts.test_size == 0:
-        raise InvalidArgument("options.search.halving compares held-out losses, but options.test_size is 0; hold "
-                              "out rows (test_size 0.2) or leave halving out")
-    return opts
 
 
 def _check_choice(key: str, value, allowed, none_ok: bool = False) -> None:

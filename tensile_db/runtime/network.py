@@ -204,17 +204,7 @@ def _parse_layer(layer, where: str, depth: int):
                     _pair(layer, "dilation", where, 1, 1), _int(layer, "groups", where, 1, 1, MAX_WIDTH),
                     _bool(layer, "bias", where, True), _activation(layer, where, "relu"))
     if kind == "batch_norm":
-        options = {} if value is True else value
-        if not isinstance(options, dict):
-            raise InvalidArgument(f'{where}."batch_norm" must be an object such as {{}} or {{"momentum": 0.1, '
-                                  f'"eps": 1e-5}}, got {shown(value)}')
-        check_keys(options, ("momentum", "eps"), f'{where}."batch_norm"')
-        momentum, eps = options.get("momentum", 0.1), options.get("eps", 1e-5)
-        if not isinstance(momentum, (int, float)) or isinstance(momentum, bool) or not 0 <= momentum <= 1:
-            raise InvalidArgument(f'{where}."batch_norm"."momentum" must be a number in [0, 1], got {shown(momentum)}')
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 1e-12 <= eps <= 1:
-            raise InvalidArgument(f'{where}."batch_norm"."eps" must be a number in [1e-12, 1], got {shown(eps)}')
-        return BatchNorm(float(momentum), float(eps), _activation(layer, where, "none"))
+        return _parse_batch_norm(layer, where)
     if kind in ("max_pool", "avg_pool"):
         kernel = _pair(layer, kind, where, None, 1)
         return Pool(kind[:3], kernel, _pair(layer, "stride", where, list(kernel), 1),
@@ -223,6 +213,27 @@ def _parse_layer(layer, where: str, depth: int):
         if value is not True and value != {}:              # not ``in ({}, True)``: 1 == True
             raise InvalidArgument(f'{where}."{kind}" takes no options: write {{"{kind}": {{}}}}, got {shown(value)}')
         return GlobalAvgPool() if kind == "global_avg_pool" else Flatten()
+    return _parse_block(kind, layer, where, depth)
+
+
+def _parse_batch_norm(layer: dict, where: str) -> BatchNorm:
+    value = layer["batch_norm"]
+    options = {} if value is True else value
+    if not isinstance(options, dict):
+        raise InvalidArgument(f'{where}."batch_norm" must be an object such as {{}} or {{"momentum": 0.1, '
+                              f'"eps": 1e-5}}, got {shown(value)}')
+    check_keys(options, ("momentum", "eps"), f'{where}."batch_norm"')
+    momentum, eps = options.get("momentum", 0.1), options.get("eps", 1e-5)
+    if not isinstance(momentum, (int, float)) or isinstance(momentum, bool) or not 0 <= momentum <= 1:
+        raise InvalidArgument(f'{where}."batch_norm"."momentum" must be a number in [0, 1], got {shown(momentum)}')
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 1e-12 <= eps <= 1:
+        raise InvalidArgument(f'{where}."batch_norm"."eps" must be a number in [1e-12, 1], got {shown(eps)}')
+    return BatchNorm(float(momentum), float(eps), _activation(layer, where, "none"))
+
+
+def _parse_block(kind: str, layer: dict, where: str, depth: int) -> Residual | Concat:
+    """A ``residual`` or ``concat`` layer: blocks of layers, one level deeper."""
+    value = layer[kind]
     if kind == "residual":
         body = parse_layers(value, f"{where}.residual", depth + 1)
         if not body:

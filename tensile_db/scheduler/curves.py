@@ -200,6 +200,30 @@ def _carry(curve: Curve, timeline: Timeline, job_id: int, start: int = 0) -> dic
             "length": windows[:, 1], "nbytes": np.array([c.nbytes for c in out], dtype=np.int64)}
 
 
+def _cheapest_step(timeline: Timeline, carried: dict, level: dict[int, int], k: int, need_nbytes: int):
+    """Among the jobs' curves (``carried``: job -> (curve, its decisions on the timeline), the
+    first ``level[job]`` taken), the next step that frees event ``k`` at the least extra time
+    per byte of the ``need_nbytes`` still needed there (ties: the most bytes): (ratio, bytes
+    freed, job, curve index to take up to), or None when no curve frees ``k``."""
+    best, n = None, timeline.n
+    for job_id, (curve, c) in carried.items():
+        repeats = timeline.traces[job_id].repeats
+        timeline.work.rows += len(c["index"])
+        covers = (c["index"] >= level[job_id]) & ((k - c["free"]) % n < c["length"])
+        if not covers.any():
+            continue
+        # each candidate end of the step: a curve index whose decisions free event k
+        per_index = np.bincount(c["index"][covers], weights=c["nbytes"][covers])
+        ends = np.flatnonzero(per_index)
+        freed = np.cumsum(per_index[ends])
+        extra = np.maximum(curve.extra_s[ends + 1] - curve.extra_s[level[job_id]], 0.0) * repeats
+        ratio = extra / np.minimum(freed, need_nbytes)    # bytes beyond the need earn nothing
+        i = int(np.argmin(ratio))
+        if best is None or (ratio[i], -freed[i]) < (best[0], -best[1]):
+            best = (ratio[i], freed[i], job_id, int(ends[i]) + 1)
+    return best
+
+
 def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_seconds: float | None = None,
                 memo: dict | None = None, budget_s: float | None = None) -> Plan:
     """The global planner (Note [Curves and their combination]). ``target_nbytes``: the combined
@@ -261,22 +285,7 @@ def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_sec
         k = int(np.argmax(use))
         if use[k] <= target_nbytes:
             break
-        best = None
-        for job_id, (curve, c) in carried.items():
-            repeats = timeline.traces[job_id].repeats
-            work.rows += len(c["index"])
-            covers = (c["index"] >= level[job_id]) & ((k - c["free"]) % n < c["length"])
-            if not covers.any():
-                continue
-            # each candidate end of the step: a curve index whose decisions free event k
-            per_index = np.bincount(c["index"][covers], weights=c["nbytes"][covers])
-            ends = np.flatnonzero(per_index)
-            freed = np.cumsum(per_index[ends])
-            extra = np.maximum(curve.extra_s[ends + 1] - curve.extra_s[level[job_id]], 0.0) * repeats
-            ratio = extra / np.minimum(freed, use[k] - target_nbytes)    # bytes beyond the need earn nothing
-            i = int(np.argmin(ratio))
-            if best is None or (ratio[i], -freed[i]) < (best[0], -best[1]):
-                best = (ratio[i], freed[i], job_id, int(ends[i]) + 1)
+        best = _cheapest_step(timeline, carried, level, k, int(use[k]) - target_nbytes)
         if best is None:
             if not any([look_ahead(job_id, 2 * lookahead) for job_id in carried]):
                 break                                   # nothing frees the peak: reactive covers the rest
