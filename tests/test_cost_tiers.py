@@ -18,6 +18,7 @@ import pytest
 
 from tensile_db.errors import InvalidArgument
 from tensile_db.memory.spill import SpillFile
+from tensile_db.memory.tiers import HostTier
 from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
@@ -232,7 +233,7 @@ def test_the_scheduler_measures_the_disk_tier_and_carries_the_host_budget(host_b
     device = CpuDevice()
     spill = StandInSpillDir()
     manager = SimpleNamespace(device=device, engine=device.copy_engine(), budget_nbytes=1 << 22,
-                              host_budget_nbytes=host_budget_nbytes, spill=spill, pool=SimpleNamespace(offload=None))
+                              host_tier=HostTier(host_budget_nbytes, spill), pool=SimpleNamespace(offload=None))
     scheduler = Scheduler(manager, policy="reactive")
     try:
         cost = scheduler.cost

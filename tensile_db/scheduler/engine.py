@@ -216,7 +216,7 @@ class Scheduler:
         """The cost model measured through the manager's swap engine (copies of ``nbytes``
         bytes) and, where it has a disk tier, its spill I/O, with its host budget."""
         cost = measure_bandwidth(manager.device, manager.engine, nbytes=nbytes)
-        spill = getattr(manager, "spill", None)
+        spill = manager.host_tier.spill
         disk = (None, None)
         if spill is not None:
             scratch = spill.open_scratch()
@@ -224,7 +224,7 @@ class Scheduler:
                 disk = measure_disk(scratch)
             finally:
                 scratch.close()
-        return replace(cost, host_budget_nbytes=getattr(manager, "host_budget_nbytes", None),
+        return replace(cost, host_budget_nbytes=manager.host_tier.budget_nbytes,
                        disk_read_bytes_per_s=disk[0], disk_write_bytes_per_s=disk[1])
 
     # -- job lifecycle -------------------------------------------------------------------------
