@@ -2,8 +2,9 @@
 
 With a host budget (``tensile.host_budget``), a swapped-out tensor that does not fit the host
 tier goes to its job's *spill file* (:class:`SpillFile`), and comes back from it on its swap-in
-(:mod:`tensile_db.memory.residency` decides the tier; :mod:`tensile_db.memory.transfer` runs the
-I/O on the swap engine's threads). A spill file is a heap of 4096-byte-aligned slots: a slot
+(:mod:`tensile_db.memory.residency` decides the tier, :mod:`tensile_db.memory.tiers` keeps the
+files and the accounts, and the device's swap engine, :meth:`~tensile_db.runtime.device.Device.copy_engine`,
+runs the I/O on its threads). A spill file is a heap of 4096-byte-aligned slots: a slot
 freed by a swap-in is reused by the next tensor of the same size (the same tensors leave and
 come back every iteration), so a job's file grows to its largest spilled set, not beyond.
 
