@@ -19,6 +19,9 @@ import time
 import psycopg
 import pytest
 
+#: Fixture modules beside this one.
+pytest_plugins = ["hostile_fixtures"]
+
 #: The device the runtime tests that run jobs on an executor run on: ``cpu`` unless the
 #: environment's TENSILE_TEST_DEVICE names another (``cuda`` on a machine with a GPU and CuPy).
 TEST_DEVICE = os.environ.get("TENSILE_TEST_DEVICE", "cpu")

@@ -20,11 +20,12 @@ import pytest
 
 import tensile_db
 from conftest import wait_until
+from hostile_fixtures import CATALOG, fired, fresh_role
+from sql_helpers import assert_nothing_left, error_of, running, train, train_in_background
 from tensile_db.coordinator import client as coordinator_client
 from tensile_db.coordinator.address import MAX_SOCKET_PATH, SOCKET_NAME, coordinator_state, socket_dir_for
 from tensile_db.runtime.model import ModelSpec, init_weights, parse_architecture
 from tensile_db.runtime.weights import serialize_weights
-from test_sql import assert_nothing_left, error_of, running, train, train_in_background
 
 pytestmark = pytest.mark.db
 
@@ -42,90 +43,7 @@ def role_dsn(dsn: str, role: str) -> str:
     return dsn.replace("user=postgres", f"user={role}")
 
 
-def fresh_role(conn, role: str, *grants: str) -> None:
-    if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone():
-        conn.execute(f"DROP OWNED BY {role}")
-        conn.execute(f"DROP ROLE {role}")
-    conn.execute(f"CREATE ROLE {role} LOGIN")
-    for g in grants:
-        conn.execute(g)
-
-
 # --- search_path: trojans never run -------------------------------------------------------------
-
-#: Objects a role that may create in a schema on a superuser's search_path plants there: every
-#: function, aggregate, operator and type name the extension's SQL uses, each logging its name
-#: into evil.fired when it runs. Placed before pg_catalog on the path, they win every call that is
-#: not schema-qualified (an exact type match wins over pg_catalog's polymorphic functions anyway).
-TROJANS = r"""
-CREATE SCHEMA evil AUTHORIZATION mallory;
-SET ROLE mallory;
-CREATE TABLE evil.fired (what text);
-GRANT INSERT, SELECT ON evil.fired TO PUBLIC;
-CREATE FUNCTION evil.fire(what text) RETURNS void LANGUAGE sql AS 'INSERT INTO evil.fired VALUES (what)';
-CREATE FUNCTION evil.count_step(bigint, real) RETURNS bigint LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('count(real)'); RETURN $1 OPERATOR(pg_catalog.+) 1; END $$;
-CREATE AGGREGATE evil.count(real) (SFUNC = evil.count_step, STYPE = bigint, INITCOND = '0');
-CREATE FUNCTION evil.bytea_step(bytea, bytea, bytea) RETURNS bytea LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('string_agg(bytea, bytea)'); RETURN $2; END $$;
-CREATE AGGREGATE evil.string_agg(bytea, bytea) (SFUNC = evil.bytea_step, STYPE = bytea);
-CREATE FUNCTION evil.float4send(real) RETURNS bytea LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('float4send'); RETURN pg_catalog.float4send($1); END $$;
-CREATE FUNCTION evil.float8send(double precision) RETURNS bytea LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('float8send'); RETURN pg_catalog.float8send($1); END $$;
-CREATE FUNCTION evil.int8send(bigint) RETURNS bytea LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('int8send'); RETURN pg_catalog.int8send($1); END $$;
-CREATE FUNCTION evil.set_config(text, text, boolean) RETURNS text LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('set_config'); RETURN pg_catalog.set_config($1, $2, $3); END $$;
-CREATE FUNCTION evil.current_setting(text) RETURNS text LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('current_setting'); RETURN pg_catalog.current_setting($1); END $$;
-CREATE FUNCTION evil.current_setting(text, boolean) RETURNS text LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('current_setting'); RETURN pg_catalog.current_setting($1, $2); END $$;
-CREATE FUNCTION evil.pg_size_bytes(text) RETURNS bigint LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('pg_size_bytes'); RETURN pg_catalog.pg_size_bytes($1); END $$;
-CREATE FUNCTION evil.pg_backend_pid() RETURNS integer LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('pg_backend_pid'); RETURN pg_catalog.pg_backend_pid(); END $$;
-CREATE FUNCTION evil.hashtext(text) RETURNS integer LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('hashtext'); RETURN pg_catalog.hashtext($1); END $$;
-CREATE FUNCTION evil.to_regclass(text) RETURNS regclass LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('to_regclass'); RETURN pg_catalog.to_regclass($1); END $$;
-CREATE FUNCTION evil.format_type(oid, integer) RETURNS text LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('format_type'); RETURN pg_catalog.format_type($1, $2); END $$;
-CREATE FUNCTION evil.pg_has_role(name, text) RETURNS boolean LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('pg_has_role'); RETURN pg_catalog.pg_has_role($1, $2); END $$;
-CREATE FUNCTION evil.text_eq(text, text) RETURNS boolean LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('text = text'); RETURN $1 OPERATOR(pg_catalog.=) $2; END $$;
-CREATE OPERATOR evil.= (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.text_eq);
-CREATE FUNCTION evil.name_eq(name, name) RETURNS boolean LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('name = name'); RETURN $1 OPERATOR(pg_catalog.=) $2; END $$;
-CREATE OPERATOR evil.= (LEFTARG = name, RIGHTARG = name, FUNCTION = evil.name_eq);
-CREATE FUNCTION evil.int8_eq(bigint, bigint) RETURNS boolean LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('bigint = bigint'); RETURN $1 OPERATOR(pg_catalog.=) $2; END $$;
-CREATE OPERATOR evil.= (LEFTARG = bigint, RIGHTARG = bigint, FUNCTION = evil.int8_eq);
-CREATE FUNCTION evil.int4_gt(integer, integer) RETURNS boolean LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('integer > integer'); RETURN $1 OPERATOR(pg_catalog.>) $2; END $$;
-CREATE OPERATOR evil.> (LEFTARG = integer, RIGHTARG = integer, FUNCTION = evil.int4_gt);
-CREATE FUNCTION evil.text_check(text) RETURNS boolean LANGUAGE plpgsql AS
-  $$ BEGIN PERFORM evil.fire('domain text'); RETURN true; END $$;
-CREATE DOMAIN evil.text AS pg_catalog.text CHECK (evil.text_check(VALUE));
-RESET ROLE;
-"""
-
-
-@pytest.fixture
-def trojans(conn):
-    """The TROJANS schema, owned by the unprivileged role mallory; dropped afterwards."""
-    fresh_role(conn, "mallory")
-    conn.execute("DROP SCHEMA IF EXISTS evil CASCADE")
-    conn.execute(TROJANS)
-    yield
-    conn.execute("RESET search_path")
-    conn.execute("DROP SCHEMA evil CASCADE")
-
-
-def fired(conn) -> list[str]:
-    return [r[0] for r in conn.execute("SELECT DISTINCT what FROM evil.fired ORDER BY 1")]
-
 
 def test_trojans_on_a_superusers_search_path_never_run(conn, digits, trojans):
     """A role that may create objects in a schema on a superuser's search_path planted functions,
@@ -174,22 +92,6 @@ def test_the_install_script_refuses_a_schema_another_role_made(cluster, conn):
         c.execute("CREATE EXTENSION tensile_db CASCADE")
         assert c.execute("SELECT count(*) FROM tensile.models").fetchone()[0] == 0
     conn.execute(f"DROP DATABASE {db}")
-
-
-#: The extension's objects as the catalog holds them: functions (definition, security, settings,
-#: volatility, grants, comment), relations (grants), policies (expressions).
-CATALOG = """
-SELECT 'function', p.oid::regprocedure::text,
-       pg_get_functiondef(p.oid) || p.prosecdef || coalesce(p.proconfig::text, '') || p.provolatile::text
-       || p.proparallel::text || coalesce(p.proacl::text, '') || coalesce(obj_description(p.oid, 'pg_proc'), '')
-FROM pg_proc p WHERE p.pronamespace = 'tensile'::regnamespace
-UNION ALL
-SELECT 'relation', c.relname::text, c.relkind::text || coalesce(c.relacl::text, '') FROM pg_class c
-WHERE c.relnamespace = 'tensile'::regnamespace
-UNION ALL
-SELECT 'policy', policyname::text, cmd || coalesce(qual, '') || coalesce(with_check, '') FROM pg_policies
-WHERE schemaname = 'tensile'
-ORDER BY 1, 2"""
 
 
 def test_an_installation_upgraded_from_0_1_0_equals_a_fresh_one(cluster, conn):

@@ -18,13 +18,13 @@ import numpy as np
 import psycopg
 import pytest
 
-from conftest import TEST_BUDGET
+from conftest import TEST_BUDGET, wait_until
+from sql_helpers import FEATURES, running, train, train_in_background
 from tensile_db.coordinator.address import socket_dir_for
 from tensile_db.inference import files
 from tensile_db.inference.files import file_name
 from tensile_db.runtime import model as models
 from tensile_db.runtime.weights import serialize_weights
-from test_sql import FEATURES, running, train, train_in_background, wait_until
 
 pytestmark = pytest.mark.db
 

@@ -15,44 +15,21 @@ import psycopg
 import pytest
 
 from conftest import TEST_BUDGET, wait_until
+from sql_helpers import FEATURES, assert_nothing_left, error_of, running, train, train_in_background
 from tensile_db.scheduler import POLICIES
 
 pytestmark = pytest.mark.db
 
-FEATURES = "ARRAY[" + ", ".join(f"p{i}" for i in range(64)) + "]"
-SMALL = '{"layers": [{"dense": 64}]}'
 #: What tensile.jobs.schedule may say.
 SCHEDULES = {"cold start", "planned", "reactive"}
 #: The scheduler's counters of a job, in train_model's metrics.
 SCHEDULER_COUNTERS = ("planned_swap_ins", "passive_swap_ins", "recomputes")
 
 
-def train(conn, name, source="SELECT * FROM digits_train", label="label", architecture=SMALL,
-          options='{"epochs": 3}', features=None):
-    return conn.execute(
-        "CALL tensile.train_model(model_name => %s, source => %s, label => %s, features => %s, "
-        "architecture => %s, options => %s)", (name, source, label, features, architecture, options)).fetchone()
-
-
-def error_of(conn, fn, *args, **kwargs) -> str:
-    with pytest.raises(psycopg.Error) as info:
-        fn(conn, *args, **kwargs)
-    return str(info.value)
-
-
 def assert_scheduler_metrics(metrics, policy):
     assert metrics["policy"] == policy
     for key in SCHEDULER_COUNTERS:
         assert isinstance(metrics[key], int) and metrics[key] >= 0, (key, metrics[key])
-
-
-def assert_nothing_left(conn):
-    """No live job and no device bytes held once a call has ended, but for model layers kept in
-    the weight cache."""
-    assert wait_until(lambda: conn.execute("SELECT count(*) FROM tensile.jobs").fetchone()[0] == 0)
-    mem = conn.execute("SELECT in_use_bytes - weight_cache_bytes, peak_bytes, budget_bytes FROM tensile.memory").fetchone()
-    if mem is not None:
-        assert mem[0] == 0 and mem[1] <= mem[2]
 
 
 # --- training and prediction ------------------------------------------------------------------
@@ -380,29 +357,6 @@ def test_statement_timeout_cancels_the_job(conn, digits):
     assert "canceling statement due to statement timeout" in message
     assert conn.execute("SELECT count(*) FROM tensile.models WHERE name = 't_timeout'").fetchone()[0] == 0
     assert_nothing_left(conn)
-
-
-def train_in_background(dsn: str, name: str) -> tuple[threading.Thread, dict]:
-    """Start a long training of ``name`` on its own connection; the dict gets the backend's
-    ``pid`` and, when the call fails, its ``error``."""
-    outcome = {}
-
-    def run():
-        with psycopg.connect(dsn, autocommit=True) as c:
-            outcome["pid"] = c.info.backend_pid
-            try:
-                train(c, name, options='{"epochs": 5000}')
-            except psycopg.Error as exc:
-                outcome["error"] = str(exc)
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t, outcome
-
-
-def running(conn, name: str) -> bool:
-    return conn.execute("SELECT count(*) FROM tensile.jobs WHERE model_name = %s AND state = 'running'",
-                        (name,)).fetchone()[0] == 1
 
 
 def test_pg_cancel_backend_cancels_the_job(conn, dsn, digits):

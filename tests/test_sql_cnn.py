@@ -13,8 +13,8 @@ import numpy as np
 import psycopg
 import pytest
 
-from test_hostile import fired, trojans  # noqa: F401  (trojans: a fixture)
-from test_sql import assert_nothing_left, error_of, train
+from hostile_fixtures import fired
+from sql_helpers import assert_nothing_left, error_of, train
 
 pytestmark = pytest.mark.db
 
@@ -250,7 +250,7 @@ RESET ROLE;
 """
 
 
-def test_array_trojans_on_a_superusers_search_path_never_run(conn, images, trojans):  # noqa: F811
+def test_array_trojans_on_a_superusers_search_path_never_run(conn, images, trojans):
     """The array path's SQL (array_send, cardinality, num_nulls, min / max, = and <> on integers)
     must not run objects another role planted on a superuser's search_path."""
     conn.execute(ARRAY_TROJANS)

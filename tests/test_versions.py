@@ -11,10 +11,10 @@ import psycopg
 import pytest
 
 import tensile_db
+from hostile_fixtures import CATALOG, fired, fresh_role
+from sql_helpers import FEATURES, error_of, train
 from tensile_db.runtime import model as models
 from tensile_db.runtime.weights import serialize_weights
-from test_hostile import CATALOG, fired, fresh_role, trojans  # noqa: F401 (trojans: a fixture)
-from test_sql import FEATURES, error_of, train
 
 pytestmark = pytest.mark.db
 
@@ -214,7 +214,7 @@ def test_auto_deploys_a_better_or_equal_version_and_keeps_a_worse_one(conn, scor
     assert versions(conn, "v_auto") == [(1, False), (2, True), (3, False)]
 
 
-def test_versions_and_deployments_never_run_objects_on_the_callers_search_path(conn, digits, trojans):  # noqa: F811 (a fixture)
+def test_versions_and_deployments_never_run_objects_on_the_callers_search_path(conn, digits, trojans):
     conn.execute("SET search_path = evil, pg_catalog, public")
     fit(conn, "v_trojan", deploy="never")
     assert sql_error(conn, "SELECT tensile.predict('v_trojan', array_fill(0::real, ARRAY[64]))")[0] == "42704"
