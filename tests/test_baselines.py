@@ -19,6 +19,7 @@ import math
 import numpy as np
 import pytest
 
+from job_helpers import FAST, SLOW, assert_valid, sequence
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
 from tensile_db.runtime.program import Kind
 from tensile_db.scheduler.baselines import (
@@ -31,7 +32,6 @@ from tensile_db.scheduler.baselines import (
 from tensile_db.scheduler.cost import CostModel
 from tensile_db.scheduler.planners import plan_tensile
 from tensile_db.scheduler.timeline import JobTrace, Timeline, simulate
-from test_scheduler import FAST, SLOW, _assert_valid, sequence
 
 #: copies far slower than any op: no swap hides
 CRAWL = CostModel(h2d_bytes_per_s=1e3, d2h_bytes_per_s=1e3)
@@ -86,7 +86,7 @@ def test_every_baseline_plan_is_valid_and_deterministic(name, cost):
         target = int(0.6 * tl.vanilla_peak_nbytes())
         plan = planner(tl, cost, target)
         assert plan.policy == name and plan.decisions
-        _assert_valid(plan, tl)
+        assert_valid(plan, tl)
         _assert_ordered(plan, tl)
         assert plan.predicted_peak_nbytes == tl.usage(plan.decisions).max()
         if name != "checkpoint":    # a fixed strategy: its recomputes' workspaces can raise the peak

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
 from conftest import TEST_DEVICE
+from job_helpers import SLOW, budget_of, run
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.manager import JobMemory, MemoryManager, Residency
 from tensile_db.runtime.builder import build_training_program
@@ -49,7 +50,6 @@ from test_program import (  # noqa: F401
     test_peak_and_working_set,
     test_positions_match_ops,
 )
-from test_scheduler import SLOW, budget_of, run
 
 #: Rows of 64 features seen as 1x8x8 images (sklearn's digits), 10 classes.
 RESIDUAL = ModelSpec.parse({"input": {"shape": [1, 8, 8]}, "layers": [

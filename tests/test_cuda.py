@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from conftest import TEST_DEVICE
+from job_helpers import budget_of, make_job, run
 from tensile_db.memory.manager import MemoryManager, Residency
 from tensile_db.runtime import cuda
 from tensile_db.runtime.cuda import WORKSPACE_JOB, is_pinned
 from tensile_db.runtime.devices import make_device
 from tensile_db.runtime.program import Kind, Slot
-from test_scheduler import budget_of, make_job, run
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="runs with TENSILE_TEST_DEVICE=cuda on a GPU")
 

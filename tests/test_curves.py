@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from job_helpers import FAST, SLOW, assert_valid, make_job, sequence
 from tensile_db.runtime.simulated import SimDevice
 from tensile_db.scheduler import curves
 from tensile_db.scheduler.cost import CostModel
@@ -24,7 +25,6 @@ from tensile_db.scheduler.planners import plan_tensile
 from tensile_db.scheduler.timeline import JobTrace, Timeline
 from tensile_db.scheduler.trace import AccessSequence, estimated
 from tensile_db.scheduler.work import PLAN_OVERHEAD_S, SECONDS_PER_UNIT, PlanWork
-from test_scheduler import FAST, SLOW, _assert_valid, make_job, sequence
 from test_simulated import image_job, run_sim
 
 
@@ -34,7 +34,7 @@ def test_jobs_of_one_program_share_one_curve_across_replans():
     tl = Timeline([JobTrace(1, seq, 0, 0), JobTrace(2, seq.snapshot(), 9, 1)])
     plan = plan_global(tl, FAST, int(0.6 * tl.vanilla_peak_nbytes()), memo=memo)
     assert len(memo) == 1
-    _assert_valid(plan, tl)                              # each job's decisions are its own
+    assert_valid(plan, tl)                              # each job's decisions are its own
     assert {d.job_id for d in plan.decisions} == {1, 2}
     again = Timeline([JobTrace(1, seq, 0, 0), JobTrace(2, seq.snapshot(), 9, 1), JobTrace(3, seq.snapshot(), 3, 2)])
     cold = Timeline(list(again.traces.values()))
@@ -60,7 +60,7 @@ def test_the_combination_reaches_what_the_greedy_reaches_on_staggered_jobs(fract
     target = int(fraction * tl.vanilla_peak_nbytes())
     greedy = plan_tensile(Timeline(list(tl.traces.values())), FAST, target, None)
     plan = plan_global(tl, FAST, target)
-    _assert_valid(plan, tl)
+    assert_valid(plan, tl)
     assert greedy.predicted_peak_nbytes <= target
     assert plan.predicted_peak_nbytes <= target
 
@@ -74,7 +74,7 @@ def test_the_global_plan_keeps_no_decision_that_the_others_make_redundant(cost, 
     target = int(0.6 * timeline().vanilla_peak_nbytes())
     tl = timeline()
     plan = plan_global(tl, cost, target, budget_s=budget_s)
-    _assert_valid(plan, tl)
+    assert_valid(plan, tl)
     assert plan.partial == (budget_s is not None)
     ceiling = max(target, plan.predicted_peak_nbytes)
     use = tl.usage(plan.decisions)
@@ -100,7 +100,7 @@ def test_the_global_plan_retimes_the_swaps_that_wait_on_the_copy_queue(duplex, m
     target = int(0.5 * timeline().vanilla_peak_nbytes())
     tl = timeline()
     plan = plan_global(tl, cost, target)
-    _assert_valid(plan, tl)
+    assert_valid(plan, tl)
     assert plan.predicted_peak_nbytes <= target
     monkeypatch.setattr(curves, "retime_swaps", lambda timeline, decisions, cost, ceiling: decisions)
     untimed = plan_global(timeline(), cost, target)

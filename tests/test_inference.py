@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import TEST_DEVICE, wait_done, wait_until
+from job_helpers import FAST, make_job
 from tensile_db.coordinator.executor import Executor
 from tensile_db.errors import CorruptModel, DeviceOutOfMemory, InvalidArgument, JobCancelled
 from tensile_db.inference import INFERENCE_JOB, layered
@@ -27,7 +28,6 @@ from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.devices import make_device
 from tensile_db.runtime.model import ModelSpec, parse_architecture
 from tensile_db.runtime.program import Kind, Slot
-from test_scheduler import FAST, make_job
 
 HIDDEN = [{"dense": 96}, {"dense": 64, "activation": "tanh"}, {"dense": 128}, {"dense": 48, "activation": "sigmoid"},
           {"dense": 80}, {"dense": 64, "activation": "none"}]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from job_helpers import budget_of, make_job, run
 from tensile_db.errors import InvalidArgument
 from tensile_db.memory import planned
 from tensile_db.memory.arena import UNIT_NBYTES as U
@@ -21,7 +22,6 @@ from tensile_db.memory.planned import PlannedPool, State, _allocations
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.model import TrainOptions
 from tensile_db.runtime.program import Op
-from test_scheduler import budget_of, make_job, run
 
 
 def K(slot: str) -> tuple:

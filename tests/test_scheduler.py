@@ -16,12 +16,12 @@ import time
 import numpy as np
 import pytest
 
-from conftest import TEST_DEVICE, wait_done
+from conftest import TEST_DEVICE
+from job_helpers import FAST, OPTIONS, SLOW, SPEC, assert_valid, budget_of, make_job, run, sequence
 from tensile_db.coordinator.executor import Executor
-from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
+from tensile_db.coordinator.jobs import JobState, TrainingJob
 from tensile_db.errors import InvalidArgument
-from tensile_db.memory.arena import UNIT_NBYTES
-from tensile_db.memory.manager import MemoryManager, Residency
+from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.devices import make_device
@@ -52,74 +52,6 @@ from tensile_db.scheduler.timeline import (
 from tensile_db.scheduler.trace import AccessSequence
 from tensile_db.settings import UNPLANNED_POLICIES
 from test_bound import CNN
-
-SPEC = ModelSpec(Architecture((Layer(96, "relu", 0.2), Layer(64, "tanh"), Layer(48, "relu"))), 16, 4,
-                 "classification")
-OPTIONS = TrainOptions(epochs=2, batch_size=64, optimizer="adam", lr=0.005, seed=11)
-FAST = CostModel(h2d_bytes_per_s=8e9, d2h_bytes_per_s=8e9)
-SLOW = CostModel(h2d_bytes_per_s=1e6, d2h_bytes_per_s=1e6)      # swaps cost more than recomputing
-
-
-def sequence(spec=SPEC, options=OPTIONS, batch=64, seconds=1e-3) -> AccessSequence:
-    seq = AccessSequence(build_training_program(spec, options, batch))
-    for p in range(len(seq.program.ops)):
-        seq.record(p, seconds * (1 + p % 3))
-    seq.end_iteration()
-    return seq
-
-
-def make_job(spec=SPEC, options=OPTIONS, seed=0, n=512) -> TrainingJob:
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, spec.n_features)).astype(np.float32)
-    y = rng.integers(0, spec.n_outputs, n).astype(np.int32)
-    return TrainingJob(JobInfo(1, "tester", f"m{seed}"), spec, options, x, y)
-
-
-def run(jobs, budget_nbytes, policy, cost=FAST, check_residency=False, between=None, pool="planned", prepare=None):
-    """Run ``jobs`` to completion on a fresh cpu executor with ``pool``; ``prepare(jobs, manager)``
-    runs before the first submit. Returns (manager, executor)."""
-    mm = MemoryManager(make_device(TEST_DEVICE), budget_nbytes, pool=pool)
-    ex = Executor(mm, policy=policy, cost=cost)
-    if check_residency:
-        for job in jobs:
-            _check_residency(job, mm)
-    if prepare is not None:
-        prepare(jobs, mm)
-    ex.start()
-    try:
-        for i, job in enumerate(jobs):
-            if between is not None and i:
-                between(ex, jobs[:i])
-            ex.submit(job)
-        for job in jobs:
-            wait_done(job, f"job {job.id} under {policy}")
-    finally:
-        ex.stop()
-    assert mm.in_use_nbytes == 0
-    return mm, ex
-
-
-def _check_residency(job: TrainingJob, mm: MemoryManager) -> None:
-    """Wrap every op of the job so it asserts that each tensor it touches is on the device with
-    no copy in flight."""
-
-    def wrap(op: Op) -> Op:
-        def run(arrays, ctx):
-            for s in op.accesses:
-                t = job.tensors[s]
-                assert t.residency is Residency.DEVICE and t.transfer is None, \
-                    f"{op.name}: {s} is {t.residency.value}"
-            op.run(arrays, ctx)
-        return Op(op.name, op.reads, op.writes, run)
-
-    job.program.ops[:] = [wrap(op) for op in job.program.ops]
-
-
-def budget_of(jobs, fraction: float) -> int:
-    total = sum(j.vanilla_peak_nbytes for j in jobs)
-    budget = max(max(j.min_working_set_nbytes for j in jobs), int(fraction * total))
-    return -(-budget // UNIT_NBYTES) * UNIT_NBYTES
-
 
 # --- timeline ---------------------------------------------------------------------------------
 
@@ -235,7 +167,7 @@ def test_planners_plan_every_iteration_of_a_job_in_the_period(planner):
                   period=k * len(sequence().program.ops))
     target = int(0.6 * tl.vanilla_peak_nbytes())
     plan = planner(tl, FAST, target)
-    _assert_valid(plan, tl)
+    assert_valid(plan, tl)
     n_prog = len(tl.program(2).ops)
     repeats = {q // n_prog for job, q in plan.after if job == 2}
     if planner is plan_vdnn:
@@ -267,23 +199,6 @@ def test_farthest_next_use_counts_rounds_of_the_device():
 # --- planners ---------------------------------------------------------------------------------
 
 
-def _assert_valid(plan, timeline: Timeline) -> None:
-    """No absent window covers an access of its tensor, each tensor has at most one decision
-    per absence, and the accesses that bound it are its own job's."""
-    seen = set()
-    for d in plan.decisions:
-        assert timeline.events[d.a][0] == timeline.events[d.b][0] == d.job_id, f"{d} is on another job's events"
-        key = (d.job_id, d.slot, d.a)
-        assert key not in seen
-        seen.add(key)
-        start, length = d.window(timeline.n)
-        assert length > 0
-        accesses = [q for t in timeline.tensors if (t.job_id, t.slot) == (d.job_id, d.slot) for q in t.positions]
-        for q in accesses:
-            k = timeline.index[(d.job_id, q)]
-            assert timeline.cyclic(start, k) >= length, f"{d.slot} absent at its access at period position {q}"
-
-
 @pytest.mark.parametrize("planner", [plan_tensile, plan_global, plan_swap_score])
 @pytest.mark.parametrize("fraction", [0.7, 0.5])
 def test_planners_reach_a_reachable_target(planner, fraction):
@@ -291,7 +206,7 @@ def test_planners_reach_a_reachable_target(planner, fraction):
     tl = Timeline([JobTrace(1, seqs[0], 0, 0), JobTrace(2, seqs[1], 7, 1)])
     target = int(fraction * tl.vanilla_peak_nbytes())
     plan = planner(tl, FAST, target)
-    _assert_valid(plan, tl)
+    assert_valid(plan, tl)
     assert plan.predicted_peak_nbytes <= target < plan.vanilla_peak_nbytes
     assert plan.predicted_peak_nbytes == tl.usage(plan.decisions).max()
     if planner is plan_swap_score:
@@ -302,7 +217,7 @@ def test_tensile_recomputes_when_swaps_are_expensive():
     seq = sequence()
     tl = Timeline([JobTrace(1, seq)])
     plan = plan_tensile(tl, SLOW, int(0.7 * tl.vanilla_peak_nbytes()))
-    _assert_valid(plan, tl)
+    assert_valid(plan, tl)
     recomputed = [d for d in plan.decisions if d.method == "recompute"]
     assert recomputed
     for d in recomputed:
@@ -346,7 +261,7 @@ def test_vdnn_swaps_every_layer_input():
     seq = sequence()
     tl = Timeline([JobTrace(1, seq)])
     plan = plan_vdnn(tl, FAST)
-    _assert_valid(plan, tl)
+    assert_valid(plan, tl)
     inputs = {op.reads[0] for op in seq.program.ops if op.name.startswith("dense") and "backward" not in op.name}
     assert {d.slot for d in plan.decisions} == inputs
     assert {d.method for d in plan.decisions} == {"swap"}
@@ -359,7 +274,7 @@ def test_vdnn_swaps_the_input_of_every_convolution_too():
     seq = sequence(spec, TrainOptions(), batch=4)
     tl = Timeline([JobTrace(1, seq)])
     plan = plan_vdnn(tl, FAST)
-    _assert_valid(plan, tl)
+    assert_valid(plan, tl)
     layers = [op for op in seq.program.ops if op.name.startswith(("conv", "dense")) and "backward" not in op.name]
     assert len(layers) == 5
     assert {d.slot for d in plan.decisions} == {op.reads[0] for op in layers}
