@@ -6,6 +6,8 @@ fraction of the jobs' peaks, and the validity of a plan."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from conftest import TEST_DEVICE, wait_done
@@ -13,10 +15,12 @@ from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.arena import UNIT_NBYTES
 from tensile_db.memory.manager import MemoryManager, Residency
+from tensile_db.runtime import model as models
 from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.devices import make_device
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
 from tensile_db.runtime.program import Op
+from tensile_db.runtime.simulated import SimDevice
 from tensile_db.scheduler.cost import CostModel
 from tensile_db.scheduler.timeline import Timeline
 from tensile_db.scheduler.trace import AccessSequence
@@ -104,3 +108,45 @@ def assert_valid(plan, timeline: Timeline) -> None:
         for q in accesses:
             k = timeline.index[(d.job_id, q)]
             assert timeline.cyclic(start, k) >= length, f"{d.slot} absent at its access at period position {q}"
+
+
+def image_job(model: str, image: tuple, iterations: int, seed: int, width: float = 1.0) -> TrainingJob:
+    arch = models.parse_architecture({"model": model, "width": width, "input": {"shape": list(image)}})
+    spec = models.ModelSpec(arch, math.prod(image), 1000, "classification")
+    options = models.parse_options({"epochs": iterations, "batch_size": 16, "seed": seed, "standardize": False})
+    return TrainingJob(JobInfo(0, "test", f"{model} #{seed}"), spec, options,
+                       np.zeros((16, math.prod(image)), np.float32), np.zeros(16, np.int32))
+
+
+def run_sim(jobs, fraction: float, policy: str, check_every: int = 0, setup=None, **device_options):
+    """Run ``jobs`` on a fresh simulated H100 under ``policy`` at ``fraction`` of their combined
+    unscheduled peaks; every ``check_every`` ops, check the manager's invariants and that every
+    pinned tensor (the op's own) is resident with no copy in flight; ``setup(executor)`` runs
+    before the first job is submitted. Returns (manager, executor, device)."""
+    device = SimDevice("h100", **device_options)
+    mm = MemoryManager(device, int(fraction * sum(j.vanilla_peak_nbytes for j in jobs)))
+    ex = Executor(mm, policy=policy)
+    if setup is not None:
+        setup(ex)
+    if check_every:
+        execute, count = device.execute, [0]
+
+        def checked(op, arrays, ctx):
+            count[0] += 1
+            if count[0] % check_every == 0:
+                mm.check()
+                pinned = [t for t in mm.tensors() if t.pins]
+                assert pinned and all(t.residency is Residency.DEVICE and t.transfer is None for t in pinned)
+            execute(op, arrays, ctx)
+
+        device.execute = checked
+    for job in jobs:
+        ex.submit(job)
+    ex.start()
+    try:
+        for job in jobs:
+            wait_done(job, f"{job.info.model_name} under {policy}", timeout_s=600)
+    finally:
+        ex.stop()
+    assert mm.in_use_nbytes == 0
+    return mm, ex, device

@@ -17,6 +17,7 @@ import math
 import numpy as np
 import pytest
 
+from model_helpers import RESIDUAL_CNN as CNN
 from tensile_db.errors import InvalidArgument
 from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
@@ -29,11 +30,6 @@ from tensile_db.scheduler.timeline import JobTrace, Timeline
 from tensile_db.scheduler.trace import AccessSequence
 
 MLP = ModelSpec(Architecture((Layer(96, "relu", 0.2), Layer(64, "tanh"), Layer(48, "relu"))), 16, 4, "classification")
-CNN = ModelSpec.parse({"input": {"shape": [1, 8, 8]}, "layers": [
-    {"conv": 4, "padding": 1, "bias": False, "activation": "none"}, {"batch_norm": {}, "activation": "relu"},
-    {"residual": [{"conv": 4, "padding": 1}, {"conv": 4, "padding": 1, "activation": "none"}], "activation": "relu"},
-    {"max_pool": 2}, {"conv": 8, "padding": 1, "activation": "tanh"}, {"dense": 10}]}, 64, 10, "classification")
-
 COSTS = {
     "fast": CostModel(h2d_bytes_per_s=8e9, d2h_bytes_per_s=8e9),
     "slow": CostModel(h2d_bytes_per_s=1e6, d2h_bytes_per_s=1e6),          # copies cost more than recomputes

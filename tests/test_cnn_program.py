@@ -30,6 +30,7 @@ from sklearn.datasets import load_digits
 
 from conftest import TEST_DEVICE
 from job_helpers import SLOW, budget_of, run
+from model_helpers import random_weights
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.manager import JobMemory, MemoryManager, Residency
 from tensile_db.runtime.builder import build_training_program
@@ -39,7 +40,6 @@ from tensile_db.runtime.network import INPUT
 from tensile_db.runtime.program import Kind, Op, Program, StepContext
 from tensile_db.scheduler import Scheduler
 from tensile_db.settings import POLICIES, UNPLANNED_POLICIES
-from test_network import random_weights
 
 # The access-sequence invariants of the MLP programs, collected here with this module's
 # ``program`` fixture, so that they run on the CNN programs below.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from job_helpers import FAST, SLOW, assert_valid, make_job, sequence
+from job_helpers import FAST, SLOW, assert_valid, image_job, make_job, run_sim, sequence
 from tensile_db.runtime.simulated import SimDevice
 from tensile_db.scheduler import curves
 from tensile_db.scheduler.cost import CostModel
@@ -25,7 +25,6 @@ from tensile_db.scheduler.planners import plan_tensile
 from tensile_db.scheduler.timeline import JobTrace, Timeline
 from tensile_db.scheduler.trace import AccessSequence, estimated
 from tensile_db.scheduler.work import PLAN_OVERHEAD_S, SECONDS_PER_UNIT, PlanWork
-from test_simulated import image_job, run_sim
 
 
 def test_jobs_of_one_program_share_one_curve_across_replans():

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import TEST_DEVICE, wait_done, wait_until
 from job_helpers import FAST, make_job
+from model_helpers import cnn_spec, features, spec_of, weights_of
 from tensile_db.coordinator.executor import Executor
 from tensile_db.errors import CorruptModel, DeviceOutOfMemory, InvalidArgument, JobCancelled
 from tensile_db.inference import INFERENCE_JOB, layered
@@ -26,50 +27,7 @@ from tensile_db.memory.manager import MemoryManager, Residency
 from tensile_db.runtime import model as models
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.devices import make_device
-from tensile_db.runtime.model import ModelSpec, parse_architecture
 from tensile_db.runtime.program import Kind, Slot
-
-HIDDEN = [{"dense": 96}, {"dense": 64, "activation": "tanh"}, {"dense": 128}, {"dense": 48, "activation": "sigmoid"},
-          {"dense": 80}, {"dense": 64, "activation": "none"}]
-
-
-#: A convolutional network on 1x8x8 images: convolution, batch normalisation, a residual block,
-#: max pooling, a concatenation of the identity and a 1x1 convolution, global average pooling.
-CNN = {"input": {"shape": [1, 8, 8]},
-       "layers": [{"conv": 8, "padding": 1, "bias": False, "activation": "none"},
-                  {"batch_norm": {}, "activation": "relu"},
-                  {"residual": [{"conv": 8, "padding": 1}], "activation": "relu"}, {"max_pool": 2},
-                  {"concat": [[], [{"conv": 4, "kernel": 1}]]}, {"global_avg_pool": {}}]}
-
-
-def spec_of(task="classification", hidden=HIDDEN, n_features=20, n_outputs=7) -> models.ModelSpec:
-    return models.ModelSpec(models.parse_architecture({"layers": hidden}), n_features,
-                            n_outputs if task == "classification" else 1, task)
-
-
-def cnn_spec(task="classification", architecture=CNN) -> ModelSpec:
-    return ModelSpec(parse_architecture(architecture), 64, 10 if task == "classification" else 1, task)
-
-
-def weights_of(spec, seed=0) -> dict[str, np.ndarray]:
-    """Initial weights with random biases and batch norm parameters and running statistics, so
-    that each of them matters, and a feature scaling."""
-    rng = np.random.default_rng(seed)
-    w = spec.network.init_weights(seed)
-    for name in w:
-        if name[0] in "bm" or name.startswith("gamma"):          # b, beta, mean; gamma
-            w[name] = (w[name] + rng.normal(scale=0.1, size=w[name].shape)).astype(np.float32)
-        elif name.startswith("var"):
-            w[name] = rng.uniform(0.5, 2, size=w[name].shape).astype(np.float32)
-    w["x_mean"] = rng.normal(size=spec.n_features).astype(np.float32)
-    w["x_std"] = rng.uniform(0.5, 2, spec.n_features).astype(np.float32)
-    if spec.task == "regression":
-        w["y_mean"], w["y_std"] = np.array([3.0], np.float32), np.array([2.5], np.float32)
-    return w
-
-
-def features(spec, n=300, seed=1) -> np.ndarray:
-    return np.random.default_rng(seed).normal(size=(n, spec.n_features)).astype(np.float32)
 
 
 def service(budget=1 << 22) -> InferenceService:

@@ -19,6 +19,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from model_helpers import cnn_spec, features, spec_of, weights_of
 from tensile_db.coordinator import protocol
 from tensile_db.errors import CorruptModel, ProtocolError
 from tensile_db.inference import INFERENCE_JOB, files, layered
@@ -29,7 +30,6 @@ from tensile_db.memory.spill import SpillDir
 from tensile_db.runtime import model as models
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.program import Kind
-from test_inference import cnn_spec, features, spec_of, weights_of
 
 
 def packed(spec, weights) -> list[np.ndarray]:

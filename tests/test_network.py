@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from model_helpers import random_weights
 from tensile_db.errors import InvalidArgument
 from tensile_db.runtime.model import ModelSpec, parse_architecture
 from tensile_db.runtime.network import (
@@ -348,19 +349,6 @@ def load_torch(net: Network, modules: dict[int, nn.Module], weights: dict[str, n
             for target, value in pairs:
                 assert tuple(target.shape) == value.shape, (node.where, tuple(target.shape), value.shape)
                 target.copy_(torch.from_numpy(np.ascontiguousarray(value)))
-
-
-def random_weights(net: Network, seed: int) -> dict[str, np.ndarray]:
-    """The network's initial weights with random biases, batch norm scales, shifts and running
-    statistics, so that every array matters."""
-    rng = np.random.default_rng(seed)
-    weights = net.init_weights(seed)
-    for name, value in weights.items():
-        if name[0] in "bgm":                                    # b, beta, gamma, mean
-            value[...] = rng.normal(0.5 if name.startswith("gamma") else 0.0, 0.3, value.shape)
-        elif name.startswith("var"):
-            value[...] = rng.uniform(0.5, 2.0, value.shape)
-    return weights
 
 
 @pytest.mark.parametrize("name", list(NETS))

@@ -18,6 +18,7 @@ import pytest
 
 from conftest import TEST_DEVICE
 from job_helpers import FAST, OPTIONS, SLOW, SPEC, assert_valid, budget_of, make_job, run, sequence
+from model_helpers import RESIDUAL_CNN as CNN
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobState, TrainingJob
 from tensile_db.errors import InvalidArgument
@@ -51,7 +52,6 @@ from tensile_db.scheduler.timeline import (
 )
 from tensile_db.scheduler.trace import AccessSequence
 from tensile_db.settings import UNPLANNED_POLICIES
-from test_bound import CNN
 
 # --- timeline ---------------------------------------------------------------------------------
 

@@ -8,13 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from conftest import wait_done
+from job_helpers import image_job, run_sim
 from tensile_db.coordinator.executor import Executor
-from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.errors import InvalidArgument
-from tensile_db.memory.manager import MemoryManager, Residency
+from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import gpus
-from tensile_db.runtime import model as models
 from tensile_db.runtime.devices import make_device
 from tensile_db.runtime.program import Op
 from tensile_db.runtime.simulated import SimArray, SimDevice, VirtualClock
@@ -82,48 +80,6 @@ def test_sim_arrays_have_shapes_only():
         make_device("sim", profile="h200")
     with pytest.raises(InvalidArgument, match="apply to the 'sim' device only"):
         make_device("cpu", profile="h100")
-
-
-def image_job(model: str, image: tuple, iterations: int, seed: int, width: float = 1.0) -> TrainingJob:
-    arch = models.parse_architecture({"model": model, "width": width, "input": {"shape": list(image)}})
-    spec = models.ModelSpec(arch, math.prod(image), 1000, "classification")
-    options = models.parse_options({"epochs": iterations, "batch_size": 16, "seed": seed, "standardize": False})
-    return TrainingJob(JobInfo(0, "test", f"{model} #{seed}"), spec, options,
-                       np.zeros((16, math.prod(image)), np.float32), np.zeros(16, np.int32))
-
-
-def run_sim(jobs, fraction: float, policy: str, check_every: int = 0, setup=None, **device_options):
-    """Run ``jobs`` on a fresh simulated H100 under ``policy`` at ``fraction`` of their combined
-    unscheduled peaks; every ``check_every`` ops, check the manager's invariants and that every
-    pinned tensor (the op's own) is resident with no copy in flight; ``setup(executor)`` runs
-    before the first job is submitted. Returns (manager, executor, device)."""
-    device = SimDevice("h100", **device_options)
-    mm = MemoryManager(device, int(fraction * sum(j.vanilla_peak_nbytes for j in jobs)))
-    ex = Executor(mm, policy=policy)
-    if setup is not None:
-        setup(ex)
-    if check_every:
-        execute, count = device.execute, [0]
-
-        def checked(op, arrays, ctx):
-            count[0] += 1
-            if count[0] % check_every == 0:
-                mm.check()
-                pinned = [t for t in mm.tensors() if t.pins]
-                assert pinned and all(t.residency is Residency.DEVICE and t.transfer is None for t in pinned)
-            execute(op, arrays, ctx)
-
-        device.execute = checked
-    for job in jobs:
-        ex.submit(job)
-    ex.start()
-    try:
-        for job in jobs:
-            wait_done(job, f"{job.info.model_name} under {policy}", timeout_s=600)
-    finally:
-        ex.stop()
-    assert mm.in_use_nbytes == 0
-    return mm, ex, device
 
 
 def test_same_seed_same_run():
