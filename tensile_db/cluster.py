@@ -35,13 +35,6 @@ def pg_bindir() -> Path:
     return Path(out)
 
 
-def readable_by(user: str, path: Path) -> bool:
-    """Whether ``user`` can read ``path`` (and traverse every directory above it)."""
-    if os.geteuid() != 0:
-        return os.access(path, os.R_OK)
-    return subprocess.run(["runuser", "-u", user, "--", "test", "-r", str(path)]).returncode == 0
-
-
 class EmbeddedCluster:
     """A PostgreSQL cluster in ``base_dir`` (``pgdata/``, ``run/`` for the socket, ``postgres.log``).
 

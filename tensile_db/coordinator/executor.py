@@ -253,7 +253,6 @@ class Executor:
         self._pace[job.id].start += self.scheduler.stagger(job, phases, self.period, self.round, repeats)
         self.scheduler.at_iteration(job, 0)
         job.state, job.started_at = JobState.RUNNING, time.time()
-        job.device_started_s = self.manager.device.now()
         self.running[job.id] = (job, job.ops(self.manager, self.manager.device, self.scheduler))
 
     def _finish(self, job: TrainingJob, state: JobState, error: BaseException | None = None) -> None:
@@ -266,5 +265,4 @@ class Executor:
             job.discard_result()                 # copies of its weights no one will send
         job.memory = self.manager.release_job(job.id)
         job.state, job.error, job.finished_at = state, error, time.time()
-        job.device_finished_s = self.manager.device.now()
         job.events.put(("done", None) if state is JobState.DONE else ("error", error))

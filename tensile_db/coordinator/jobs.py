@@ -99,10 +99,8 @@ class TrainingJob:
         self.started_at: float | None = None
         self.finished_at: float | None = None
         # On the device's clock (Device.now(), seconds; virtual on ``sim``): admitted no earlier
-        # than ``arrival_s`` when it is set, and when it started and finished.
+        # than ``arrival_s`` when it is set.
         self.arrival_s: float | None = None
-        self.device_started_s: float | None = None
-        self.device_finished_s: float | None = None
         self.error: BaseException | None = None
         self.result: WeightsCopy | None = None    # the trained weights and scaling, once done
         self._copies: list[WeightsCopy] = []      # its copies of the weights for held-out losses, held now
