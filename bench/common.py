@@ -21,9 +21,7 @@ def spread(values, fmt: str = ".3f") -> str:
     """``median [min, max]`` of ``values``, each with the format spec ``fmt``; the value alone
     when there is one."""
     values = list(values)
-    if len(values) == 1:
-        return f"{values[0]:{fmt}}"
-    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
+    return f"{values[0]:{fmt}}" if len(values) == 1 else " ".join(median_and_range(values, fmt))
 
 
 def median_and_range(values, fmt: str = ".3f") -> list[str]:

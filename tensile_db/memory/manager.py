@@ -323,8 +323,9 @@ class MemoryManager(Residencies):
             self._unpinned.notify_all()
 
     def take_host(self, nbytes: int) -> bool:
-        """Reserve ``nbytes`` of the host tier for a copy a job holds outside the registry (its
-        weights, for its result or a held-out loss), giving up cached read-only copies for room;
+        """Reserve ``nbytes`` of the host tier for copies held outside the registry (a job's
+        weights, for its result or a held-out loss; a region install's staged blocks), giving up
+        cached read-only copies for room;
         returns False, reserving nothing, when the host budget has no room (the caller uses the
         disk tier). Give back with :meth:`give_host`."""
         with self._lock:

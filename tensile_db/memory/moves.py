@@ -82,16 +82,14 @@ class RegionInstaller:
         if not pending:
             return
         nbytes = sum(t.arena_nbytes for t, _ in pending)
-        if mm._host_room(nbytes):
-            mm.host_tier.copies_nbytes += nbytes
-            mm.host_tier.note_peak()
+        if mm.take_host(nbytes):
             try:
                 staged = [mm.device.to_host(mm._block(t)) for t, _ in pending]
                 for (t, new), host in zip(pending, staged):
                     t.offset = new
                     mm.device.to_device(host, mm._block(t))
             finally:
-                mm.host_tier.copies_nbytes -= nbytes
+                mm.give_host(nbytes)
             return
         slots = []
         try:
@@ -103,10 +101,7 @@ class RegionInstaller:
             raise
         for (t, new), (file, offset) in zip(pending, slots):
             t.offset = new
-            if mm.device.arena_in_host_memory:
-                file.read_into(offset, mm._block(t))
-            else:
-                mm.engine.from_disk(lambda out, f=file, o=offset: f.read_into(o, out), mm._block(t)).wait()
+            mm.engine.read_now(lambda out, f=file, o=offset: f.read_into(o, out), mm._block(t))
             file.release(offset, t.arena_nbytes)
 
     def dissolve(self) -> None:

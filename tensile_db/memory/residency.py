@@ -379,10 +379,7 @@ class Residencies:
         if not self.host_tier.fits(t.nbytes):
             return
         t.host = self.device.host_empty(t.shape, t.dtype)     # page-locked on cuda: loads copy straight from it
-        if self.device.xp is np:
-            np.copyto(t.host, self.array(t))
-        else:  # pragma: no cover - cuda only
-            t.host[...] = self.device.to_host(self.array(t))
+        self.device.to_host_into(self.array(t), t.host)
         self.host_tier.keep(t)
 
     def _release_spill(self, t: Tensor) -> None:
@@ -404,10 +401,7 @@ class Residencies:
         return the slot; on a failure the slot goes back and the error is raised."""
         file, offset = where = self.host_tier.slot(t)
         try:
-            if self.device.arena_in_host_memory:        # straight from the block
-                file.write_from(offset, self._block(t))
-            else:                               # staged through page-locked memory
-                self.engine.to_disk(self._block(t), file, offset).wait()
+            self.engine.write_now(self._block(t), file, offset)
         except BaseException:
             file.release(offset, t.arena_nbytes)
             raise
@@ -415,10 +409,7 @@ class Residencies:
 
     def _read_now(self, t: Tensor) -> None:
         """Fill ``t``'s block from its spill slot or its source now (a passive load)."""
-        if self.device.arena_in_host_memory:
-            self._reader(t)(self._block(t))
-        else:
-            self.engine.from_disk(self._reader(t), self._block(t)).wait()
+        self.engine.read_now(self._reader(t), self._block(t))
 
     def _block(self, t: Tensor):
         """The raw bytes of ``t``'s arena block (``arena_nbytes``, uint8): what the disk tier

@@ -72,6 +72,14 @@ class CopyEngine:
         is done only once the block holds the values (it must not move before)."""
         raise NotImplementedError
 
+    def write_now(self, array, file, offset: int) -> None:
+        """:meth:`to_disk`, waited for (the reactive path)."""
+        self.to_disk(array, file, offset).wait()
+
+    def read_now(self, read, array) -> None:
+        """:meth:`from_disk`, waited for (a passive load)."""
+        self.from_disk(read, array).wait()
+
     def close(self) -> None:
         """Finish the copies in flight and stop the engine's threads."""
 
@@ -80,7 +88,8 @@ class CpuCopyEngine(CopyEngine):
     """``cpu``: one copy thread does every copy, the disk tier's reads and writes included (NumPy
     releases the GIL while copying, so they overlap the executor's arithmetic on another core);
     the two directions share it. A spill write reads the arena block itself, a spill read fills
-    it (Note [Spill I/O] in :mod:`tensile_db.memory.spill`)."""
+    it (Note [Spill I/O] in :mod:`tensile_db.memory.spill`); the synchronous ones
+    (:meth:`write_now`, :meth:`read_now`) run on the caller's thread."""
 
     def __init__(self):
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-copy")
@@ -102,6 +111,12 @@ class CpuCopyEngine(CopyEngine):
     def from_disk(self, read, array) -> Transfer:
         return self._run(read, array)
 
+    def write_now(self, array, file, offset: int) -> None:
+        file.write_from(offset, array)          # the arena is host memory: straight from the block, here
+
+    def read_now(self, read, array) -> None:
+        read(array)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -118,8 +133,8 @@ class Device:
     #: Whether its clock is virtual (``sim``): no thread's timing may matter, so the executor
     #: plans synchronously, deterministically, and idles the clock forward to an arrival.
     virtual_time = False
-    #: Whether the arena is host memory (``cpu``): a spill file reads and writes arena blocks
-    #: directly, and the planned pool's moves need not go through a staging copy.
+    #: Whether the arena is host memory (``cpu``): a move staged through host memory costs what a
+    #: direct one does, and the bandwidth probe's buffers need no room in the arena.
     arena_in_host_memory = False
 
     def describe(self) -> str:
@@ -183,6 +198,10 @@ class Device:
         """A new host (NumPy) copy of a device array."""
         raise NotImplementedError
 
+    def to_host_into(self, array, out: np.ndarray) -> None:
+        """Copy the device array ``array`` into the host array ``out`` (same shape and dtype)."""
+        out[...] = self.to_host(array)
+
     def to_device(self, host: np.ndarray, array) -> None:
         """Copy ``host`` into the device array ``array`` (same shape and dtype)."""
         raise NotImplementedError
@@ -234,6 +253,9 @@ class CpuDevice(Device):
 
     def to_host(self, array) -> np.ndarray:
         return array.copy()
+
+    def to_host_into(self, array, out: np.ndarray) -> None:
+        np.copyto(out, array)
 
     def to_device(self, host: np.ndarray, array) -> None:
         np.copyto(array, host)
