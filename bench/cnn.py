@@ -123,7 +123,7 @@ def _torch_layer(nn, node):
     if node.op == "avg_pool":
         return nn.AvgPool2d(l.kernel, l.stride, l.padding, count_include_pad=True)
     if node.op == "dropout":
-        return nn.Dropout(node.dropout)
+        return nn.Dropout(l.p)
     return None
 
 

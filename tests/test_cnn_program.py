@@ -31,13 +31,14 @@ from sklearn.datasets import load_digits
 from conftest import TEST_DEVICE
 from job_helpers import SLOW, budget_of, run
 from model_helpers import random_weights
+from program_helpers import batch_of, forward_backward, recompute_each_at_its_last_access
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.manager import JobMemory, MemoryManager, Residency
 from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.devices import make_device
 from tensile_db.runtime.model import ModelSpec, TrainOptions
 from tensile_db.runtime.network import INPUT
-from tensile_db.runtime.program import Kind, Op, Program, StepContext
+from tensile_db.runtime.program import Kind, Op, Program
 from tensile_db.scheduler import Scheduler
 from tensile_db.settings import POLICIES, UNPLANNED_POLICIES
 
@@ -135,47 +136,6 @@ def test_a_gradient_is_whole_before_it_is_read(program):
     assert accumulated                                    # every network here has a node read twice
 
 
-# --- running a program on plain arrays --------------------------------------------------------------
-
-
-class HostDevice:
-    """What the ops ask of a device, on plain NumPy arrays of any float dtype."""
-
-    def to_device(self, host, array) -> None:
-        array[...] = host
-
-    def uniform(self, seed: int, out) -> None:
-        np.random.Generator(np.random.Philox(seed)).random(out=out, dtype=out.dtype)
-
-
-def allocate(prog: Program, weights: dict, dtype) -> dict[str, np.ndarray]:
-    """An array per slot, float32 slots in ``dtype``: the weights given, zero optimizer state,
-    NaN elsewhere (so that reading what no op wrote shows)."""
-    arrays = {}
-    for name, slot in prog.slots.items():
-        dt = np.dtype(dtype if slot.dtype == "float32" else slot.dtype)
-        if name in weights:
-            arrays[name] = weights[name].astype(dt)
-        elif slot.kind.persistent or dt.kind != "f":
-            arrays[name] = np.zeros(slot.shape, dt)
-        else:
-            arrays[name] = np.full(slot.shape, np.nan, dt)
-    return arrays
-
-
-def first_optimizer_op(spec: ModelSpec, prog: Program) -> int:
-    params = {p for node in spec.network.nodes for p in node.params}
-    return next(i for i, op in enumerate(prog.ops) if params & set(op.writes))
-
-
-def batch_of(spec: ModelSpec, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, spec.n_features))
-    if spec.task == "classification":
-        return x, rng.integers(0, spec.n_outputs, rows).astype(np.int32)
-    return x, rng.normal(size=(rows, spec.n_outputs))
-
-
 def torch_reference(spec: ModelSpec, weights: dict, x, y, masks: dict, dtype):
     """The loss, the gradients of every parameter and the running statistics after one
     training-mode forward pass in PyTorch, by walking the network's nodes."""
@@ -227,10 +187,7 @@ def test_gradients_equal_torch_autograd(program, dtype, rtol):
     spec, _, prog = program
     weights = random_weights(spec.network, seed=5)
     x, y = batch_of(spec, BATCH, seed=6)
-    arrays = allocate(prog, weights, dtype)
-    ctx = StepContext(HostDevice(), step=1, seed=11, batch_x=x.astype(dtype), batch_y=y)
-    for op in prog.ops[:first_optimizer_op(spec, prog)]:
-        op.run(arrays, ctx)
+    arrays = forward_backward(spec, prog, weights, x, y, dtype)
 
     masks = {int(k[4:]): v for k, v in arrays.items() if k.startswith("mask")}
     loss, grads, stats = torch_reference(spec, weights, x.astype(dtype), y, masks,
@@ -248,31 +205,7 @@ def test_gradients_equal_torch_autograd(program, dtype, rtol):
 
 def test_recompute_at_the_last_access_is_bit_identical(program):
     spec, _, prog = program
-    arrays = allocate(prog, spec.network.init_weights(3), np.float32)
-    x, y = batch_of(spec, BATCH, seed=4)
-    ctx = StepContext(HostDevice(), step=1, seed=9, batch_x=x.astype(np.float32), batch_y=y)
-    recipes = {name: prog.recipe(name) for name in prog.slots}
-    at_last = {}
-    for name, recipe in recipes.items():
-        if recipe is not None:
-            at_last.setdefault(prog.positions[name][-1], []).append(name)
-    replayed = set()
-    for position, op in enumerate(prog.ops):
-        for name in at_last.get(position, []):
-            before = {k: v.copy() for k, v in arrays.items()}
-            trial = dict(arrays)
-            trial[name] = np.full_like(arrays[name], np.nan)
-            for s, slot in prog.slots.items():                     # a replay allocates its own workspaces
-                if slot.kind is Kind.WORKSPACE:
-                    trial[s] = np.full_like(arrays[s], np.nan)
-            for p in recipes[name]:
-                prog.replay(p).run(trial, ctx)
-                replayed.add(prog.replay(p).name)
-            assert np.array_equal(trial[name], before[name]), f"{name} recomputed differently at op {op.name}"
-            for s, value in before.items():                        # nothing else written, running stats included
-                assert np.array_equal(arrays[s], value, equal_nan=True), f"recomputing {name} wrote {s}"
-        op.run(arrays, ctx)
-    assert at_last
+    replayed = recompute_each_at_its_last_access(spec, prog, BATCH)
     for node in spec.network.nodes:
         if node.op == "batch_norm" and prog.recipe(f"h{node.index}"):
             assert f"batch_norm{node.index}_replay" in replayed

@@ -173,9 +173,9 @@ REJECTED = {
                                 128, [f"{L0}.shortcut[0]: unknown key 'x'"]),
     "unknown-batch-norm-option": (img({"batch_norm": {"momentun": 0.1}}), 128,
                                   [f"{L0}.\"batch_norm\": unknown key 'momentun'", "momentum, eps"]),
-    "two-kinds": (img({"conv": 4, "dense": 8}), 128, [f"{L0} has the keys dense and conv", "split it in two"]),
+    "two-kinds": (img({"conv": 4, "dense": 8}), 128, [f"{L0} has the keys conv and dense", "split it in two"]),
     "two-pools": (img({"max_pool": 2, "avg_pool": 2}), 128, [f"{L0} has the keys max_pool and avg_pool"]),
-    "no-kind": (img({"kernel": 3}), 128, [f"{L0} must have one of the keys dense, conv"]),
+    "no-kind": (img({"kernel": 3}), 128, [f"{L0} must have one of the keys activation, avg_pool, batch_norm"]),
     "activation-and-dropout": (img({"activation": "relu", "dropout": 0.1}), 128, [f"{L0} must have one of the keys"]),
     "too-deep": (img(nested(MAX_DEPTH + 1)), 128,
                  [f"{L0}{'.residual[0]' * MAX_DEPTH}.residual: blocks nest more than {MAX_DEPTH} deep"]),
@@ -195,7 +195,7 @@ REJECTED = {
     "bias-text": (img({"conv": 2, "bias": "no"}), 128, [f'{L0}."bias" must be true or false']),
     "channels-zero": (img({"conv": 0}), 128, [f'{L0}."conv" must be an integer from 1 to 65536']),
     "channels-float": (img({"conv": 2.0}), 128, [f'{L0}."conv"']),
-    "conv-activation": (img({"conv": 2, "activation": "gelu"}), 128, [f'{L0}."activation" must be one of relu']),
+    "conv-activation": (img({"conv": 2, "activation": "mish"}), 128, [f'{L0}."activation" must be one of relu']),
     "residual-activation": (img({"residual": [{"conv": 2, "padding": 1}], "activation": "elu"}), 128,
                             [f'{L0}."activation"', '"elu"']),
     "momentum": (img({"batch_norm": {"momentum": 1.5}}), 128, [f'{L0}."batch_norm"."momentum"', "got 1.5"]),
@@ -206,7 +206,7 @@ REJECTED = {
     "gap-options": (img({"global_avg_pool": 1}), 128, [f'{L0}."global_avg_pool" takes no options']),
     "flatten-options": (img({"flatten": {"x": 1}}), 128, [f'{L0}."flatten" takes no options']),
     "dropout-one": (img({"dropout": 1}), 128, [f'{L0}."dropout" must be a number in [0, 1)']),
-    "activation-alone": (img({"activation": "gelu"}), 128, [f'{L0}."activation"']),
+    "activation-alone": (img({"activation": "mish"}), 128, [f'{L0}."activation"']),
     "residual-empty": (img({"residual": []}), 128, [f"{L0}.residual must hold at least one layer"]),
     "residual-object": (img({"residual": {"conv": 2}}), 128, [f"{L0}.residual must be an array of layers"]),
     "shortcut-text": (img({"residual": [{"conv": 2, "padding": 1}], "shortcut": "x"}), 128,
@@ -310,7 +310,9 @@ def torch_modules(net: Network) -> dict[int, nn.Module]:
             m = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
         elif node.op == "flatten":
             m = nn.Flatten()
-        else:                                               # activation, dropout, add, concat
+        elif node.op == "dropout":
+            m = nn.Dropout(l.p)
+        else:                                               # activation, add, concat
             m = nn.Identity()
         tail = [_TORCH_ACTIVATIONS[node.activation]()] if node.activation != "none" else []
         if node.dropout:
