@@ -233,7 +233,7 @@ def test_the_scheduler_measures_the_disk_tier_and_carries_the_host_budget(host_b
     device = CpuDevice()
     spill = StandInSpillDir()
     manager = SimpleNamespace(device=device, engine=device.copy_engine(), budget_nbytes=1 << 22,
-                              host_tier=HostTier(host_budget_nbytes, spill), pool=SimpleNamespace(offload=None))
+                              host_tier=HostTier(host_budget_nbytes, spill, None), pool=SimpleNamespace(offload=None))
     scheduler = Scheduler(manager, policy="reactive")
     try:
         cost = scheduler.cost

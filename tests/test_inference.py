@@ -409,7 +409,7 @@ def test_calls_whose_models_do_not_fit_together_start_one_after_the_other():
 
 
 def test_a_waiting_acquire_drains_other_threads_pins_that_keep_coming_back(monkeypatch):
-    monkeypatch.setattr("tensile_db.memory.manager.PIN_WAIT_S", 5.0)
+    monkeypatch.setattr("tensile_db.memory.pins.PIN_WAIT_S", 5.0)
     mm = MemoryManager(CpuDevice(), 64 * 1024)
     for job in (1, 2):
         mm.register_job(job)

@@ -17,8 +17,9 @@ from tensile_db.errors import InvalidArgument
 from tensile_db.memory import planned
 from tensile_db.memory.arena import UNIT_NBYTES as U
 from tensile_db.memory.arena import ArenaAllocator
+from tensile_db.memory.lifetimes import period_allocations
 from tensile_db.memory.manager import MemoryManager, Residency
-from tensile_db.memory.planned import PlannedPool, State, _allocations
+from tensile_db.memory.planned import PlannedPool, State
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.model import TrainOptions
 from tensile_db.runtime.program import Op
@@ -43,7 +44,7 @@ def quick_planning(monkeypatch):
 def test_a_period_becomes_allocations_with_wrapping_blocks_in_two_segments():
     x, y, w, p = (K(n) for n in "xywp")
     events = [("a", x), ("f", w), ("a", y), ("f", x), ("a", w), ("f", y)]
-    allocs = {a.key: a for a in _allocations(events, {x: U, y: 2 * U, w: 3 * U}, {w: 3 * U, p: U})}
+    allocs = {a.key: a for a in period_allocations(events, {x: U, y: 2 * U, w: 3 * U}, {w: 3 * U, p: U})}
     assert allocs[x].segments == ((1, 4),) and allocs[y].segments == ((3, 6),)
     assert allocs[w].segments == ((0, 2), (5, 7)) and allocs[w].nbytes == 3 * U
     assert allocs[p].segments == ((0, 7),)                       # live all period
@@ -51,7 +52,7 @@ def test_a_period_becomes_allocations_with_wrapping_blocks_in_two_segments():
 
 @pytest.mark.parametrize("events", [[("f", K("x"))], [("a", K("w"))]], ids=["free of a dead key", "double allocation"])
 def test_events_that_do_not_pair_up_are_not_planned(events):
-    assert _allocations(events, {K("w"): U}, {K("w"): U}) is None
+    assert period_allocations(events, {K("w"): U}, {K("w"): U}) is None
 
 
 class FakeArena:

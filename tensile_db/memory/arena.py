@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import itertools
 
+from ..runtime.checks import require
 from ..runtime.units import UNIT_NBYTES, round_up
 
 __all__ = ["UNIT_NBYTES", "ArenaAllocator", "round_up"]
@@ -188,6 +189,25 @@ class ArenaAllocator:
     def size_of(self, offset: int) -> int:
         """Size in bytes of the allocated block at ``offset``."""
         return self._used[offset]
+
+    def check_blocks(self, blocks, region: tuple[int, int]) -> None:
+        """Raise AssertionError unless ``blocks`` (``(offset, bytes, planned, name)``, sorted by
+        offset) share no byte and lie inside the arena, a planned one inside ``region`` (start,
+        end) and any other one this allocator's block of its size, and the bytes in use are the
+        blocks' (the region counting whole)."""
+        end = 0
+        for offset, size, planned, name in blocks:
+            require(offset >= end, f"{name} at {offset:,} overlaps the block below")
+            require(offset + size <= self.capacity_nbytes, f"{name} ends outside the arena")
+            if planned:
+                require(region[0] <= offset and offset + size <= region[1], f"{name} outside the region")
+            else:
+                require(self._used.get(offset) == size, f"{name} is not the allocator's block")
+            end = offset + size
+        general = sum(size for _, size, planned, _ in blocks if not planned)
+        require(self.in_use_nbytes == general + region[1] - region[0],
+                f"{self.in_use_nbytes:,} bytes in use, but the blocks hold {general:,} and the planned region "
+                f"{region[1] - region[0]:,}")
 
     # -- free-list maintenance ----------------------------------------------------------------
 

@@ -18,12 +18,7 @@ and the rules of the device weight cache (:mod:`tensile_db.memory.cache`). :meth
 verifies the invariants.
 
 Several threads may run ops at once (the executor and the inference calls); the manager's lock
-serialises every change. An acquire with ``wait=True`` that finds the free space held by tensors
-another thread's op has pinned waits for those pins to go, instead of failing, and while it waits
-it *drains*: other threads' new waiting acquires hold back, so the pins in the way cannot keep
-coming back. Only callers that hold no pins and are inside no other manager operation may wait
-(an op's own acquire, not a library temporary allocated during an op), so pins always go and no
-two threads wait for each other.
+serialises every change, and an acquire may wait for other threads' pins (:mod:`.pins`).
 """
 
 from __future__ import annotations
@@ -31,31 +26,28 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-import time
 from typing import Callable
 
 import numpy as np
 
 from ..errors import DeviceOutOfMemory, InvalidArgument
+from ..runtime.checks import require
 from ..runtime.program import Kind, Slot
 from ..settings import DEFAULT_POOL, POOLS
 from .arena import ArenaAllocator
 from .cache import WeightCache
 from .eviction import Eviction, Fragmented
 from .moves import RegionInstaller
+from .pins import Pins
 from .planned import PlannedPool
 from .residency import Residencies
 from .spill import SpillDir
 from .tensors import JobMemory, Residency, Tensor
 from .tiers import HostTier
 
-__all__ = ["PIN_WAIT_S", "JobMemory", "MemoryManager", "NextUse", "Residency", "Tensor"]
+__all__ = ["JobMemory", "MemoryManager", "NextUse", "Residency", "Tensor"]
 
 NextUse = Callable[[Tensor], float]
-
-#: How long an acquire waits for other threads' ops to release the blocks it needs, seconds,
-#: before it raises DeviceOutOfMemory.
-PIN_WAIT_S = 60.0
 
 
 class MemoryManager(Residencies):
@@ -92,13 +84,13 @@ class MemoryManager(Residencies):
         if host_budget_nbytes is not None and (host_budget_nbytes < 0 or spill is None or not device.holds_values):
             raise InvalidArgument(f"a host budget of {host_budget_nbytes} bytes needs a spill directory and a device "
                                   "with values (cpu or cuda), and must not be negative")
-        self.host_tier = HostTier(host_budget_nbytes, spill)    # guarded by _lock
         self.device = device
+        self.engine = device.copy_engine()
+        self.host_tier = HostTier(host_budget_nbytes, spill, self.engine)    # guarded by _lock
         self.allocator = ArenaAllocator(budget_nbytes)       # guarded by _lock
         self.budget_nbytes = self.allocator.capacity_nbytes  # constant
         self.limit_nbytes = self.budget_nbytes   # set by the scheduler before the first op; read under _lock
         self.buffer = device.arena_buffer(self.budget_nbytes)   # constant
-        self.engine = device.copy_engine()
         self.compactions = 0           # times the arena was defragmented; guarded by _lock
         self.compacted_nbytes = 0      # bytes moved by defragmenting, cumulative; guarded by _lock
         self.next_use: NextUse = next_use or (lambda t: math.inf)   # set by the scheduler before the first op
@@ -108,10 +100,9 @@ class MemoryManager(Residencies):
         self._ids = itertools.count(1)           # guarded by _lock
         self._ticks = itertools.count(1)         # guarded by _lock
         self._acquiring: set[int] = set()        # ids of the working set being placed; guarded by _lock
-        self._drainer: int | None = None         # thread whose acquire waits for other threads' pins; guarded by _lock
         self._position: dict[int, int] = {}      # job id -> position of the op it runs; see at()
         self._lock = threading.RLock()           # CuPy temporaries re-enter on cuda
-        self._unpinned = threading.Condition(self._lock)   # notified when pins or blocks go
+        self.pins = Pins(self._lock)             # guarded by _lock
         # guarded by _lock
         self.installer = RegionInstaller(self)
         self.pool = PlannedPool(self.installer.install, self.installer.dissolve, enabled=pool == "planned",
@@ -192,14 +183,11 @@ class MemoryManager(Residencies):
                 t.host = self.device.host_copy(host)
                 self._account(t, host=t.nbytes)
             else:
-                file, offset = where = self.host_tier.slot(t)
                 try:
-                    file.write_from(offset, host)
+                    t.spill = self.host_tier.write_new(t, host)
                 except BaseException:       # the disk is full: nothing of it stays
-                    file.release(offset, t.arena_nbytes)
                     self._tensors.pop(t.id)
                     raise
-                t.spill = where
                 self._account(t, disk=t.nbytes, spilled_nbytes=t.nbytes)
             return t
 
@@ -229,7 +217,7 @@ class MemoryManager(Residencies):
 
         Raises:
             DeviceOutOfMemory: the working set exceeds the budget, or does not fit beside what is
-                pinned (with ``wait``: after :data:`PIN_WAIT_S` seconds of waiting).
+                pinned (with ``wait``: after :data:`~.pins.PIN_WAIT_S` seconds of waiting).
         """
         with self._lock:
             need = sum(t.arena_nbytes for t in tensors) + sum(s.arena_nbytes for s in new)
@@ -243,61 +231,41 @@ class MemoryManager(Residencies):
                 for t in created:
                     self._drop(t)
                 raise
-            me, tick, now = threading.get_ident(), next(self._ticks), self.device.now()
+            self.pins.pin(working)
+            tick, now = next(self._ticks), self.device.now()
             for t in working:
-                t.pins += 1
-                t.pin_owners.append(me)
                 t.last_used, t.accessed_s = tick, now
             return created
 
     def _make_working_set_resident(self, working: list[Tensor], need: int, what: str, wait: bool) -> None:
         """Place every tensor of ``working`` (pins not yet taken). With ``wait``, while other
         threads' ops pin the blocks that stand in the way, drain and wait for them (up to
-        :data:`PIN_WAIT_S`); else pack the working set at once (:meth:`Eviction.pack`)."""
-        me = threading.get_ident()
-        deadline = time.monotonic() + PIN_WAIT_S
+        :data:`~.pins.PIN_WAIT_S`); else pack the working set at once (:meth:`Eviction.pack`)."""
+        deadline = self.pins.deadline()
         try:
             while True:
-                while wait and self._drainer not in (None, me):     # another thread is draining
-                    self._wait_for_pins(deadline, need, what)
+                while wait and self.pins.others_drain():
+                    self.pins.wait(deadline, need, self.allocator.in_use_nbytes, self.budget_nbytes, what)
                 self._acquiring = {t.id for t in working}      # not evicted, but may be moved
                 try:
                     for t in working:
                         self.make_resident(t)
                     return
                 except Fragmented:
-                    if not (wait and self._pinned_elsewhere()):
+                    if not (wait and self.pins.held_elsewhere(self._tensors.values())):
                         self.eviction.pack(working, what)
                         return
                 finally:
                     self._acquiring = set()
-                self._drainer = me
-                self._wait_for_pins(deadline, need, what)
+                self.pins.drain()
+                self.pins.wait(deadline, need, self.allocator.in_use_nbytes, self.budget_nbytes, what)
         finally:
-            if self._drainer == me:
-                self._drainer = None
-                self._unpinned.notify_all()
-
-    def _wait_for_pins(self, deadline: float, need: int, what: str) -> None:
-        if time.monotonic() > deadline:
-            raise DeviceOutOfMemory(need, self.allocator.in_use_nbytes, self.budget_nbytes,
-                                    f"{what}, after waiting {PIN_WAIT_S:.0f} s for other ops' blocks")
-        self._unpinned.wait(0.05)
-
-    def _pinned_elsewhere(self) -> bool:
-        """Whether an op of another thread holds pins now."""
-        me = threading.get_ident()
-        return any(owner != me for t in self._tensors.values() if t.pins for owner in t.pin_owners)
+            self.pins.stop_draining()
 
     def unpin(self, tensors: list[Tensor]) -> None:
         """Unpin tensors pinned by :meth:`acquire`. Raises AssertionError for an unpinned one."""
         with self._lock:
-            me = threading.get_ident()
-            for t in tensors:
-                assert t.pins > 0, f"unpin of unpinned tensor {t.slot}"
-                t.pins -= 1
-                t.pin_owners.remove(me if me in t.pin_owners else t.pin_owners[0])
-            self._unpinned.notify_all()
+            self.pins.unpin(tensors)
 
     def keep(self, tensors: list[Tensor]) -> None:
         """Hold on to the values of ``tensors`` until :meth:`let_go`: an eviction may copy them
@@ -320,7 +288,7 @@ class MemoryManager(Residencies):
         """Forget a tensor: its arena block or host copy is released."""
         with self._lock:
             self._drop(t)
-            self._unpinned.notify_all()
+            self.pins.released.notify_all()
 
     def take_host(self, nbytes: int) -> bool:
         """Reserve ``nbytes`` of the host tier for copies held outside the registry (a job's
@@ -380,51 +348,21 @@ class MemoryManager(Residencies):
         (the planned region counting whole); every job's device and host bytes are its tensors';
         every pinned tensor is resident."""
         with self._lock:
-            blocks, end = self.blocks(), 0
             region = (self.pool.base, self.pool.base + self.pool.region_nbytes)
-            for offset, size, t in blocks:
-                _require(offset >= end, f"{t.slot} of job {t.job_id} at {offset:,} overlaps the block below")
-                _require(offset + size <= self.budget_nbytes, f"{t.slot} of job {t.job_id} ends outside the arena")
-                if t.planned:
-                    _require(region[0] <= offset and offset + size <= region[1], f"{t.slot} outside the region")
-                else:
-                    _require(self.allocator.size_of(offset) == size, f"{t.slot} is not the allocator's block")
-                end = offset + size
-            general = sum(size for _, size, t in blocks if not t.planned)
-            _require(self.allocator.in_use_nbytes == general + self.pool.region_nbytes,
-                     f"{self.allocator.in_use_nbytes:,} bytes in use, but the blocks hold {general:,} "
-                     f"and the planned region {self.pool.region_nbytes:,}")
+            self.allocator.check_blocks([(offset, size, t.planned, f"{t.slot} of job {t.job_id}")
+                                         for offset, size, t in self.blocks()], region)
             for job_id, j in self.jobs.items():
                 mine = [t for t in self._tensors.values() if t.job_id == job_id]
                 device = sum(t.arena_nbytes for t in mine if t.offset is not None)
                 host = sum(t.nbytes for t in mine if t.host is not None and not t.readonly)
                 disk = sum(t.nbytes for t in mine if t.spill is not None)
-                _require((j.device_nbytes, j.host_nbytes, j.disk_nbytes) == (device, host, disk),
-                         f"job {job_id} counts {j.device_nbytes:,} device, {j.host_nbytes:,} host and "
-                         f"{j.disk_nbytes:,} disk bytes; its tensors hold {device:,}, {host:,} and {disk:,}")
-            cached = sum(t.nbytes for t in self.host_tier.cache.values())
-            _require(cached == self.host_tier.cache_nbytes, f"{self.host_tier.cache_nbytes:,} cached host bytes counted, "
-                     f"{cached:,} held")
-            _require((self.host_tier.nbytes, self.host_tier.disk_nbytes) == (sum(j.host_nbytes for j in self.jobs.values()),
-                                                              sum(j.disk_nbytes for j in self.jobs.values())),
-                     f"the totals of {self.host_tier.nbytes:,} host and {self.host_tier.disk_nbytes:,} disk bytes are not the jobs'")
-            out = [t for t in self._tensors.values() if t.residency is Residency.SWAPPING_OUT]
-            pending = sum(t.nbytes for t in out if t.transfer.spill is None)
-            _require(pending == self.host_tier.pending_nbytes, f"{self.host_tier.pending_nbytes:,} bytes of swap-outs to the "
-                     f"host counted in flight, {pending:,} are")
-            for job_id, file in self.host_tier.files.items():
-                slots = [t for t in self._tensors.values() if t.job_id == job_id and t.spill is not None] + \
-                        [t for t in out if t.job_id == job_id and t.transfer.spill is not None]
-                held = sum(file.slot_nbytes(t.arena_nbytes) for t in slots)
-                _require(held == file.in_use_nbytes, f"job {job_id}'s spill file has {file.in_use_nbytes:,} bytes of "
-                         f"slots handed out; its tensors hold {held:,}")
-            if self.host_tier.budget_nbytes is not None:
-                _require(self.host_tier.used_nbytes() <= self.host_tier.budget_nbytes,
-                         f"the host tier holds {self.host_tier.used_nbytes():,} bytes, over its budget of "
-                         f"{self.host_tier.budget_nbytes:,}")
+                require((j.device_nbytes, j.host_nbytes, j.disk_nbytes) == (device, host, disk),
+                        f"job {job_id} counts {j.device_nbytes:,} device, {j.host_nbytes:,} host and "
+                        f"{j.disk_nbytes:,} disk bytes; its tensors hold {device:,}, {host:,} and {disk:,}")
+            self.host_tier.check(list(self._tensors.values()), self.jobs)
             for t in self._tensors.values():
-                _require(not t.pins or t.residency is Residency.DEVICE,
-                         f"{t.slot} of job {t.job_id} is pinned but {t.residency.value}")
+                require(not t.pins or t.residency is Residency.DEVICE,
+                        f"{t.slot} of job {t.job_id} is pinned but {t.residency.value}")
 
     def snapshot(self) -> dict:
         """Device-wide and per-job counters, bytes."""
@@ -440,13 +378,7 @@ class MemoryManager(Residencies):
                 "fragmentation": round(a.fragmentation, 4),
                 "compactions": self.compactions,
                 "compacted_nbytes": self.compacted_nbytes,
-                "host_nbytes": self.host_tier.nbytes,
-                "host_budget_nbytes": self.host_tier.budget_nbytes,
-                "host_used_nbytes": self.host_tier.used_nbytes(),
-                "host_peak_nbytes": self.host_tier.peak_nbytes,
-                "host_cache_nbytes": self.host_tier.cache_nbytes,
-                "disk_nbytes": self.host_tier.disk_nbytes,
-                "spill_file_nbytes": sum(f.end_nbytes for f in self.host_tier.files.values()),
+                **self.host_tier.describe(),
                 **self.pool.describe(),
                 "jobs": {job_id: dict(vars(j), **self.pool.job_figures(job_id)) for job_id, j in self.jobs.items()},
             }
@@ -465,7 +397,3 @@ class MemoryManager(Residencies):
         self._tensors[t.id] = t
         return t
 
-
-def _require(condition: bool, what: str) -> None:
-    if not condition:
-        raise AssertionError(what)

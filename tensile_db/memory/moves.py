@@ -2,8 +2,8 @@
 which blocks move (a region install's, a compaction's).
 
 :class:`RegionInstaller` performs what the planned pool (:mod:`tensile_db.memory.planned`) asks of
-the arena: the pool computes the layout and the moves (:func:`~.planned.region_layout`), the
-installer carries them out on the manager's blocks. It owns no state of its own: every field it
+the arena: for a plan the pool made, it computes where the region goes and which blocks move
+(:func:`region_layout`) and carries the moves out on the manager's blocks. It owns no state of its own: every field it
 changes (the tensors' offsets, the allocator's layout, the host tier's count of staged copies) is
 the memory manager's, guarded by the manager's lock, which the pool holds when it calls.
 """
@@ -11,8 +11,10 @@ the memory manager's, guarded by the manager's lock, which the pool holds when i
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
-from .planned import region_layout
+from .arena import ArenaAllocator
+from .lifetimes import PoolPlan
 
 #: most of a planned region an install may move through host memory (RegionInstaller.install)
 MAX_STAGED_FRACTION = 0.05
@@ -27,7 +29,7 @@ class RegionInstaller:
 
     def install(self, plan, live_keys: set, reserve_nbytes: int) -> int | str:
         """The planned pool's install: let the copies in flight land, take the layout the pool
-        computes (:func:`~tensile_db.memory.planned.region_layout`), evict the cached blocks it
+        computes (:func:`region_layout`), evict the cached blocks it
         leaves out and perform its moves. Returns the region's offset, or why it was not installed
         (nothing changed then).
 
@@ -94,7 +96,7 @@ class RegionInstaller:
         slots = []
         try:
             for t, _ in pending:
-                slots.append(mm._spill_now(t))
+                slots.append(mm.host_tier.spill_now(t, mm._block(t)))
         except BaseException:
             for (t, _), (file, offset) in zip(pending, slots):
                 file.release(offset, t.arena_nbytes)
@@ -192,3 +194,55 @@ def free_in_both(before: list, after: list, capacity: int) -> list:
     if cursor < capacity:
         out.append((cursor, capacity))
     return out
+
+
+@dataclass
+class RegionLayout:
+    """Where the planned region goes and how the live blocks move to install a plan. Offsets and
+    sizes in bytes; tensors are the manager's."""
+
+    base: int                    # arena offset of the region
+    moves: list                  # (tensor, new offset) of every block that moves, in copy order
+    placed: dict                 # tensor -> offset of every unpinned block that stays on the device
+    evicted: list                # cached read-only tensors that no longer fit: the manager evicts them
+    used: dict                   # offset -> size of every allocator block after the install
+
+
+def region_layout(plan: PoolPlan, blocks: list, live_keys: set, reserve_nbytes: int,
+                  budget_nbytes: int) -> RegionLayout | None:
+    """The layout that installs ``plan``: the region of ``plan.arena_nbytes`` bytes at the lowest
+    offset clear of pinned blocks; every block of ``blocks`` (tensors with ``offset``,
+    ``arena_nbytes``, ``pins``, ``key``, ``readonly``) whose key is in ``live_keys`` at its planned
+    offset; the other unpinned blocks packed around it, larger first, cached read-only ones last
+    and left out (evicted) if they do not fit; ``reserve_nbytes`` kept free for unkeyed blocks
+    within the budget (not the manager's limit: that headroom is for the general pool's
+    fragmentation, and the region's packing is exact). None if the plan cannot be installed
+    now: a live keyed block is pinned, or the region, the blocks and the reserve do not fit."""
+    pinned = {t.offset: t.arena_nbytes for t in blocks if t.pins}
+    if any(t.pins and t.key in live_keys for t in blocks):
+        return None
+    base, cursor = None, 0
+    for offset, size in sorted(pinned.items()) + [(budget_nbytes, 0)]:
+        if offset - cursor >= plan.arena_nbytes:
+            base = cursor
+            break
+        cursor = max(cursor, offset + size)
+    if base is None:
+        return None
+    layout = ArenaAllocator(budget_nbytes)
+    layout.relayout({**pinned, base: plan.arena_nbytes})
+    placed = {t: base + plan.offsets[t.key] for t in blocks if t.key in live_keys}
+    evicted = []
+    for t in sorted((t for t in blocks if not t.pins and t not in placed),
+                    key=lambda t: (t.readonly, -t.arena_nbytes)):
+        offset = layout.allocate(t.arena_nbytes)
+        if offset is None and not t.readonly:
+            return None
+        if offset is None:
+            evicted.append(t)
+        else:
+            placed[t] = offset
+    if layout.in_use_nbytes + reserve_nbytes > budget_nbytes:
+        return None
+    moves = [(t, new) for t, new in placed.items() if new != t.offset]
+    return RegionLayout(base, moves, placed, evicted, dict(layout.blocks()))

@@ -69,19 +69,17 @@ import concurrent.futures
 import enum
 import logging
 import math
-from dataclasses import dataclass
 from typing import Callable
 
-from .arena import ArenaAllocator
 from .lifetimes import (
     ORDERS,
     Allocation,
     PoolPlan,
     check_plan,
-    max_live_nbytes,
+    packing_figures,
+    period_allocations,
     plan_offsets,
     plan_smallest,
-    replay_general_pool,
 )
 
 log = logging.getLogger(__name__)
@@ -120,7 +118,8 @@ class PlannedPool:
             manager reserves ``plan.arena_nbytes`` bytes at a base offset, moves the live blocks
             (whose keys are ``live_keys``) to ``base + plan.offsets[key]``, and keeps at least
             ``reserve_nbytes`` free for unkeyed blocks; a string saying why if it does not. The
-            layout and the moves are :func:`region_layout`'s; the manager performs them.
+            layout and the moves are :func:`~tensile_db.memory.moves.region_layout`'s; the manager
+            performs them.
         dissolve: ``dissolve()`` — the manager turns the region back into general-pool blocks.
         enabled: False for the general pool only (``tensile.pool = 'general'``).
         synchronous: plan at the boundary that finishes a recording, in the caller's thread, with
@@ -287,7 +286,7 @@ class PlannedPool:
             return "the period had evictions or unplanned swap-ins"
         if live != self._start_live:
             return "the blocks live at the end of the period differ from those at its start"
-        allocs = _allocations(self._events, self._sizes, self._start_live)
+        allocs = period_allocations(self._events, self._sizes, self._start_live)
         if allocs is None:
             return "the period's allocations and frees do not pair up"
         self.state, self._planning_periods = State.PLANNING, 0
@@ -374,87 +373,9 @@ class PlannedPool:
         return self.figures.get("per_job", {}).get(job_id, {})
 
 
-@dataclass
-class RegionLayout:
-    """Where the planned region goes and how the live blocks move to install a plan. Offsets and
-    sizes in bytes; tensors are the manager's."""
-
-    base: int                    # arena offset of the region
-    moves: list                  # (tensor, new offset) of every block that moves, in copy order
-    placed: dict                 # tensor -> offset of every unpinned block that stays on the device
-    evicted: list                # cached read-only tensors that no longer fit: the manager evicts them
-    used: dict                   # offset -> size of every allocator block after the install
-
-
-def region_layout(plan: PoolPlan, blocks: list, live_keys: set, reserve_nbytes: int,
-                  budget_nbytes: int) -> RegionLayout | None:
-    """The layout that installs ``plan``: the region of ``plan.arena_nbytes`` bytes at the lowest
-    offset clear of pinned blocks; every block of ``blocks`` (tensors with ``offset``,
-    ``arena_nbytes``, ``pins``, ``key``, ``readonly``) whose key is in ``live_keys`` at its planned
-    offset; the other unpinned blocks packed around it, larger first, cached read-only ones last
-    and left out (evicted) if they do not fit; ``reserve_nbytes`` kept free for unkeyed blocks
-    within the budget (not the manager's limit: that headroom is for the general pool's
-    fragmentation, and the region's packing is exact). None if the plan cannot be installed
-    now: a live keyed block is pinned, or the region, the blocks and the reserve do not fit."""
-    pinned = {t.offset: t.arena_nbytes for t in blocks if t.pins}
-    if any(t.pins and t.key in live_keys for t in blocks):
-        return None
-    base, cursor = None, 0
-    for offset, size in sorted(pinned.items()) + [(budget_nbytes, 0)]:
-        if offset - cursor >= plan.arena_nbytes:
-            base = cursor
-            break
-        cursor = max(cursor, offset + size)
-    if base is None:
-        return None
-    layout = ArenaAllocator(budget_nbytes)
-    layout.relayout({**pinned, base: plan.arena_nbytes})
-    placed = {t: base + plan.offsets[t.key] for t in blocks if t.key in live_keys}
-    evicted = []
-    for t in sorted((t for t in blocks if not t.pins and t not in placed),
-                    key=lambda t: (t.readonly, -t.arena_nbytes)):
-        offset = layout.allocate(t.arena_nbytes)
-        if offset is None and not t.readonly:
-            return None
-        if offset is None:
-            evicted.append(t)
-        else:
-            placed[t] = offset
-    if layout.in_use_nbytes + reserve_nbytes > budget_nbytes:
-        return None
-    moves = [(t, new) for t, new in placed.items() if new != t.offset]
-    return RegionLayout(base, moves, placed, evicted, dict(layout.blocks()))
-
-
 def _name(key: Key) -> str:
     job, slot, position = key
     return f"{slot} of job {job} at op {position}"
-
-
-def _allocations(events, sizes, start_live) -> list[Allocation] | None:
-    """The recorded period as allocations over events 0 (its start) to len(events) + 1 (its
-    end); a block live across the boundary has its two segments. None if the events do not pair
-    up (a free of a key not live, a key allocated twice)."""
-    end = len(events) + 1
-    open_ = dict.fromkeys(start_live, 0)
-    segments: dict[Key, list[tuple[int, int]]] = {}
-    for i, (kind, key) in enumerate(events, start=1):
-        if kind == "a":
-            if key in open_:
-                return None
-            open_[key] = i
-        else:
-            if key not in open_:
-                return None
-            segments.setdefault(key, []).append((open_.pop(key), i))
-    for key, start in open_.items():
-        segments.setdefault(key, []).append((start, end))
-    allocs = []
-    for key, segs in segments.items():
-        segs.sort()
-        nbytes = start_live.get(key) or sizes[key]
-        allocs.append(Allocation(key, nbytes, tuple(segs)))
-    return allocs
 
 
 def _plan(allocs: list[Allocation], search_s: float = SEARCH_S, max_tries: int | None = None,
@@ -464,7 +385,7 @@ def _plan(allocs: list[Allocation], search_s: float = SEARCH_S, max_tries: int |
     [Blocks kept in place]; None without ``keep``, or above :data:`KEPT_MAX_RATIO`), ``keep``)."""
     plan = plan_smallest(allocs, "best_fit", search_s, max_tries=max_tries)
     check_plan(allocs, plan)
-    figures = _figures(allocs, plan)
+    figures = packing_figures(allocs, plan)
     kept = None
     end = max((e for a in allocs for _, e in a.segments), default=0)
     fixed = {a.key: keep[a.key] for a in allocs if a.key in (keep or {}) and a.segments == ((0, end),)}
@@ -475,20 +396,3 @@ def _plan(allocs: list[Allocation], search_s: float = SEARCH_S, max_tries: int |
         if kept.arena_nbytes > KEPT_MAX_RATIO * figures["max_live_nbytes"]:
             kept = None
     return allocs, plan, figures, kept, keep or {}
-
-
-def _figures(allocs: list[Allocation], plan: PoolPlan) -> dict:
-    """Planned arena, lower bound and general-pool high-water mark (highest byte the best-fit
-    pool touches on the same trace), for all jobs together and for each job alone. A job alone is
-    planned with the fixed orders only, without the randomised search: the figures are a report,
-    and with many jobs a search per job cost more than the plan itself (eight jobs: 0.2 s a plan,
-    on the planning thread beside the executor's)."""
-    _, general = replay_general_pool(allocs)
-    per_job = {}
-    for job in sorted({a.key[0] for a in allocs}):
-        mine = [a for a in allocs if a.key[0] == job]
-        per_job[job] = {"planned_arena_nbytes": plan_smallest(mine, "best_fit").arena_nbytes,
-                        "max_live_nbytes": max_live_nbytes(mine),
-                        "general_pool_nbytes": replay_general_pool(mine)[1]}
-    return {"planned_arena_nbytes": plan.arena_nbytes, "max_live_nbytes": max_live_nbytes(allocs),
-            "general_pool_nbytes": general, "per_job": per_job}

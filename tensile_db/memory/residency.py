@@ -54,7 +54,7 @@ class Residencies:
             if t.host is not None:
                 return t.host.copy()
             out = np.empty(t.shape, t.dtype)
-            self._reader(t)(out.reshape(-1).view(np.uint8))
+            self.host_tier.reader(t)(out.reshape(-1).view(np.uint8))
             return out
 
     # -- planned moves ------------------------------------------------------------------------
@@ -119,7 +119,7 @@ class Residencies:
                 elif self._host_room(t.nbytes):
                     self._left(t, host=self.device.to_host(self.array(t)))
                 else:
-                    self._left(t, spill=self._spill_now(t))
+                    self._left(t, spill=self.host_tier.spill_now(t, self._block(t)))
 
     def drop_device_copy(self, t: Tensor) -> None:
         """Free a read-only tensor's block once any load in flight has landed; its host copy
@@ -129,7 +129,7 @@ class Residencies:
             self._settle(t)
             self._free_block(t)
             t.residency = Residency.HOST
-            self._unpinned.notify_all()
+            self.pins.released.notify_all()
 
     # -- the policies' interface (the caller holds the lock) ----------------------------------
 
@@ -148,7 +148,7 @@ class Residencies:
                 self.device.to_device(t.host, self.array(t))
             else:                                       # from the disk tier or the source
                 try:
-                    self._read_now(t)
+                    self.host_tier.read_now(t, self._block(t))
                 except BaseException:
                     self._free_block(t)
                     t.residency = Residency.HOST
@@ -171,7 +171,7 @@ class Residencies:
         if t.host is not None:
             t.transfer = self.engine.to_device(t.host, self.array(t, Residency.SWAPPING_IN))
         else:                                           # from the disk tier or the source
-            t.transfer = self.engine.from_disk(self._reader(t), self._block(t))
+            t.transfer = self.engine.from_disk(self.host_tier.reader(t), self._block(t))
         return True
 
     def land_copies(self, call_off: bool = False) -> bool:
@@ -387,29 +387,6 @@ class Residencies:
         file.release(offset, t.arena_nbytes)
         t.spill = None
         self._account(t, disk=-t.nbytes)
-
-    def _reader(self, t: Tensor):
-        """``read(out)``: fills a uint8 array of at least ``t.nbytes`` with ``t``'s values from its
-        spill slot or its source."""
-        if t.spill is not None:
-            file, offset = t.spill
-            return lambda out: file.read_into(offset, out, t.nbytes)
-        return lambda out: t.source.read_into(out[:t.nbytes])
-
-    def _spill_now(self, t: Tensor) -> tuple:
-        """Write ``t``'s block to a new slot of its job's spill file now (the reactive path) and
-        return the slot; on a failure the slot goes back and the error is raised."""
-        file, offset = where = self.host_tier.slot(t)
-        try:
-            self.engine.write_now(self._block(t), file, offset)
-        except BaseException:
-            file.release(offset, t.arena_nbytes)
-            raise
-        return where
-
-    def _read_now(self, t: Tensor) -> None:
-        """Fill ``t``'s block from its spill slot or its source now (a passive load)."""
-        self.engine.read_now(self._reader(t), self._block(t))
 
     def _block(self, t: Tensor):
         """The raw bytes of ``t``'s arena block (``arena_nbytes``, uint8): what the disk tier

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import collections
 
+from ..runtime.checks import require
 from .spill import SpillDir, SpillFile
-from .tensors import Tensor
+from .tensors import JobMemory, Residency, Tensor
 
 
 class HostTier:
@@ -29,15 +30,18 @@ class HostTier:
       their sum (:meth:`used_nbytes`);
     - ``disk_nbytes``, the jobs' bytes in the disk tier;
     - :attr:`cache`, the read-only tensors whose host copy is kept (tensor id -> tensor, least
-      recently used first), and :attr:`files`, each job's spill file (job id -> file).
+      recently used first), and :attr:`files`, each job's spill file (job id -> file);
+    - the synchronous disk I/O of the reactive path (:meth:`spill_now`, :meth:`read_now`,
+      :meth:`write_new`), through the manager's copy ``engine``.
 
     Every field is guarded by the memory manager's lock: the manager reads and changes them, and
     calls every method, with it held.
     """
 
-    def __init__(self, budget_nbytes: int | None, spill: SpillDir | None):
+    def __init__(self, budget_nbytes: int | None, spill: SpillDir | None, engine):
         self.budget_nbytes = budget_nbytes
         self.spill = spill
+        self.engine = engine
         self.nbytes = 0
         self.pending_nbytes = 0
         self.cache_nbytes = 0
@@ -85,6 +89,41 @@ class HostTier:
             file = self.files[t.job_id] = self.spill.open(f"job-{t.job_id}")
         return file, file.reserve(t.arena_nbytes)
 
+    def write_new(self, t: Tensor, host) -> tuple[SpillFile, int]:
+        """Write ``host`` (``t``'s values, just adopted) to a new slot of its job's spill file and
+        return the slot; on a failure (the disk is full) the slot goes back and the error is raised."""
+        file, offset = where = self.slot(t)
+        try:
+            file.write_from(offset, host)
+        except BaseException:
+            file.release(offset, t.arena_nbytes)
+            raise
+        return where
+
+    def spill_now(self, t: Tensor, block) -> tuple[SpillFile, int]:
+        """Write ``block`` (``t``'s arena block, uint8) to a new slot of its job's spill file now
+        (the reactive path) and return the slot; on a failure the slot goes back and the error is
+        raised."""
+        file, offset = where = self.slot(t)
+        try:
+            self.engine.write_now(block, file, offset)
+        except BaseException:
+            file.release(offset, t.arena_nbytes)
+            raise
+        return where
+
+    def reader(self, t: Tensor):
+        """``read(out)``: fills a uint8 array of at least ``t.nbytes`` with ``t``'s values from its
+        spill slot or its source."""
+        if t.spill is not None:
+            file, offset = t.spill
+            return lambda out: file.read_into(offset, out, t.nbytes)
+        return lambda out: t.source.read_into(out[:t.nbytes])
+
+    def read_now(self, t: Tensor, block) -> None:
+        """Fill ``block`` (``t``'s arena block) from its spill slot or its source now (a passive load)."""
+        self.engine.read_now(self.reader(t), block)
+
     def close_job(self, job_id: int) -> None:
         """Remove the job's spill file, if it has one."""
         file = self.files.pop(job_id, None)
@@ -96,3 +135,36 @@ class HostTier:
         for file in self.files.values():
             file.close()
         self.files.clear()
+
+    def describe(self) -> dict:
+        """The tiers' figures for :meth:`tensile_db.memory.manager.MemoryManager.snapshot`, bytes."""
+        return {"host_nbytes": self.nbytes, "host_budget_nbytes": self.budget_nbytes,
+                "host_used_nbytes": self.used_nbytes(), "host_peak_nbytes": self.peak_nbytes,
+                "host_cache_nbytes": self.cache_nbytes, "disk_nbytes": self.disk_nbytes,
+                "spill_file_nbytes": sum(f.end_nbytes for f in self.files.values())}
+
+    def check(self, tensors: list[Tensor], jobs: dict[int, JobMemory]) -> None:
+        """Raise AssertionError (also under ``python -O``) unless the accounts are what the
+        manager's ``tensors`` and ``jobs`` hold: the cached bytes, the jobs' host and disk totals,
+        the swap-outs to the host in flight, each spill file's slots; and the host tier is within
+        its budget."""
+        cached = sum(t.nbytes for t in self.cache.values())
+        require(cached == self.cache_nbytes, f"{self.cache_nbytes:,} cached host bytes counted, {cached:,} held")
+        host, disk = sum(j.host_nbytes for j in jobs.values()), sum(j.disk_nbytes for j in jobs.values())
+        require((self.nbytes, self.disk_nbytes) == (host, disk),
+                f"the totals of {self.nbytes:,} host and {self.disk_nbytes:,} disk bytes are not the jobs' "
+                f"{host:,} and {disk:,}")
+        out = [t for t in tensors if t.residency is Residency.SWAPPING_OUT]
+        pending = sum(t.nbytes for t in out if t.transfer.spill is None)
+        require(pending == self.pending_nbytes,
+                f"{self.pending_nbytes:,} bytes of swap-outs to the host counted in flight, {pending:,} are")
+        for job_id, file in self.files.items():
+            slots = [t for t in tensors if t.job_id == job_id and t.spill is not None] + \
+                    [t for t in out if t.job_id == job_id and t.transfer.spill is not None]
+            held = sum(file.slot_nbytes(t.arena_nbytes) for t in slots)
+            require(held == file.in_use_nbytes,
+                    f"job {job_id}'s spill file has {file.in_use_nbytes:,} bytes of slots handed out; its tensors "
+                    f"hold {held:,}")
+        if self.budget_nbytes is not None:
+            require(self.fits(0), f"the host tier holds {self.used_nbytes():,} bytes, over its budget of "
+                                  f"{self.budget_nbytes:,}")

@@ -1,5 +1,6 @@
 """What the runtime's validation says of bad input: a value as the user wrote it, and the check of
-an object's keys. A leaf: it imports nothing of the package but its errors."""
+an object's keys; and :func:`require`, the check of an internal invariant. A leaf: it imports
+nothing of the package but its errors."""
 
 from __future__ import annotations
 
@@ -26,3 +27,10 @@ def check_keys(obj: dict, allowed, where: str, kind: str = "") -> None:
         if key not in allowed:
             belongs = f" for {kind}" if kind else ""
             raise InvalidArgument(f"{where}: unknown key {key!r}{belongs}; allowed keys: {', '.join(allowed)}")
+
+
+def require(condition: bool, what: str) -> None:
+    """Raise AssertionError saying ``what`` unless ``condition``: an invariant's check that also
+    runs under ``python -O``."""
+    if not condition:
+        raise AssertionError(what)
