@@ -1,8 +1,10 @@
 """The ``layer_norm`` layer kind against PyTorch: its kernels, forward and backward, on vectors
-and images; a network's inference and its whole training gradients; recompute bit for bit; and
-its JSON, parameters and errors."""
+and images; a network's inference and its whole training gradients; recompute bit for bit; its
+JSON, parameters and errors; and, from SQL, a model with it and GELU trained and served."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 
 from model_helpers import random_weights
 from program_helpers import batch_of, forward_backward, recompute_each_at_its_last_access
+from sql_helpers import FEATURES, assert_nothing_left, train
 from tensile_db.errors import InvalidArgument
 from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.layers.layer_norm import LayerNorm, layer_norm_backward, layer_norm_forward
@@ -106,3 +109,19 @@ def test_parameters_json_and_errors():
         with pytest.raises(InvalidArgument, match=None) as info:
             parse_layers([layer], "l")
         assert fragment in str(info.value)
+
+
+@pytest.mark.db
+def test_from_sql_with_gelu_a_model_trains_stores_and_predicts(conn, digits):
+    """A pre-norm MLP block (dense, layer_norm with GELU, dense with GELU) on the digits, trained
+    and served through the extension: the server finds both kinds by their modules alone."""
+    architecture = {"layers": [{"dense": 96, "activation": "none"}, {"layer_norm": {}, "activation": "gelu"},
+                               {"dense": 48, "activation": "gelu"}]}
+    train(conn, "t_layer_norm", architecture=json.dumps(architecture),
+          options='{"epochs": 15, "lr": 0.003, "seed": 0, "replace": true}', features=None)
+    stored = conn.execute("SELECT architecture FROM tensile.models WHERE name = 't_layer_norm'").fetchone()[0]
+    assert stored["layers"][1] == {"layer_norm": {"eps": 1e-5}, "activation": "gelu"}
+    accuracy = conn.execute(f"SELECT avg((tensile.predict('t_layer_norm', {FEATURES}) = label)::int) "
+                            "FROM digits_test").fetchone()[0]
+    assert float(accuracy) >= 0.9
+    assert_nothing_left(conn)
