@@ -374,7 +374,7 @@ CREATE FUNCTION tensile.memory_status(
     OUT host_budget_bytes bigint, OUT host_used_bytes bigint, OUT host_peak_bytes bigint,
     OUT host_cache_bytes bigint, OUT disk_bytes bigint, OUT spill_file_bytes bigint,
     OUT disk_read_bytes_per_s double precision, OUT disk_write_bytes_per_s double precision,
-    OUT served_file_bytes bigint)
+    OUT served_file_bytes bigint, OUT disk_free_bytes bigint)
 RETURNS SETOF record
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$
 if "tensile" not in GD: plpy.execute("SELECT tensile._bootstrap()")
@@ -399,7 +399,8 @@ COMMENT ON FUNCTION tensile.memory_status() IS
 'device: the host budget (tensile.host_budget), the host bytes in use (swapped-out copies, copies in '
 'flight and cached model layers) and their high-water mark, the cached layers'' bytes, the bytes in the '
 'disk tier and the extent of the spill files, the spill directory''s read and write bandwidth measured '
-'at start (bytes per second), and the bytes of the served models'' files';
+'at start (bytes per second), the bytes of the served models'' files, and the bytes free on the spill '
+'directory''s file system (tensile.spill_dir) now';
 CREATE VIEW tensile.memory AS SELECT * FROM tensile.memory_status();
 GRANT SELECT ON tensile.memory TO PUBLIC;
 COMMENT ON VIEW tensile.memory IS
@@ -408,7 +409,7 @@ COMMENT ON VIEW tensile.memory IS
 'mismatches, planned arena against its lower bound and the general pool; batch inference: running '
 'calls, their bytes, the weight cache''s bytes, loads, hits and evictions; compactions and the models '
 'open; the coordinator''s resident set; the host budget, host and disk tier bytes, '
-'spill files, disk bandwidths and model files';
+'spill files, disk bandwidths, model files and the disk tier''s free bytes';
 
 CREATE FUNCTION tensile.start_coordinator() RETURNS integer
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE AS $$

@@ -54,11 +54,26 @@ class JobCancelled(TensileError):
 
 
 class CoordinatorUnavailable(TensileError):
-    """The coordinator process could not be reached or started, or did not answer in time."""
+    """The coordinator process could not be reached or started, or did not answer in time.
+    ``detail``: more for the SQL error's DETAIL (where to look), or None."""
+
+    def __init__(self, message: str, detail: str | None = None):
+        super().__init__(message)
+        self.detail = detail
 
 
 class CoordinatorNotRunning(CoordinatorUnavailable):
     """No coordinator listens (and none was to be started)."""
+
+
+class DiskFull(TensileError):
+    """The disk tier has no room: a spill file could not be created or grow (no space left, or a
+    quota)."""
+
+
+class DiskError(TensileError):
+    """The disk tier failed otherwise: the spill directory cannot be used, or a spill file's read
+    or write failed."""
 
 
 class ProtocolError(TensileError):
@@ -68,5 +83,5 @@ class ProtocolError(TensileError):
 #: Errors that may be sent across the coordinator socket by class name.
 WIRE_ERRORS = {cls.__name__: cls for cls in (
     TensileError, InvalidArgument, ModelNotFound, CorruptModel, DeviceOutOfMemory, JobCancelled, CoordinatorUnavailable,
-    ProtocolError,
+    ProtocolError, DiskFull, DiskError,
 )}

@@ -9,6 +9,7 @@ a host budget that holds every swap changes nothing, one of 0 sends every swap t
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
 from types import SimpleNamespace
@@ -16,13 +17,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tensile_db.errors import InvalidArgument
+from tensile_db.errors import DiskError, DiskFull, InvalidArgument
 from tensile_db.memory.spill import SpillFile
 from tensile_db.memory.tiers import HostTier
 from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
-from tensile_db.scheduler.cost import CostModel, measure_disk
+from tensile_db.scheduler.cost import DEFAULT_DISK_BYTES_PER_S, CostModel, measure_disk, measure_disk_tier
 from tensile_db.scheduler.engine import Scheduler
 from tensile_db.scheduler.planners import plan_tensile
 from tensile_db.scheduler.timeline import Decision, JobTrace, Timeline, simulate
@@ -216,16 +217,42 @@ def test_measure_disk_through_a_spill_file(tmp_path):
 
 
 class StandInSpillDir:
-    """The spill directory's ``open_scratch``, remembering the files it opened and closed."""
+    """The spill directory's ``open_scratch`` and ``free_nbytes``, remembering the files it opened
+    and closed; ``fail`` is raised by ``open_scratch`` when given."""
 
-    def __init__(self):
+    def __init__(self, free_nbytes: int = 1 << 30, fail: Exception | None = None):
+        self.root, self.free, self.fail = "/stand-in", free_nbytes, fail
         self.opened, self.closed = [], []
 
+    def free_nbytes(self) -> int:
+        return self.free
+
     def open_scratch(self):
+        if self.fail is not None:
+            raise self.fail
         file = StandInSpill(32 << 20)
         file.close = lambda: self.closed.append(file)
         self.opened.append(file)
         return file
+
+
+def test_the_disk_tier_is_measured_with_at_most_half_its_free_bytes():
+    spill = StandInSpillDir(free_nbytes=5 << 20)
+    read, write = measure_disk_tier(spill)
+    assert 0 < read < math.inf and 0 < write < math.inf
+    (file,) = spill.opened
+    assert spill.closed == [file] and file.reserved == {}
+    assert file.data[:(5 << 20) // 2 // 4096 * 4096].min() == 1 and file.data.max() == 1
+    assert file.data[(5 << 20) // 2 // 4096 * 4096:].max() == 0       # nothing beyond half the free bytes
+
+
+@pytest.mark.parametrize("spill", [StandInSpillDir(free_nbytes=0), StandInSpillDir(free_nbytes=(1 << 21) - 1),
+                                   StandInSpillDir(fail=DiskFull("full")), StandInSpillDir(fail=DiskError("broken"))],
+                         ids=["nothing-free", "too-little-free", "full", "failing"])
+def test_a_disk_tier_that_cannot_be_measured_takes_the_default(spill, caplog):
+    with caplog.at_level(logging.WARNING, logger="tensile_db.scheduler.cost"):
+        assert measure_disk_tier(spill) == (DEFAULT_DISK_BYTES_PER_S, DEFAULT_DISK_BYTES_PER_S)
+    assert spill.opened == [] and "not measured" in caplog.text and "/stand-in" in caplog.text
 
 
 @pytest.mark.parametrize("host_budget_nbytes", [None, 0, 1 << 20])

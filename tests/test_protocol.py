@@ -9,6 +9,7 @@ with: what ``StartSpec`` holds reaches the ``Coordinator``, and a bad value is r
 from __future__ import annotations
 
 import json
+import logging
 from multiprocessing.connection import Pipe
 
 import numpy as np
@@ -189,14 +190,37 @@ def test_start_command_carries_the_policy_to_the_coordinator(monkeypatch, tmp_pa
         def __init__(self, *args, **kwargs):
             made["args"], made["kwargs"] = args, kwargs
 
-        def serve_forever(self):
-            return True
+        def start(self):
+            return None                  # another coordinator holds the lock: nothing to serve
 
     monkeypatch.setattr(coordinator_main, "Coordinator", Recorder)
     argv = coordinator_client.command(str(tmp_path), coordinator_client.StartSpec(policy=policy, max_active_jobs=3))
     assert coordinator_main.main(argv[argv.index("tensile_db.coordinator") + 1:]) == 0
     assert made["kwargs"]["policy"] == policy
     assert made["args"][0] == str(tmp_path) and made["args"][3] == 3
+
+
+def test_a_start_that_fails_logs_its_cause_on_one_line_where_the_backend_finds_it(monkeypatch, tmp_path, caplog):
+    class Failing:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def start(self):
+            raise TensileError("cannot use spill directory /nowhere:\n  no such directory")
+
+    monkeypatch.setattr(coordinator_main, "Coordinator", Failing)
+    argv = coordinator_client.command(str(tmp_path), coordinator_client.StartSpec())
+    with caplog.at_level(logging.ERROR):
+        assert coordinator_main.main(argv[argv.index("tensile_db.coordinator") + 1:]) == 1
+    log = tmp_path / "coordinator.log"
+    log.write_text("an earlier run's line\n" + caplog.text)
+    offset = len("an earlier run's line\n")
+    assert coordinator_client.start_failure(str(log), offset) == \
+        "cannot use spill directory /nowhere: no such directory"
+    log.write_text("an earlier run's line\nusage: ...\npython -m tensile_db.coordinator: error: --budget must be ...\n")
+    assert coordinator_client.start_failure(str(log), offset) == \
+        "python -m tensile_db.coordinator: error: --budget must be ..."          # no cause line: the last line
+    assert coordinator_client.start_failure(str(log), log.stat().st_size) is None
 
 
 def test_default_policy_is_tensile():

@@ -14,6 +14,7 @@ import sys
 from .. import settings
 from ..memory.arena import UNIT_NBYTES
 from ..runtime.model import Limits
+from .address import START_FAILED
 from .server import Coordinator
 
 #: glibc's ``mallopt`` parameter number of the mmap threshold (``malloc.h``).
@@ -73,7 +74,14 @@ def main(argv: list[str] | None = None) -> int:
                               args.postmaster_pid_file, policy=args.policy, pool=args.pool,
                               limits=Limits(args.max_layers, args.max_parameters, args.max_job_bytes),
                               host_budget_nbytes=args.host_budget, spill_dir=args.spill_dir)
-    coordinator.serve_forever()
+    try:
+        listener = coordinator.start()
+    except Exception as exc:          # the backend that started it reads the cause from this line
+        logging.getLogger(__name__).error("%s%s", START_FAILED, " ".join(str(exc).split()) or type(exc).__name__,
+                                          exc_info=True)
+        return 1
+    if listener is not None:
+        coordinator.serve(listener)
     return 0
 
 

@@ -19,6 +19,8 @@ import os
 SOCKET_NAME = "coordinator.sock"
 LOCK_NAME = "coordinator.lock"
 LOG_NAME = "coordinator.log"
+#: What a coordinator that fails before it listens writes to its log before the cause, on one line.
+START_FAILED = "could not start: "
 #: Longest Unix socket path used as it is, bytes (the kernel's limit is 107 plus the NUL).
 MAX_SOCKET_PATH = 100
 #: What ``/proc/<pid>/stat`` state letters mean, for error messages.

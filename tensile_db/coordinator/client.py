@@ -29,7 +29,7 @@ from ..dirs import secure_dir
 from ..errors import CoordinatorNotRunning, CoordinatorUnavailable
 from ..runtime.model import Limits
 from . import protocol
-from .address import LOG_NAME, SOCKET_NAME, coordinator_state, socket_address
+from .address import LOG_NAME, SOCKET_NAME, START_FAILED, coordinator_state, socket_address
 
 
 @dataclass(frozen=True)
@@ -177,9 +177,39 @@ def connect(socket_dir: str, start_spec: StartSpec | None = None, timeout_s: flo
             if start_spec is None:
                 raise CoordinatorNotRunning(f"no coordinator is running at {address}") from exc
             if proc is None:
+                log_offset = _size(os.path.join(socket_dir, LOG_NAME))
                 proc = start(socket_dir, start_spec)
             if time.monotonic() > deadline or (proc.poll() not in (None, 0)):
+                log_path = os.path.join(socket_dir, LOG_NAME)
+                cause = start_failure(log_path, log_offset) if proc.poll() not in (None, 0) else None
                 raise CoordinatorUnavailable(
-                    f"could not start the coordinator at {address} (exit status {proc.poll()}); "
-                    f"see {os.path.join(socket_dir, LOG_NAME)}") from exc
+                    f"could not start the coordinator at {address}: {cause or 'it did not listen in time'}",
+                    detail=f"exit status {proc.poll()}; the coordinator's log is {log_path}") from exc
         pause(0.05)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+#: The most of a failed start's log output read for its cause, bytes, and the longest cause given.
+START_LOG_NBYTES = 64 << 10
+START_CAUSE_CHARS = 500
+
+
+def start_failure(log_path: str, offset: int) -> str | None:
+    """Why a coordinator that wrote its log from ``offset`` on failed to start: the cause it wrote
+    after :data:`~.address.START_FAILED`, else its output's last line (an argument error), at most
+    :data:`START_CAUSE_CHARS` characters; None when it wrote nothing."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(offset, _size(log_path) - START_LOG_NBYTES))
+            lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
+    except OSError:
+        return None
+    causes = [line.split(START_FAILED, 1)[1] for line in lines if START_FAILED in line]
+    cause = causes[-1] if causes else (lines[-1] if lines else None)
+    return cause[:START_CAUSE_CHARS] if cause else None

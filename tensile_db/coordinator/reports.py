@@ -98,6 +98,7 @@ class MemoryRow:
     disk_read_bytes_per_s: float | None     # the spill directory's, measured when the coordinator started
     disk_write_bytes_per_s: float | None
     served_file_nbytes: int             # bytes of the served models' files
+    disk_free_nbytes: int | None        # free on the spill directory's file system now; None: no disk tier
 
 
 def sql_name(record: type, field: str) -> str:

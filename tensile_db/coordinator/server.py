@@ -91,12 +91,30 @@ class Coordinator:
         return os.path.join(self.socket_dir, SOCKET_NAME)
 
     def serve_forever(self) -> bool:
+        """Start (:meth:`start`), then accept connections until the process exits; False at once
+        when another coordinator holds the lock."""
+        listener = self.start()
+        if listener is None:
+            return False
+        self.serve(listener)
+
+    def serve(self, listener: Listener) -> None:
+        """Accept connections on ``listener`` (:meth:`start`'s), each served on its own thread,
+        until the process exits."""
+        while True:
+            conn = listener.accept()
+            threading.Thread(target=self._serve, args=(conn,), name="tensile-conn", daemon=True).start()
+
+    def start(self) -> Listener | None:
+        """Take the lock, make the device, the spill directory, the manager and the services, and
+        listen; None when another coordinator holds the lock. Raises what stops the start (an
+        unusable spill directory, a device that cannot be opened)."""
         self._lock_fd = os.open(os.path.join(self.socket_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             log.info("another coordinator holds %s; exiting", LOCK_NAME)
-            return False
+            return None
         os.ftruncate(self._lock_fd, 0)
         os.write(self._lock_fd, f"{os.getpid()}\n".encode())
         device = make_device(self.device_name)
@@ -118,9 +136,7 @@ class Coordinator:
             threading.Thread(target=self._watch_postmaster, name="tensile-watch", daemon=True).start()
         log.info("coordinator %d serving %s on %s, budget %d bytes, policy %s, pool %s", os.getpid(),
                  self.socket_path, self.device_name, self.manager.budget_nbytes, self.policy, self.pool)
-        while True:
-            conn = listener.accept()
-            threading.Thread(target=self._serve, args=(conn,), name="tensile-conn", daemon=True).start()
+        return listener
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -164,6 +180,10 @@ class Coordinator:
                     elif kind == "jobs":
                         protocol.send(conn, {"type": "jobs", "jobs": [reports.as_dict(j.describe(self.manager))
                                                                       for j in self.executor.jobs()]})
+                    elif kind == "retire":
+                        retired = self.inference.store.retire(int(header["database"]), str(header["name"]),
+                                                              header.get("keep"))
+                        protocol.send(conn, {"type": "retired", "count": retired})
                     elif kind == "memory":
                         protocol.send(conn, dict(reports.as_dict(self.memory_report()), type="memory"))
                     elif kind == "shutdown":

@@ -204,6 +204,19 @@ class ModelStore:
             if not m.users:
                 self._forget(m)
 
+    def retire(self, database: int, name: str, keep: int | None = None) -> int:
+        """Retire every served version of model ``name`` of ``database`` but the one of registry id
+        ``keep`` (after a drop: all of them; after a deployment or a replacement: all but the one
+        deployed now): each is forgotten, its layers leaving the device weight cache and the host
+        cache and its file deleted, at once or, for one a call uses, when that call ends. Returns
+        how many were retired."""
+        with self._lock:
+            retired = [m for m in self._models.values() if (m.database, m.name) == (database, name) and m.id != keep]
+            for m in retired:
+                m.retired = True
+            self._trim()
+            return len(retired)
+
     def describe(self) -> dict:
         """Figures for ``tensile.memory``: the models served (open), the host bytes the store
         holds (their scaling arrays and the read buffers; the layers are in their files) and the

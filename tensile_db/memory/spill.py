@@ -46,10 +46,35 @@ import time
 import numpy as np
 
 from ..dirs import secure_dir
-from ..errors import TensileError
+from ..errors import DiskError, DiskFull, TensileError
 from ..runtime.units import round_up
 
 log = logging.getLogger(__name__)
+
+#: The errors of a full disk tier: no space left, or a quota reached.
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def free_nbytes(path: str) -> int:
+    """Bytes free to the server's OS user on the file system of ``path`` (0 when it cannot be
+    read)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def disk_error(exc: OSError, what: str, root: str) -> TensileError:
+    """The error of the disk tier for ``exc``, raised doing ``what`` (naming the file) in the spill
+    directory ``root``: DiskFull (SQLSTATE 53100) naming the directory, its free bytes and the
+    settings to change, when the file system is full; DiskError (58030) otherwise."""
+    if exc.errno in FULL_ERRNOS:
+        return DiskFull(f"the disk tier is full: {what} failed ({exc.strerror}); tensile.spill_dir {root} has "
+                        f"{free_nbytes(root):,} bytes free: free space there, set tensile.spill_dir to a larger file "
+                        "system, or raise tensile.host_budget so that less goes to disk")
+    return DiskError(f"the disk tier failed: {what} ({exc.strerror}); check the disk under tensile.spill_dir {root}")
+
 
 #: Alignment of every slot in a spill file and of direct I/O buffers, bytes.
 ALIGN_NBYTES = 4096
@@ -95,11 +120,13 @@ class SpillFile:
     """One file of 4096-byte-aligned slots (see the module docstring). Thread-safe: slots are
     handed out under a lock, and I/O uses explicit offsets.
 
-    Raises TensileError (from the constructor) when the file cannot be created, naming it.
+    Raises DiskFull or DiskError (from the constructor) when the file cannot be created, naming
+    it; ``root`` is the spill directory errors name (default: the file's directory).
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, root: str | None = None):
         self.path = path
+        self.root = root or os.path.dirname(path)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         self.direct, self.align_nbytes = False, 1    # direct I/O, and the alignment it needs, bytes
         try:
@@ -107,14 +134,15 @@ class SpillFile:
             self.direct = hasattr(os, "O_DIRECT")
         except OSError as exc:
             if exc.errno != errno.EINVAL:
-                raise TensileError(f"cannot create spill file {path}: {exc.strerror}; check tensile.spill_dir") from None
+                raise disk_error(exc, f"creating spill file {path}", self.root) from None
             self._fd = os.open(path, flags, 0o600)        # a file system without direct I/O (tmpfs)
         if self.direct:
             try:
                 self.align_nbytes = direct_alignment(self._fd, write=True)
             except OSError as exc:
                 os.close(self._fd)
-                raise TensileError(f"cannot write spill file {path}: {exc.strerror}; check tensile.spill_dir") from None
+                os.unlink(path)
+                raise disk_error(exc, f"writing spill file {path}", self.root) from None
             if not self.align_nbytes:                     # direct I/O opened but refused: buffered
                 os.close(self._fd)
                 self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -164,7 +192,7 @@ class SpillFile:
     def read_into(self, offset: int, array, need_nbytes: int | None = None) -> None:
         """Fill the C-contiguous array ``array`` with the bytes at ``offset`` (blocking); with
         ``need_nbytes``, only that many must be in the file (the rest of ``array`` is padding
-        that may lie past its end). Raises TensileError if the file is shorter than that."""
+        that may lie past its end). Raises DiskError if the file is shorter than that."""
         view = memoryview(array.reshape(-1).view(np.uint8))
         if self._aligned(view):
             self._all(os.preadv, view, offset, need=need_nbytes)
@@ -209,15 +237,15 @@ class SpillFile:
             try:
                 n = call(self._fd, [view[done:]], offset + done)
             except OSError as exc:
-                what = ("free space there or set tensile.spill_dir to a larger file system" if exc.errno == errno.ENOSPC
-                        else "check the disk under tensile.spill_dir")
-                raise TensileError(f"spill file {self.path}: {exc.strerror}; {what}") from None
+                doing = "reading" if call is os.preadv else "writing"
+                raise disk_error(exc, f"{doing} {len(view):,} bytes at {offset:,} of spill file {self.path}",
+                                 self.root) from None
             if n <= 0:
-                raise TensileError(f"spill file {self.path}: {'read' if call is os.preadv else 'write'} of "
-                                   f"{len(view):,} bytes at {offset:,} stopped after {done:,}")
+                raise DiskError(f"spill file {self.path}: {'read' if call is os.preadv else 'write'} of "
+                                f"{len(view):,} bytes at {offset:,} stopped after {done:,}")
             done += n
             if done < need and done % self.align_nbytes:
-                raise TensileError(f"spill file {self.path}: a direct transfer stopped mid-sector")
+                raise DiskError(f"spill file {self.path}: a direct transfer stopped mid-sector")
 
 
 class SpillDir:
@@ -225,7 +253,7 @@ class SpillDir:
     dead coordinators' directories (see the module docstring). ``removed_nbytes`` /
     ``removed_files`` say what the start removed.
 
-    Raises TensileError (from the constructor) naming ``root`` when it cannot be used.
+    Raises DiskFull or DiskError (from the constructor) naming ``root`` when it cannot be used.
     """
 
     def __init__(self, root: str):
@@ -241,13 +269,19 @@ class SpillDir:
             self.directory = os.path.join(root, f"coordinator-{os.getpid()}-{next(_instances)}")
             os.rename(starting, self.directory)
         except OSError as exc:
-            raise TensileError(f"cannot use spill directory {root}: {exc}; set tensile.spill_dir to a directory "
-                               "the server's OS user can write") from None
+            if exc.errno in FULL_ERRNOS:
+                raise disk_error(exc, f"creating this coordinator's directory in {root}", root) from None
+            raise DiskError(f"cannot use spill directory {root}: {exc}; set tensile.spill_dir to a directory "
+                            "the server's OS user can write") from None
         self._names = itertools.count(1)
 
     def open(self, name: str) -> SpillFile:
         """A new spill file ``<name>.spill`` (``name``: a job id or similar, never user text)."""
-        return SpillFile(os.path.join(self.directory, f"{name}.spill"))
+        return SpillFile(os.path.join(self.directory, f"{name}.spill"), self.root)
+
+    def free_nbytes(self) -> int:
+        """Bytes free on the spill directory's file system (:func:`free_nbytes`)."""
+        return free_nbytes(self.root)
 
     def open_scratch(self) -> SpillFile:
         """A new spill file for a measurement; :meth:`SpillFile.close` removes it."""
@@ -301,7 +335,7 @@ class SpilledArrays(collections.abc.Mapping):
     held-out loss is computed with). ``arrays[name]`` reads a new array each time; the file is
     removed by :meth:`close`. Holds no array in memory.
 
-    Raises TensileError (from :meth:`put` and reads) when the spill file's I/O fails.
+    Raises DiskFull or DiskError (from :meth:`put` and reads) when the spill file's I/O fails.
     """
 
     def __init__(self, file: SpillFile):

@@ -141,7 +141,8 @@ class HostTier:
         return {"host_nbytes": self.nbytes, "host_budget_nbytes": self.budget_nbytes,
                 "host_used_nbytes": self.used_nbytes(), "host_peak_nbytes": self.peak_nbytes,
                 "host_cache_nbytes": self.cache_nbytes, "disk_nbytes": self.disk_nbytes,
-                "spill_file_nbytes": sum(f.end_nbytes for f in self.files.values())}
+                "spill_file_nbytes": sum(f.end_nbytes for f in self.files.values()),
+                "disk_free_nbytes": self.spill.free_nbytes() if self.spill is not None else None}
 
     def check(self, tensors: list[Tensor], jobs: dict[int, JobMemory]) -> None:
         """Raise AssertionError (also under ``python -O``) unless the accounts are what the

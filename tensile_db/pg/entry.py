@@ -20,6 +20,8 @@ from ..errors import (
     CoordinatorUnavailable,
     CorruptModel,
     DeviceOutOfMemory,
+    DiskError,
+    DiskFull,
     InvalidArgument,
     JobCancelled,
     ModelNotFound,
@@ -28,7 +30,7 @@ from ..errors import (
 )
 from . import batch as _batch
 from . import predict as _predict
-from . import registry, session
+from . import registry, served, session
 from . import train as _train
 
 #: Job fields only members of the job's role (and superusers, pg_monitor) see.
@@ -42,6 +44,8 @@ SQLSTATE = {
     JobCancelled: "57014",             # query_canceled
     CoordinatorUnavailable: "08006",   # connection_failure
     ProtocolError: "08P01",            # protocol_violation
+    DiskFull: "53100",                 # disk_full
+    DiskError: "58030",                # io_error
 }
 
 
@@ -56,7 +60,8 @@ def _sql_errors(fn):
             return fn(plpy, *args)
         except TensileError as exc:
             sqlstate = next((SQLSTATE[c] for c in type(exc).__mro__ if c in SQLSTATE), "XX000")
-            plpy.error(str(exc), sqlstate=sqlstate)
+            detail = getattr(exc, "detail", None)
+            plpy.error(str(exc), sqlstate=sqlstate, **({"detail": detail} if detail else {}))
         except (plpy.SPIError, plpy.Error):
             raise
         except Exception as exc:
@@ -74,8 +79,20 @@ predict_into = _sql_errors(_batch.predict_into)
 
 
 write_model = _sql_errors(registry.write_model)
-deploy = _sql_errors(registry.deploy)
-drop_model = _sql_errors(registry.drop)
+def _deploy(plpy, GD, name: str, version_or_strategy) -> int:
+    version = registry.deploy(plpy, GD, name, version_or_strategy)
+    served.retire_served(plpy, GD, name)
+    return version
+
+
+def _drop_model(plpy, GD, name: str) -> bool:
+    registry.drop(plpy, GD, name)
+    served.retire_served(plpy, GD, name)
+    return True
+
+
+deploy = _sql_errors(_deploy)
+drop_model = _sql_errors(_drop_model)
 
 
 def _timestamp(seconds):

@@ -30,7 +30,7 @@ from ..errors import InvalidArgument
 from ..runtime import model as models
 from ..runtime import preprocess
 from ..runtime.weights import check_weights, serialize_weights
-from . import registry, session
+from . import registry, served, session
 from . import search as searching
 from .data import read_training_data
 from .prepare import prepare
@@ -107,6 +107,8 @@ def train_model(plpy, GD, model_name, source, label, features, architecture, opt
     added = registry.add_versions(plpy, GD, model_name, s["role"], any_owner, [v for v, _ in versions], opts.deploy,
                                   opts.replace)
     plpy.notice(f"tensile: {added.message}")
+    if added.deployed is not None:
+        served.retire_served(plpy, GD, model_name)
     best = added.versions.index(added.best)       # the deployed one when one is, as deployment ranks them
     return {"model_name": model_name, "task": task, "metrics": json.dumps(versions[best][1]),
             "version": added.best, "deployed": added.deployed == added.best}

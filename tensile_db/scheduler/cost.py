@@ -21,13 +21,25 @@ Without a host budget the host tier is unbounded: two tiers, as in TENSILE.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InvalidArgument
+from ..errors import DiskError, DiskFull, InvalidArgument
 from ..memory.spill import ALIGN_NBYTES
+
+log = logging.getLogger(__name__)
+
+#: Bytes a start's measurement of the disk tier reads and writes, at most; less where less is free.
+DISK_PROBE_NBYTES = 32 << 20
+#: The least bytes worth measuring the disk tier with (below it, the default is taken).
+MIN_DISK_PROBE_NBYTES = 1 << 20
+#: The disk tier's read and write bandwidth, bytes per second, taken when it cannot be measured (too
+#: little free space, or an error): a SATA SSD's order of magnitude; the plans price disk swaps
+#: with it until the coordinator starts again with room to measure.
+DEFAULT_DISK_BYTES_PER_S = 200e6
 
 
 @dataclass(frozen=True)
@@ -155,3 +167,29 @@ def measure_disk(spill_file, nbytes: int = 32 << 20, repeats: int = 3) -> tuple[
     finally:
         spill_file.release(offset, nbytes)
     return nbytes / read_s, nbytes / write_s
+
+
+def measure_disk_tier(spill) -> tuple[float, float]:
+    """The disk tier's (read, write) bandwidth, bytes per second, measured by :func:`measure_disk`
+    on a scratch file of ``spill`` (a :class:`~tensile_db.memory.spill.SpillDir`) with at most
+    half its free bytes (:data:`DISK_PROBE_NBYTES` at most), so that a small or full disk tier
+    never stops the coordinator's start. Takes :data:`DEFAULT_DISK_BYTES_PER_S` both ways when
+    less than :data:`MIN_DISK_PROBE_NBYTES` would fit or the measurement fails, and logs which."""
+    free = spill.free_nbytes()
+    nbytes = min(DISK_PROBE_NBYTES, free // 2 // ALIGN_NBYTES * ALIGN_NBYTES)
+    reason = f"{free:,} bytes free, too few to measure with {MIN_DISK_PROBE_NBYTES:,}"
+    if nbytes >= MIN_DISK_PROBE_NBYTES:
+        try:
+            scratch = spill.open_scratch()
+            try:
+                read, write = measure_disk(scratch, nbytes)
+            finally:
+                scratch.close()
+            log.info("disk tier %s: %s bytes free; measured with %s bytes: read %.3g, write %.3g bytes/s", spill.root,
+                     f"{free:,}", f"{nbytes:,}", read, write)
+            return read, write
+        except (DiskFull, DiskError) as exc:
+            reason = str(exc)
+    log.warning("disk tier %s: not measured (%s); taking %.3g bytes/s for reads and writes", spill.root, reason,
+                DEFAULT_DISK_BYTES_PER_S)
+    return DEFAULT_DISK_BYTES_PER_S, DEFAULT_DISK_BYTES_PER_S

@@ -122,7 +122,7 @@ import numpy as np
 from ..errors import InvalidArgument
 from ..memory.arena import UNIT_NBYTES
 from ..settings import DEFAULT_POLICY, POLICIES, UNPLANNED_POLICIES
-from .cost import CostModel, measure_bandwidth, measure_disk
+from .cost import CostModel, measure_bandwidth, measure_disk_tier
 from .dtr import Rematerialization
 from .planners import ACTIONS, MAX_PLAN_SECONDS, Plan
 from .reactive import FarthestNextUse
@@ -214,16 +214,11 @@ class Scheduler:
     @staticmethod
     def _measure(manager, nbytes: int) -> CostModel:
         """The cost model measured through the manager's swap engine (copies of ``nbytes``
-        bytes) and, where it has a disk tier, its spill I/O, with its host budget."""
+        bytes) and, where it has a disk tier, its spill I/O (:func:`~.cost.measure_disk_tier`), with its
+        host budget."""
         cost = measure_bandwidth(manager.device, manager.engine, nbytes=nbytes)
         spill = manager.host_tier.spill
-        disk = (None, None)
-        if spill is not None:
-            scratch = spill.open_scratch()
-            try:
-                disk = measure_disk(scratch)
-            finally:
-                scratch.close()
+        disk = measure_disk_tier(spill) if spill is not None else (None, None)
         return replace(cost, host_budget_nbytes=manager.host_tier.budget_nbytes,
                        disk_read_bytes_per_s=disk[0], disk_write_bytes_per_s=disk[1])
 
