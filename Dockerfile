@@ -1,9 +1,13 @@
-# syntax=docker/dockerfile:1
 # PostgreSQL 15 with the tensile_db extension, training on the CPU or on the GPU through CuPy
 # (tensile.device, set from TENSILE_DEVICE by docker/initdb/10-tensile.sh).
 #
-#   docker compose -p tensile_db up -d --build      # see docker-compose.yml (volume, port) and
-#                                                    # docker-compose.gpu.yml (the GPU reservation)
+#   docker compose -p tensile_db up -d --build      # see docker-compose.yml (volume, port, the demo)
+#                                                    # and docker-compose.gpu.yml (the GPU variant)
+#
+# The build argument VARIANT picks the image: cpu (the default: no CuPy, no CUDA libraries) or
+# cuda (CuPy with the CUDA runtime libraries from PyPI, about 2.8 GB more). Both carry the demo's
+# data packages, so that `tensile-db demo --dsn ...` runs in a container of the image.
+# No `# syntax=` line: it would make BuildKit pull a frontend image, which an offline host cannot.
 #
 # Two stages: "build" has the compilers PGXS pulls in (postgresql-server-dev-15 depends on clang and
 # llvm) and builds the virtual environment; the final image keeps only the venv, the extension's
@@ -21,17 +25,26 @@ RUN set -eux; \
     apt-get install -y --no-install-recommends make python3-venv postgresql-server-dev-15; \
     rm -rf /var/lib/apt/lists/*
 
-# The Python package, installed (not editable) into the venv with the CUDA extra. cupy-cuda12x
-# needs the CUDA runtime libraries (cuBLAS, NVRTC, cuRAND, ...), which this image does not have:
-# its `ctk` extra (CuPy 14 and later) installs them from PyPI. Only the GPU driver comes from the
-# host, through the NVIDIA Container Toolkit.
+# The Python package, installed (not editable) into the venv with the demo's extra, and for the cuda
+# variant the CUDA extra: cupy-cuda12x needs the CUDA runtime libraries (cuBLAS, NVRTC, cuRAND,
+# ...), which the base image does not have; its `ctk` extra (CuPy 14 and later) installs them from
+# PyPI. Only the GPU driver comes from the host, through the NVIDIA Container Toolkit.
+# The installers (pip, setuptools) and the packages' own test suites (`tests` directories, which
+# nothing imports at run time) are left out of the venv: 135 MB of the CPU image.
 WORKDIR /src
 COPY pyproject.toml README* ./
 COPY tensile_db ./tensile_db
+ARG VARIANT=cpu
 RUN set -eux; \
     /usr/bin/python3.11 -m venv /opt/tensile/venv; \
-    /opt/tensile/venv/bin/pip install --no-cache-dir ".[cuda]" "cupy-cuda12x[ctk]>=14"; \
-    /opt/tensile/venv/bin/python -c "import tensile_db"
+    case "$VARIANT" in \
+        cpu) /opt/tensile/venv/bin/pip install --no-cache-dir ".[demo]" ;; \
+        cuda) /opt/tensile/venv/bin/pip install --no-cache-dir ".[cuda,demo]" "cupy-cuda12x[ctk]>=14" ;; \
+        *) echo "VARIANT must be cpu or cuda, got $VARIANT" >&2; exit 1 ;; \
+    esac; \
+    /opt/tensile/venv/bin/python -m pip uninstall -q -y pip setuptools wheel; \
+    find /opt/tensile/venv/lib/python3.11/site-packages -depth -type d -name tests -exec rm -rf {} +; \
+    /opt/tensile/venv/bin/python -c "import tensile_db, scipy.optimize, sklearn.datasets, palmerpenguins"
 
 # The extension (control file and install script), staged under /staging for the final image.
 COPY extension/Makefile extension/tensile_db.control ./extension/
@@ -61,4 +74,11 @@ ENV PYTHONPATH=/opt/tensile/venv/lib/python3.11/site-packages \
 COPY docker/initdb/10-tensile.sh /docker-entrypoint-initdb.d/10-tensile.sh
 RUN chmod 0755 /docker-entrypoint-initdb.d/10-tensile.sh
 
-# ENTRYPOINT, CMD, STOPSIGNAL, VOLUME and EXPOSE are the postgres image's.
+# The postgres image's entrypoint, after bringing an existing volume's tensile_db to this image's
+# version (docker/tensile-entrypoint.sh). A new ENTRYPOINT clears the base image's CMD: set again.
+COPY docker/tensile-entrypoint.sh /usr/local/bin/tensile-entrypoint.sh
+RUN chmod 0755 /usr/local/bin/tensile-entrypoint.sh
+ENTRYPOINT ["tensile-entrypoint.sh"]
+CMD ["postgres"]
+
+# STOPSIGNAL, VOLUME and EXPOSE are the postgres image's.

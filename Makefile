@@ -21,7 +21,7 @@ APT_PACKAGES := postgresql-15 postgresql-plpython3-15 postgresql-server-dev-15 p
 APT_TOOLS := docker-compose
 export TENSILE_HOME
 
-.PHONY: demo test system-deps extension package bench clean
+.PHONY: demo test system-deps extension package bench compose-check clean
 
 demo: package extension
 	$(PY) -m tensile_db.cli demo --home "$(TENSILE_HOME)"
@@ -69,6 +69,11 @@ package: $(VENV)/.deps
 
 extension: system-deps
 	$(SUDO) $(MAKE) -s -C extension install
+
+# The docker-compose setup for real (needs a Docker engine; not part of `make test`): builds both
+# images, runs the demo service, restarts the database, removes what it made. docker/compose-check.sh
+compose-check:
+	bash docker/compose-check.sh
 
 clean:
 	$(MAKE) -s -C extension clean

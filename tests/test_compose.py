@@ -139,6 +139,39 @@ def test_db_healthcheck_uses_pg_isready(db):
     assert re.search(r"\bpg_isready\b", command), command
 
 
+def test_db_host_port_is_tensile_port_defaulting_to_5432(db):
+    assert db["ports"] == ["127.0.0.1:${TENSILE_PORT:-5432}:5432"]
+
+
+def test_demo_service_runs_the_demo_against_db_once_it_is_healthy(compose, db):
+    demo = compose["services"]["demo"]
+    assert demo["image"] == db["image"], "the demo runs in the database's image"
+    assert demo["profiles"] == ["demo"], "only `run demo` / `up demo` starts it, not a plain `up`"
+    assert demo["depends_on"] == {"db": {"condition": "service_healthy"}}
+    assert demo["restart"] == "no"
+    argv = demo["entrypoint"] + demo["command"]
+    assert argv[:3] == ["/opt/tensile/venv/bin/tensile-db", "demo", "--dsn"]
+    conninfo = dict(item.split("=") for item in argv[3].split())
+    assert conninfo["host"] == "db" and conninfo["user"] == "postgres"
+    assert _environment(demo)["PGPASSWORD"] == _environment(db)["POSTGRES_PASSWORD"]
+
+
+def test_the_gpu_override_builds_the_cuda_variant_for_db_and_demo(compose):
+    override = yaml.safe_load(GPU_OVERRIDE.read_text())["services"]
+    assert override["db"]["build"]["args"] == {"VARIANT": "cuda"}
+    assert compose["services"]["db"]["build"]["args"] == {"VARIANT": "cpu"}
+    assert override["db"]["image"] == override["demo"]["image"] != compose["services"]["db"]["image"]
+
+
+def test_the_compose_check_is_a_make_target_outside_make_test():
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^compose-check:.*\n\tbash docker/compose-check\.sh$", makefile, re.M)
+    assert "compose-check" not in re.search(r"^test:.*$", makefile, re.M).group(0)
+    script = (ROOT / "docker" / "compose-check.sh").read_text()
+    for step in ("run --rm demo", "restart db", "VARIANT=cuda", "down -v", "CPU_IMAGE_LIMIT:-1200000000"):
+        assert step in script, step
+
+
 def test_db_port_is_published_on_loopback_only(db):
     ports = db["ports"]
     assert ports
@@ -168,10 +201,18 @@ def test_db_data_directory_is_a_declared_named_volume(compose, db):
 # -- Dockerfile --------------------------------------------------------------------------------
 
 
-def test_dockerfile_is_postgres_15_bookworm_and_keeps_its_entrypoint(dockerfile):
+def test_dockerfile_is_postgres_15_bookworm_and_its_entrypoint_runs_the_images_after_the_update(dockerfile):
     froms = [args for keyword, args in dockerfile if keyword == "FROM"]
     assert froms[-1].split()[0] == "postgres:15-bookworm"
-    assert not any(keyword == "ENTRYPOINT" for keyword, _ in dockerfile)
+    final = _final_stage(dockerfile)
+    assert [args for keyword, args in final if keyword == "ENTRYPOINT"] == ['["tensile-entrypoint.sh"]']
+    # a new ENTRYPOINT clears the base image's CMD
+    assert [args for keyword, args in final if keyword == "CMD"] == ['["postgres"]']
+    assert "docker/tensile-entrypoint.sh /usr/local/bin/tensile-entrypoint.sh" in [
+        args for keyword, args in final if keyword == "COPY"]
+    script = (ROOT / "docker" / "tensile-entrypoint.sh").read_text()
+    assert script.rstrip().endswith('exec docker-entrypoint.sh "$@"')
+    assert "ALTER EXTENSION tensile_db UPDATE" in script and "docker_temp_server_start" in script
 
 
 def test_dockerfile_installs_plpython_in_the_final_image(dockerfile):
@@ -180,10 +221,14 @@ def test_dockerfile_installs_plpython_in_the_final_image(dockerfile):
     assert "--no-install-recommends" in runs
 
 
-def test_dockerfile_creates_the_venv_with_python311_and_the_cuda_extra(dockerfile):
+def test_dockerfile_creates_the_venv_with_python311_and_the_variants_extras(dockerfile):
     runs = _runs(dockerfile)
     assert re.search(r"/usr/bin/python3\.11 -m venv /opt/tensile/venv\b", runs), runs
-    assert re.search(r"/opt/tensile/venv/bin/pip install\b[^\n]*\.\[cuda\]", runs), runs
+    assert ("ARG", "VARIANT=cpu") in dockerfile
+    installs = dict(re.findall(r"(\w+)\) /opt/tensile/venv/bin/pip install ([^;]*);", runs))
+    assert set(installs) == {"cpu", "cuda"}, runs
+    assert '".[demo]"' in installs["cpu"] and "cupy" not in installs["cpu"] and "cuda" not in installs["cpu"]
+    assert '".[cuda,demo]"' in installs["cuda"] and '"cupy-cuda12x[ctk]' in installs["cuda"]
 
 
 def test_dockerfile_installs_the_extension_with_pgxs(dockerfile):
