@@ -22,7 +22,7 @@ FROM postgres:15-bookworm AS build
 
 RUN set -eux; \
     apt-get update; \
-    apt-get install -y --no-install-recommends make python3-venv postgresql-server-dev-15; \
+    apt-get install -y --no-install-recommends make gcc libc6-dev python3-venv postgresql-server-dev-15; \
     rm -rf /var/lib/apt/lists/*
 
 # The Python package, installed (not editable) into the venv with the demo's extra, and for the cuda
@@ -46,8 +46,9 @@ RUN set -eux; \
     find /opt/tensile/venv/lib/python3.11/site-packages -depth -type d -name tests -exec rm -rf {} +; \
     /opt/tensile/venv/bin/python -c "import tensile_db, scipy.optimize, sklearn.datasets, palmerpenguins"
 
-# The extension (control file and install script), staged under /staging for the final image.
-COPY extension/Makefile extension/tensile_db.control ./extension/
+# The extension (its C module, control file and install script), staged under /staging for the
+# final image.
+COPY extension/Makefile extension/tensile_db.control extension/tensile_db.c ./extension/
 COPY sql ./sql
 RUN make -C extension install DESTDIR=/staging \
         PG_CONFIG=/usr/lib/postgresql/15/bin/pg_config

@@ -5,7 +5,7 @@ Fills two tables of ROWS rows, generated in SQL: ``ingest`` with 16 real columns
 categories each (one in fifty NULL), each with an integer label. Trains a one-epoch model on each
 through ``CALL tensile.train_model`` (the mixed one with one-hot columns and imputed gaps), and
 reports the data path's phases from the stored metrics: ``read_s`` (the backend's one-scan SPI
-read: ``string_agg(float4send(..))`` per numeric column, each categorical value's length and
+read: ``tensile._pack_float4(..)`` per numeric column, each categorical value's length and
 UTF-8 bytes), ``prepare_s`` (the held-out split, the preprocessing fitted on the training rows
 and the network's inputs built) and ``transfer_s`` (shipping the arrays over the coordinator
 socket until the job is accepted). Rows per second count every row of the table. Runs in the

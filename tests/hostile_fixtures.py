@@ -91,12 +91,18 @@ def fired(conn) -> list[str]:
 
 
 #: The extension's objects as the catalog holds them: functions (definition, security, settings,
-#: volatility, grants, comment), relations (grants), policies (expressions).
+#: volatility, grants, comment), aggregates (their functions, grants, comment), relations (grants),
+#: policies (expressions).
 CATALOG = """
 SELECT 'function', p.oid::regprocedure::text,
        pg_get_functiondef(p.oid) || p.prosecdef || coalesce(p.proconfig::text, '') || p.provolatile::text
        || p.proparallel::text || coalesce(p.proacl::text, '') || coalesce(obj_description(p.oid, 'pg_proc'), '')
-FROM pg_proc p WHERE p.pronamespace = 'tensile'::regnamespace
+FROM pg_proc p WHERE p.pronamespace = 'tensile'::regnamespace AND p.prokind <> 'a'
+UNION ALL
+SELECT 'aggregate', p.oid::regprocedure::text,
+       a.aggtransfn::regprocedure::text || a.aggfinalfn::regprocedure::text || a.aggtranstype::regtype::text
+       || p.proparallel::text || coalesce(p.proacl::text, '') || coalesce(obj_description(p.oid, 'pg_proc'), '')
+FROM pg_proc p JOIN pg_aggregate a ON a.aggfnoid = p.oid WHERE p.pronamespace = 'tensile'::regnamespace
 UNION ALL
 SELECT 'relation', c.relname::text, c.relkind::text || coalesce(c.relacl::text, '') FROM pg_class c
 WHERE c.relnamespace = 'tensile'::regnamespace
