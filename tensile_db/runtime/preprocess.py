@@ -398,19 +398,27 @@ def fit(raw: dict[str, np.ndarray], kinds: dict[str, str], train_index: np.ndarr
     return Preprocessor(columns, opts.unseen)
 
 
+#: rows of a block of :func:`fit_scaling`'s sums: a float64 copy of one block stays in the cache
+SCALING_BLOCK_ROWS = 32768
+
+
 def fit_scaling(x: np.ndarray, modes: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """The affine scaling of inputs x (N, F) float32 by column ``modes`` (:data:`SCALES`):
     ``(center, spread)``, each (F,) float32, so that the network reads ``(x - center) / spread``.
-    A constant column gets spread 1. Computed in float64."""
-    x64 = np.asarray(x, np.float64)
+    A constant column gets spread 1. The mean and the population standard deviation are computed
+    in float64 (two passes, block by block: no float64 copy of ``x``), the minimum and maximum
+    exactly on ``x``."""
     center, spread = np.zeros(x.shape[1]), np.ones(x.shape[1])
     modes = np.asarray(modes)
     std = modes == "standardize"
     if std.any() and len(x):
-        center[std], spread[std] = x64[:, std].mean(axis=0), x64[:, std].std(axis=0)
+        blocks = [x[i:i + SCALING_BLOCK_ROWS] for i in range(0, len(x), SCALING_BLOCK_ROWS)]   # views
+        mean = sum(b.sum(axis=0, dtype=np.float64) for b in blocks) / len(x)
+        squares = sum(np.einsum("ij,ij->j", d, d) for d in (b - mean for b in blocks))   # d: float64
+        center[std], spread[std] = mean[std], np.sqrt(squares[std] / len(x))
     mm = modes == "minmax"
     if mm.any() and len(x):
-        low = x64[:, mm].min(axis=0)
-        center[mm], spread[mm] = low, x64[:, mm].max(axis=0) - low
+        low = x[:, mm].min(axis=0).astype(np.float64)
+        center[mm], spread[mm] = low, x[:, mm].max(axis=0) - low
     spread[spread == 0] = 1.0
     return center.astype(np.float32), spread.astype(np.float32)
