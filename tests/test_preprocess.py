@@ -348,3 +348,26 @@ def test_an_ordinal_order_must_name_every_training_value():
                        np.arange(4), opts)
     assert str(info.value) == ('column "size" holds "XL", "XS" in the training rows, which the ordinal order of '
                                'options.preprocess."size".encode does not name; add them to the list in its place')
+
+
+def test_a_transform_of_many_row_blocks_equals_its_rows_transformed_apart():
+    """The inputs are written a block of rows at a time (TRANSFORM_BLOCK_ROWS): a transform of
+    rows spanning several blocks, the last one partial, gives each row what it gives alone."""
+    rng = np.random.default_rng(3)
+    n = 3 * preprocess.TRANSFORM_BLOCK_ROWS + 123
+    x = rng.standard_normal(n).astype(np.float32)
+    x[rng.random(n) < 0.05] = np.nan
+    letters = np.array(list("abcdefg"), dtype=object)
+    raw = {"x": x, "k": letters[rng.integers(0, 7, n)], "o": letters[rng.integers(0, 3, n)]}
+    raw["k"][rng.random(n) < 0.05] = None
+    pre = fitted(raw, impute="mean", max_categories=4, preprocess={"o": {"encode": "ordinal"}})
+    whole = pre.transform(raw)
+    apart = np.vstack([pre.transform({c: v[i:i + 1000] for c, v in raw.items()}) for i in range(0, n, 1000)])
+    assert whole.shape == (n, pre.width) and whole.dtype == np.float32 and whole.flags["C_CONTIGUOUS"]
+    assert np.array_equal(whole, apart)
+    missing = np.isnan(x)
+    assert np.all(whole[missing, 0] == pre.columns[0].fill) and np.array_equal(whole[~missing, 0], x[~missing])
+    assert np.all(whole[:, 1:1 + pre.columns[1].width].sum(axis=1) == 1)          # one-hot, "other" included
+    arrays = {"a": rng.standard_normal((n, 5)).astype(np.float32)}
+    pre = fitted(arrays, array_width=5)
+    assert np.array_equal(pre.transform(arrays), arrays["a"])

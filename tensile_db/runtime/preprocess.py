@@ -318,11 +318,11 @@ class Preprocessor:
         missing value the model does not impute (with the count), and for an unseen category when
         ``unseen`` is ``error`` (with the value and the count)."""
         n = len(next(iter(raw.values()))) if raw else 0
-        parts = []
+        sources = []            # per column: what its inputs are made from, all rows
         for c in self.columns:
             values = raw[c.name]
             if c.kind == "array":
-                parts.append(np.asarray(values, np.float32).reshape(n, c.width))
+                sources.append(np.asarray(values, np.float32).reshape(n, c.width))
                 continue
             if c.kind == "categorical":
                 values = as_categories(values)
@@ -333,19 +333,35 @@ class Preprocessor:
                                       f"(NULL or NaN, of {n:,} rows) and the model does not impute it; filter them "
                                       "(predict_batch: options.skip_nulls), or train with an impute rule for the column")
             if c.kind == "numeric":
-                parts.append(np.where(missing, np.float32(c.fill or 0), values).astype(np.float32).reshape(n, 1))
-                continue
-            index = self._positions(c, values)
-            if c.encode == "ordinal":
-                parts.append((index + 1).astype(np.float32).reshape(n, 1))      # other: 0
+                sources.append(np.where(missing, np.float32(c.fill or 0), values) if missing.any() else values)
             else:
-                onehot = np.zeros((n, c.width), np.float32)
-                rows = np.flatnonzero(index >= 0)
-                onehot[rows, index[rows]] = 1.0
+                sources.append(self._positions(c, values))
+        out = np.empty((n, self.width), np.float32)
+        for start in range(0, n, TRANSFORM_BLOCK_ROWS):     # a block of rows stays in the cache over its columns
+            self._write_block(out[start:start + TRANSFORM_BLOCK_ROWS],
+                              [source[start:start + TRANSFORM_BLOCK_ROWS] for source in sources])
+        return out
+
+    def _write_block(self, out: np.ndarray, sources: list[np.ndarray]) -> None:
+        """Write one block of rows' inputs (B, width) float32 from each column's source rows: an
+        array column's values, a numeric column's values with the fill in place of missing ones,
+        a categorical column's positions in its categories (:meth:`_positions`)."""
+        j = 0
+        for c, source in zip(self.columns, sources):
+            if c.kind == "numeric":
+                out[:, j] = source
+            elif c.kind == "array":
+                out[:, j:j + c.width] = source
+            elif c.encode == "ordinal":
+                out[:, j] = source + 1                                              # other: 0
+            else:
+                onehot = out[:, j:j + c.width]
+                onehot[:] = 0.0
+                rows = np.flatnonzero(source >= 0)
+                onehot[rows, source[rows]] = 1.0
                 if c.other:
-                    onehot[index < 0, len(c.categories)] = 1.0
-                parts.append(onehot)
-        return np.hstack(parts) if parts else np.empty((n, 0), np.float32)
+                    onehot[source < 0, len(c.categories)] = 1.0
+            j += c.width
 
     def _positions(self, c: Column, values: Categories) -> np.ndarray:
         """(N,) int64: each row's index in ``c.categories``, -1 for other; a NULL is the fill's.
@@ -398,6 +414,8 @@ def fit(raw: dict[str, np.ndarray], kinds: dict[str, str], train_index: np.ndarr
     return Preprocessor(columns, opts.unseen)
 
 
+#: rows of a block of :meth:`Preprocessor.transform`'s output written column by column
+TRANSFORM_BLOCK_ROWS = 16384
 #: rows of a block of :func:`fit_scaling`'s sums: a float64 copy of one block stays in the cache
 SCALING_BLOCK_ROWS = 32768
 
