@@ -5,8 +5,8 @@ Fills two tables of ROWS rows, generated in SQL: ``ingest`` with 16 real columns
 categories each (one in fifty NULL), each with an integer label. Trains a one-epoch model on each
 through ``CALL tensile.train_model`` (the mixed one with one-hot columns and imputed gaps), and
 reports the data path's phases from the stored metrics: ``read_s`` (the backend's one-scan SPI
-read: ``tensile._pack_float4(..)`` per numeric column, ``tensile._pack_text(..)`` per text
-column, dictionary-encoded as it is read), ``prepare_s`` (the held-out split, the preprocessing
+read: ``tensile._pack_float4_columns(..)`` for the numeric columns, ``tensile._pack_text(..)``
+per text column, dictionary-encoded as it is read), ``prepare_s`` (the held-out split, the preprocessing
 fitted on the training rows and the network's inputs built) and ``transfer_s`` (shipping the
 arrays over the coordinator socket until the job is accepted, the coordinator's scaling of them
 included). Rows per second count every row of the table. Then the table's size on disk and the

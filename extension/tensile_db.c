@@ -5,6 +5,7 @@
  * append each non-NULL value, big-endian, to one growing buffer and return it as one bytea: the
  * same bytes as string_agg(float4send(x), '') (float8send, int8send), NULLs skipped likewise, and
  * NULL over no values, without a palloc'd bytea per value nor string_agg's delimiter.
+ * tensile._pack_float4_columns(VARIADIC "any") reads several real columns in one call a row, and
  * tensile._pack_text(text) dictionary-encodes a categorical column as it reads it (below). The buffer
  * lives in the aggregate's memory context and grows by doubling (StringInfo), so the scan
  * allocates about twice the result at most, and a result beyond MaxAllocSize (1 GB) raises
@@ -20,6 +21,7 @@
 #include "mb/pg_wchar.h"
 #include "port/pg_bswap.h"
 #include "common/hashfn.h"
+#include "catalog/pg_type_d.h"
 #include "utils/builtins.h"
 #include "utils/hsearch.h"
 #include "utils/memutils.h"
@@ -28,6 +30,8 @@ PG_MODULE_MAGIC;
 
 PG_FUNCTION_INFO_V1(tensile_pack4_transfn);
 PG_FUNCTION_INFO_V1(tensile_pack8_transfn);
+PG_FUNCTION_INFO_V1(tensile_packcolumns_transfn);
+PG_FUNCTION_INFO_V1(tensile_packcolumns_finalfn);
 PG_FUNCTION_INFO_V1(tensile_packtext_transfn);
 PG_FUNCTION_INFO_V1(tensile_packtext_finalfn);
 PG_FUNCTION_INFO_V1(tensile_pack_finalfn);
@@ -100,6 +104,89 @@ tensile_pack8_transfn(PG_FUNCTION_ARGS)
 	state = pack_state(fcinfo);
 	append_be(state, &bits, sizeof(bits));
 	PG_RETURN_POINTER(state);
+}
+
+/*
+ * tensile._pack_float4_columns(VARIADIC "any"): several real columns in one aggregate, one call a
+ * row instead of one a column: each argument must be real and not NULL (the scan casts each
+ * column and reads only complete rows, a NULL kept for imputation as NaN). The result: the first
+ * column's values, big-endian, then the second's, and so on (NULL over no rows).
+ */
+typedef struct ColumnsPack
+{
+	int			ncolumns;
+	StringInfoData columns[FLEXIBLE_ARRAY_MEMBER];	/* one buffer a column, each from its start */
+} ColumnsPack;
+
+Datum
+tensile_packcolumns_transfn(PG_FUNCTION_ARGS)
+{
+	MemoryContext aggcontext;
+	ColumnsPack *state;
+	int			ncolumns = PG_NARGS() - 1;
+	int			i;
+
+	if (!AggCheckCallContext(fcinfo, &aggcontext))
+		elog(ERROR, "tensile_db's pack aggregates must be called as aggregates");
+	if (PG_ARGISNULL(0))
+	{
+		MemoryContext old = MemoryContextSwitchTo(aggcontext);
+
+		for (i = 1; i <= ncolumns; i++)
+			if (get_fn_expr_argtype(fcinfo->flinfo, i) != FLOAT4OID)
+				elog(ERROR, "tensile._pack_float4_columns reads real columns only (argument %d)", i);
+		state = palloc(offsetof(ColumnsPack, columns) + ncolumns * sizeof(StringInfoData));
+		state->ncolumns = ncolumns;
+		for (i = 0; i < ncolumns; i++)
+			initStringInfo(&state->columns[i]);
+		MemoryContextSwitchTo(old);
+	}
+	else
+		state = (ColumnsPack *) PG_GETARG_POINTER(0);
+	for (i = 0; i < ncolumns; i++)
+	{
+		float4		value;
+		uint32		bits;
+
+		if (PG_ARGISNULL(i + 1))
+			ereport(ERROR,
+					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+					 errmsg("tensile._pack_float4_columns got a NULL in argument %d", i + 1)));
+		value = PG_GETARG_FLOAT4(i + 1);
+		memcpy(&bits, &value, sizeof(bits));
+		bits = pg_hton32(bits);
+		append_be(&state->columns[i], &bits, sizeof(bits));
+	}
+	PG_RETURN_POINTER(state);
+}
+
+Datum
+tensile_packcolumns_finalfn(PG_FUNCTION_ARGS)
+{
+	ColumnsPack *state;
+	Size		nbytes = VARHDRSZ;
+	bytea	   *result;
+	char	   *at;
+	int			i;
+
+	if (PG_ARGISNULL(0))
+		PG_RETURN_NULL();
+	state = (ColumnsPack *) PG_GETARG_POINTER(0);
+	for (i = 0; i < state->ncolumns; i++)
+		nbytes += state->columns[i].len;
+	if (nbytes >= MaxAllocSize)
+		ereport(ERROR,
+				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
+				 errmsg("%d real columns take %zu bytes, over %zu", state->ncolumns, nbytes, (Size) MaxAllocSize)));
+	result = palloc(nbytes);
+	SET_VARSIZE(result, nbytes);
+	at = VARDATA(result);
+	for (i = 0; i < state->ncolumns; i++)
+	{
+		memcpy(at, state->columns[i].data, state->columns[i].len);
+		at += state->columns[i].len;
+	}
+	PG_RETURN_BYTEA_P(result);
 }
 
 /*

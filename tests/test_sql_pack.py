@@ -9,6 +9,8 @@ predates them.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import psycopg
 import pytest
@@ -56,6 +58,25 @@ def test_a_pack_over_no_values_is_null(conn, pack):
     null_result = None if pack != "_pack_text" else b"\x00\x00\x00\x00\xff\xff\xff\xff"
     assert conn.execute(f"SELECT tensile.{pack}(NULL), tensile.{pack}('1') FILTER (WHERE false)").fetchone() == \
         (null_result, None)
+
+
+def test_a_columns_pack_gives_each_columns_pack_one_after_another(conn):
+    conn.execute("CREATE TEMP TABLE three AS SELECT (i * 0.5)::real AS a, (-i)::real AS b, "
+                 "(CASE WHEN i % 7 = 0 THEN 'NaN' WHEN i % 11 = 0 THEN '-0' ELSE (i / 3.0)::text END)::real AS c "
+                 "FROM generate_series(1, 5000) i")
+    together, apart = conn.execute("SELECT tensile._pack_float4_columns(a, b, c), tensile._pack_float4(a) "
+                                   "|| tensile._pack_float4(b) || tensile._pack_float4(c) FROM three").fetchone()
+    assert together == apart and len(together) == 3 * 4 * 5000
+    assert conn.execute("SELECT tensile._pack_float4_columns(a) FILTER (WHERE false) FROM three").fetchone() == (None,)
+
+
+@pytest.mark.parametrize("call, message", [
+    ("tensile._pack_float4_columns(1::real, NULL::real)", "got a NULL in argument 2"),
+    ("tensile._pack_float4_columns(1::real, 2::double precision)", "reads real columns only (argument 2)"),
+])
+def test_a_columns_pack_refuses_a_null_and_a_column_of_another_type(conn, call, message):
+    with pytest.raises(psycopg.Error, match=re.escape(message)):
+        conn.execute(f"SELECT {call}")
 
 
 def test_a_text_pack_dictionary_encodes_what_the_string_agg_reader_decodes(conn):

@@ -1,10 +1,12 @@
 """Reading rows through SPI, as the calling role: training data and the features to predict.
 
-All columns are read in one scan of the source with one aggregate per column: the extension's
-C aggregate ``tensile._pack_float4(col::real)`` for numeric features, ``_pack_float8`` for a
-numeric label and ``_pack_int8`` for an integer key (``extension/tensile_db.c``: each non-NULL
-value big-endian in one buffer, the bytes of ``string_agg(float4send(col::real), '')``, which a
-database whose tensile_db predates them reads through instead), decoded with ``numpy.frombuffer``;
+All columns are read in one scan of the source with the extension's C aggregates
+(``extension/tensile_db.c``): ``tensile._pack_float4_columns(a::real, b::real, ...)`` for every
+numeric feature at once (one call a row, each column's values big-endian one after another),
+``_pack_float8`` for a numeric label and ``_pack_int8`` for an integer key (each non-NULL value
+big-endian in one buffer: the bytes of ``string_agg(float8send(col), '')``, which a database
+whose tensile_db predates them reads through instead, one aggregate a column), decoded with
+``numpy.frombuffer``;
 a categorical column (text, varchar, char, enum, boolean and domains over them: type categories
 S, E, B) as each value's UTF-8 bytes after its int4 length (-1 for NULL), decoded into Python
 strings. Which columns are which is :func:`_kinds`; any other type (json, geometry, dates, ...) is
@@ -335,11 +337,20 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
         raise InvalidArgument(f"{listed} (of {n:,} rows); filter them in the source or pass "
                               f"options => '{{\"skip_nulls\": true}}' to skip such rows")
     widths = {c: _array_width(row, i, c, width, input_shape) for i, c in arrays}
-    decoded = [_decode_arrays(row[f"c{i}"] or b"", row["complete"], widths[c], c) if t == "real[]"
+    together = _read_together(columns, packs)
+    reals = _native(row["reals"] or b"", ">f4").reshape(len(together), row["complete"]) if together else None
+    decoded = [reals[together.index(i)] if i in together
+               else _decode_arrays(row[f"c{i}"] or b"", row["complete"], widths[c], c) if t == "real[]"
                else (_decode_categories if packs else _decode_texts)(row[f"c{i}"] or b"", row["complete"]) if t == "text"
                else _native(row[f"c{i}"] or b"", _ENCODINGS[t][1]) for i, (c, t) in enumerate(columns)]
     kept_mask = np.frombuffer(row["kept"], dtype=np.bool_) if row.get("kept") and row["complete"] < n else None
     return _Scan(decoded, n, row["complete"], kept_mask)
+
+
+def _read_together(columns: list[tuple[str, str]], packs: bool) -> list[int]:
+    """The positions in ``columns`` of those read by one ``tensile._pack_float4_columns``: every
+    ``real`` one, where the extension has it."""
+    return [i for i, (_, t) in enumerate(columns) if t == "real"] if packs else []
 
 
 def _native(data: bytes, big_endian: str) -> np.ndarray:
@@ -419,7 +430,12 @@ def _scan_query(plpy, query: str, types: dict[str, int], columns: list[tuple[str
         sized = t == "real[]" and width is not None
         return f"k AND {cardinality(c)} OPERATOR(pg_catalog.=) {int(width)}" if sized else "k"
 
-    aggregates += [f"{aggregate(c, t)} FILTER (WHERE {read_when(c, t)}) AS c{i}" for i, (c, t) in enumerate(columns)]
+    together = _read_together(columns, packs)          # real columns: one aggregate, one call a row
+    if together:
+        values = ", ".join(value(columns[i][0], "real") for i in together)
+        aggregates.append(f"tensile._pack_float4_columns({values}) FILTER (WHERE k) AS reals")
+    aggregates += [f"{aggregate(c, t)} FILTER (WHERE {read_when(c, t)}) AS c{i}" for i, (c, t) in enumerate(columns)
+                   if i not in together]
     if want_kept and skip_nulls:
         aggregates.append("pg_catalog.string_agg(pg_catalog.boolsend(k), ''::pg_catalog.bytea) AS kept")
     projected = ", ".join([f"{ident(c)} AS {alias[c]}" for c in names] + [f"({complete}) AS k"])
