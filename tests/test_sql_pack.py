@@ -132,3 +132,20 @@ def test_the_scan_names_each_column_with_nulls_and_reads_the_same_rows_as_before
         train(conn, "gaps_model", source="SELECT * FROM gaps")
     _, metrics, _, _ = train(conn, "gaps_model", source="SELECT * FROM gaps", options='{"epochs": 2, "skip_nulls": true}')
     assert metrics["samples"] + metrics["test_samples"] == 300 - 13 - 2
+
+
+def test_more_real_columns_than_a_function_takes_are_read_by_several_packs(conn):
+    """A function takes at most 100 arguments: 150 real columns are read by three packs (64, 64
+    and 22 columns), each column's values where they belong."""
+    columns = ", ".join(["g::real AS f0"] + [f"(g * 1000 + {j})::real AS f{j}" for j in range(1, 150)])
+    conn.execute(f"CREATE TEMP TABLE wide AS SELECT {columns}, (g % 2) AS label FROM generate_series(1, 300) g")
+    conn.execute("SELECT tensile._bootstrap()")
+    conn.execute("""DO $$
+from tensile_db.pg import data
+d = data.read_training_data(plpy, 'wide', 'label', None, False)
+assert len(d.raw) == 150 and sorted(d.raw["f0"].tolist()) == list(range(1, 301)), "f0"
+for j in range(1, 150):
+    assert (d.raw[f"f{j}"] == d.raw["f0"] * 1000 + j).all(), f"f{j}"
+$$ LANGUAGE plpython3u""")
+    assert data._read_together([(f"f{j}", "real") for j in range(150)], True) == [
+        list(range(64)), list(range(64, 128)), list(range(128, 150))]

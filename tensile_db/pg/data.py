@@ -41,10 +41,12 @@ PostgreSQL opens only for a plan of exactly one query, so text after a ``;`` nev
 the split and the server's parser disagree. Every function, operator and type the scan adds is qualified
 with ``pg_catalog``, so the caller's ``search_path`` resolves only the names in ``source``.
 
-Limit: one column's bytes must stay under PostgreSQL's 1 GB value limit, about 268 million rows
-(134 million with an integer key), or for an array column about 134 million values in all (8
-bytes a value as read, e.g. 2 million 8x8 images); beyond it the scan is refused with a message
-saying so (SQLSTATE 22023).
+Limit: the scan's one result row holds every column read, and PostgreSQL refuses a row or a value
+over 1 GB: the bytes of all the columns as read must stay under it together, 4 bytes a value of a
+``real`` column (16 of them: about 16 million rows), 8 of a label or key, for an array column
+about 8 a value (e.g. 2 million 8x8 images); beyond it the scan is refused with a message saying
+so (SQLSTATE 22023). (64 real columns of 4,300,000 rows, 17 MB each, were refused so with an
+aggregate a column too.)
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ _ENCODINGS = {"real": ("float4send", ">f4"), "double precision": ("float8send", 
 #: string_agg, or of a categorical value's length and UTF-8 bytes (extension/tensile_db.c; absent
 #: from a database whose tensile_db predates them).
 _PACKS = {"real": "_pack_float4", "double precision": "_pack_float8", "bigint": "_pack_int8", "text": "_pack_text"}
+#: Real columns one ``tensile._pack_float4_columns`` reads at most (a function takes 100 arguments).
+PACKED_COLUMNS = 64
 #: Bytes array_send writes per value (its length and the float4) and per array besides (ndim,
 #: has-NULL flag, element type, and one dimension's size and lower bound).
 _ARRAY_VALUE_NBYTES = 8
@@ -287,15 +291,16 @@ def _decode_categories(data: bytes, rows: int) -> Categories:
 
 
 def _too_large(columns: list[tuple[str, str]], width: int | None) -> InvalidArgument:
-    """The error of a scan whose column outgrew PostgreSQL's largest value."""
+    """The error of a scan whose columns outgrew PostgreSQL's largest value or row."""
     arrays = [c for c, t in columns if t == "real[]"]
     per_row = ""
     if arrays and width:
         row_nbytes = _ARRAY_HEADER_NBYTES + _ARRAY_VALUE_NBYTES * width
         per_row = (f'; the array column "{arrays[0]}" takes about {row_nbytes:,} bytes a row as read, so at most '
                    f"about {MAX_VALUE_NBYTES // row_nbytes:,} rows fit")
-    return InvalidArgument(f"the source's rows hold more than PostgreSQL's 1 GB limit of one value in one column as "
-                           f"read{per_row}; read fewer rows at once (a WHERE clause or LIMIT in the source)")
+    return InvalidArgument(f"the source's rows hold more than PostgreSQL's 1 GB limit of one row of values as read "
+                           f"(every column read, together){per_row}; read fewer rows or columns at once (a WHERE "
+                           f"clause or LIMIT in the source)")
 
 
 def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]], skip_nulls: bool,
@@ -314,12 +319,13 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
     names = list(dict.fromkeys(c for c, _ in columns))
     packs = plpy.execute("SELECT pg_catalog.to_regprocedure('tensile._pack_float4(real)') "
                          "IS NOT NULL AS packs")[0]["packs"]
-    scan = _scan_query(plpy, query, types, columns, skip_nulls, want_kept, width, nullable, packs)
+    together = _read_together(columns, packs)
     parallel = plpy.execute("SELECT pg_catalog.current_setting('max_parallel_workers_per_gather') AS old, "
                             "pg_catalog.set_config('max_parallel_workers_per_gather', '0', true)")[0]["old"]
+    scan = _scan_query(plpy, query, types, columns, skip_nulls, want_kept, width, nullable, packs, together)
     try:
         row = _run_one(plpy, scan)[0]
-    except plpy.spiexceptions.ProgramLimitExceeded:     # SQLSTATE 54000: an aggregate beyond 1 GB
+    except plpy.spiexceptions.ProgramLimitExceeded:     # SQLSTATE 54000: a value or the row beyond 1 GB
         raise _too_large(columns, width) from None
     plpy.execute("SELECT pg_catalog.set_config('max_parallel_workers_per_gather', "
                  f"{plpy.quote_literal(parallel)}, true)")
@@ -337,9 +343,11 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
         raise InvalidArgument(f"{listed} (of {n:,} rows); filter them in the source or pass "
                               f"options => '{{\"skip_nulls\": true}}' to skip such rows")
     widths = {c: _array_width(row, i, c, width, input_shape) for i, c in arrays}
-    together = _read_together(columns, packs)
-    reals = _native(row["reals"] or b"", ">f4").reshape(len(together), row["complete"]) if together else None
-    decoded = [reals[together.index(i)] if i in together
+    reals = {}                      # column position -> its values, from the packs of several columns
+    for g, group in enumerate(together):
+        values = _native(row[f"reals{g}"] or b"", ">f4").reshape(len(group), row["complete"])
+        reals.update(zip(group, values))
+    decoded = [reals[i] if i in reals
                else _decode_arrays(row[f"c{i}"] or b"", row["complete"], widths[c], c) if t == "real[]"
                else (_decode_categories if packs else _decode_texts)(row[f"c{i}"] or b"", row["complete"]) if t == "text"
                else _native(row[f"c{i}"] or b"", _ENCODINGS[t][1]) for i, (c, t) in enumerate(columns)]
@@ -347,10 +355,12 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
     return _Scan(decoded, n, row["complete"], kept_mask)
 
 
-def _read_together(columns: list[tuple[str, str]], packs: bool) -> list[int]:
-    """The positions in ``columns`` of those read by one ``tensile._pack_float4_columns``: every
-    ``real`` one, where the extension has it."""
-    return [i for i, (_, t) in enumerate(columns) if t == "real"] if packs else []
+def _read_together(columns: list[tuple[str, str]], packs: bool) -> list[list[int]]:
+    """The positions in ``columns`` of the ``real`` ones, where the extension has
+    ``tensile._pack_float4_columns``, in groups that one of it reads each: at most
+    :data:`PACKED_COLUMNS`, as a function takes at most 100 arguments."""
+    reals = [i for i, (_, t) in enumerate(columns) if t == "real"] if packs else []
+    return [reals[i:i + PACKED_COLUMNS] for i in range(0, len(reals), PACKED_COLUMNS)]
 
 
 def _native(data: bytes, big_endian: str) -> np.ndarray:
@@ -371,12 +381,14 @@ def _null_counts(plpy, query: str, names: list[str], nullable: frozenset[str]) -
 
 
 def _scan_query(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]], skip_nulls: bool,
-                want_kept: bool, width: int | None, nullable: frozenset[str], packs: bool) -> str:
+                want_kept: bool, width: int | None, nullable: frozenset[str], packs: bool,
+                together: list[list[int]]) -> str:
     """The one statement of :func:`_scan` around the user's ``query``: the row counts (all, and
     those without a refused NULL), each array column's holes and widths, each column's values
     encoded into one ``bytea`` aggregate, and the kept-rows mask if asked. ``packs``: the extension's
     C aggregates (``tensile._pack_float4`` and the like) read the numeric columns, else
-    ``string_agg`` of each value's send function (the same bytes).
+    ``string_agg`` of each value's send function (the same bytes); ``together``: groups of the
+    positions of the ``real`` columns that one ``tensile._pack_float4_columns`` reads at once.
 
     Note [One row test per row]: the source's rows pass through a subquery that projects the
     columns read (as ``v0``, ``v1``, ...) and whether the row is complete (``k``: no NULL where one
@@ -430,12 +442,12 @@ def _scan_query(plpy, query: str, types: dict[str, int], columns: list[tuple[str
         sized = t == "real[]" and width is not None
         return f"k AND {cardinality(c)} OPERATOR(pg_catalog.=) {int(width)}" if sized else "k"
 
-    together = _read_together(columns, packs)          # real columns: one aggregate, one call a row
-    if together:
-        values = ", ".join(value(columns[i][0], "real") for i in together)
-        aggregates.append(f"tensile._pack_float4_columns({values}) FILTER (WHERE k) AS reals")
+    for g, group in enumerate(together):        # real columns: an aggregate a group, one call a row
+        values = ", ".join(value(columns[i][0], "real") for i in group)
+        aggregates.append(f"tensile._pack_float4_columns({values}) FILTER (WHERE k) AS reals{g}")
+    packed = {i for group in together for i in group}
     aggregates += [f"{aggregate(c, t)} FILTER (WHERE {read_when(c, t)}) AS c{i}" for i, (c, t) in enumerate(columns)
-                   if i not in together]
+                   if i not in packed]
     if want_kept and skip_nulls:
         aggregates.append("pg_catalog.string_agg(pg_catalog.boolsend(k), ''::pg_catalog.bytea) AS kept")
     projected = ", ".join([f"{ident(c)} AS {alias[c]}" for c in names] + [f"({complete}) AS k"])
