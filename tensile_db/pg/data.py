@@ -6,17 +6,19 @@ numeric feature at once (one call a row, each column's values big-endian one aft
 ``_pack_float8`` for a numeric label and ``_pack_int8`` for an integer key (each non-NULL value
 big-endian in one buffer: the bytes of ``string_agg(float8send(col), '')``, which a database
 whose tensile_db predates them reads through instead, one aggregate a column), decoded with
-``numpy.frombuffer``;
-a categorical column (text, varchar, char, enum, boolean and domains over them: type categories
-S, E, B) as each value's UTF-8 bytes after its int4 length (-1 for NULL), decoded into Python
-strings. Which columns are which is :func:`_kinds`; any other type (json, geometry, dates, ...) is
-refused by name, never skipped (:mod:`tensile_db.runtime.preprocess` turns the raw columns into
-the network's inputs). Every aggregate of one Agg node sees the rows in the same order, so the
-columns stay aligned. The aggregates skip NULLs, so the scan counts the rows without a NULL
-where one is refused (Note [One row test per row]); where some have one, it is either reported,
-naming each such column and its count (a second scan, made only to count them), or — with
-``skip_nulls`` — every aggregate is filtered to the rows without any NULL (and, where rows are
-named by their ordinal, one byte a row says which were kept). A column whose missing values the
+``numpy.frombuffer``; a categorical column (text, varchar, char, enum, boolean and domains over
+them: type categories S, E, B) by ``tensile._pack_text``, dictionary-encoded as it is read (its
+distinct values' UTF-8 bytes, then a code a row, -1 for NULL; without the extension, each value's
+UTF-8 bytes after its int4 length, -1 for NULL), decoded into
+:class:`~tensile_db.runtime.preprocess.Categories`. Which columns are which is :func:`_kinds`;
+any other type (json, geometry, dates, ...) is refused by name, never skipped
+(:mod:`tensile_db.runtime.preprocess` turns the raw columns into the network's inputs). Every
+aggregate of one Agg node sees the rows in the same order, so the columns stay aligned. The
+numeric aggregates skip NULLs, so the scan counts the rows without a NULL where one is refused
+(Note [One row test per row]); where some have one, it is either reported, naming each such
+column and its count (a second scan, made only to count them), or — with ``skip_nulls`` — every
+aggregate is filtered to the rows without any NULL (and, where rows are named by their ordinal,
+one byte a row says which were kept). A column whose missing values the
 model imputes keeps its NULLs instead: a numeric one reads them as NaN (``COALESCE(col::real,
 'NaN')``, so a NaN stored in it is a missing value too), a categorical one as None. Parallel
 aggregation is switched off for the scan so that no partial aggregates are combined.
