@@ -12,7 +12,8 @@
  * PostgreSQL's own error (SQLSTATE 54000), as string_agg's does.
  *
  * The varlena header is kept in the buffer's first VARHDRSZ bytes, so the final function returns
- * the buffer itself, without a copy; calling it again (a window aggregate) sets the same header.
+ * the buffer itself instead of building another; calling it again (a window aggregate) sets the
+ * same header.
  */
 #include "postgres.h"
 
@@ -36,16 +37,25 @@ PG_FUNCTION_INFO_V1(tensile_packtext_transfn);
 PG_FUNCTION_INFO_V1(tensile_packtext_finalfn);
 PG_FUNCTION_INFO_V1(tensile_pack_finalfn);
 
+/* The memory context of the aggregate calling a transition function: its state's home. */
+static MemoryContext
+aggregate_context(FunctionCallInfo fcinfo)
+{
+	MemoryContext aggcontext;
+
+	if (!AggCheckCallContext(fcinfo, &aggcontext))
+		elog(ERROR, "tensile_db's pack aggregates must be called as aggregates");
+	return aggcontext;
+}
+
 /* The state of one aggregate: a StringInfo whose data starts with VARHDRSZ reserved bytes. */
 static StringInfo
 pack_state(FunctionCallInfo fcinfo)
 {
-	MemoryContext aggcontext;
+	MemoryContext aggcontext = aggregate_context(fcinfo);
 	MemoryContext old;
 	StringInfo	state;
 
-	if (!AggCheckCallContext(fcinfo, &aggcontext))
-		elog(ERROR, "tensile_db's pack aggregates must be called as aggregates");
 	if (!PG_ARGISNULL(0))
 		return (StringInfo) PG_GETARG_POINTER(0);
 	old = MemoryContextSwitchTo(aggcontext);
@@ -64,13 +74,22 @@ append_be(StringInfo state, const void *value, int nbytes)
 	state->len += nbytes;
 }
 
+/* One real's 4 bytes, big-endian (float4send's). */
+static inline void
+append_float4(StringInfo state, float4 value)
+{
+	uint32		bits;
+
+	memcpy(&bits, &value, sizeof(bits));
+	bits = pg_hton32(bits);
+	append_be(state, &bits, sizeof(bits));
+}
+
 /* real (float4) in, its 4 bytes big-endian appended. */
 Datum
 tensile_pack4_transfn(PG_FUNCTION_ARGS)
 {
 	StringInfo	state;
-	float4		value;
-	uint32		bits;
 
 	if (PG_ARGISNULL(1))
 	{
@@ -78,11 +97,8 @@ tensile_pack4_transfn(PG_FUNCTION_ARGS)
 			PG_RETURN_NULL();
 		PG_RETURN_POINTER(PG_GETARG_POINTER(0));
 	}
-	value = PG_GETARG_FLOAT4(1);
-	memcpy(&bits, &value, sizeof(bits));
-	bits = pg_hton32(bits);
 	state = pack_state(fcinfo);
-	append_be(state, &bits, sizeof(bits));
+	append_float4(state, PG_GETARG_FLOAT4(1));
 	PG_RETURN_POINTER(state);
 }
 
@@ -121,13 +137,11 @@ typedef struct ColumnsPack
 Datum
 tensile_packcolumns_transfn(PG_FUNCTION_ARGS)
 {
-	MemoryContext aggcontext;
+	MemoryContext aggcontext = aggregate_context(fcinfo);
 	ColumnsPack *state;
 	int			ncolumns = PG_NARGS() - 1;
 	int			i;
 
-	if (!AggCheckCallContext(fcinfo, &aggcontext))
-		elog(ERROR, "tensile_db's pack aggregates must be called as aggregates");
 	if (PG_ARGISNULL(0))
 	{
 		MemoryContext old = MemoryContextSwitchTo(aggcontext);
@@ -145,17 +159,11 @@ tensile_packcolumns_transfn(PG_FUNCTION_ARGS)
 		state = (ColumnsPack *) PG_GETARG_POINTER(0);
 	for (i = 0; i < ncolumns; i++)
 	{
-		float4		value;
-		uint32		bits;
-
 		if (PG_ARGISNULL(i + 1))
 			ereport(ERROR,
 					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 					 errmsg("tensile._pack_float4_columns got a NULL in argument %d", i + 1)));
-		value = PG_GETARG_FLOAT4(i + 1);
-		memcpy(&bits, &value, sizeof(bits));
-		bits = pg_hton32(bits);
-		append_be(&state->columns[i], &bits, sizeof(bits));
+		append_float4(&state->columns[i], PG_GETARG_FLOAT4(i + 1));
 	}
 	PG_RETURN_POINTER(state);
 }
@@ -238,13 +246,11 @@ pack_key_match(const void *a, const void *b, Size keysize)
 static TextPack *
 text_pack_state(FunctionCallInfo fcinfo)
 {
-	MemoryContext aggcontext;
+	MemoryContext aggcontext = aggregate_context(fcinfo);
 	MemoryContext old;
 	TextPack   *state;
 	HASHCTL		ctl;
 
-	if (!AggCheckCallContext(fcinfo, &aggcontext))
-		elog(ERROR, "tensile_db's pack aggregates must be called as aggregates");
 	if (!PG_ARGISNULL(0))
 		return (TextPack *) PG_GETARG_POINTER(0);
 	old = MemoryContextSwitchTo(aggcontext);

@@ -71,6 +71,14 @@ def unscheduled_peak(architecture: dict, options: dict, n_rows: int) -> tuple[in
     return program.vanilla_peak_nbytes(), program.min_working_set_nbytes
 
 
+def shared_budget(n_rows: int) -> tuple[int, int]:
+    """(the device budget the embedded demo sets, the sum of the models' unscheduled peaks), bytes:
+    :data:`BUDGET_FRACTION` of that sum, or the largest smallest working set if that is more."""
+    peaks = [unscheduled_peak(arch, options, n_rows) for arch, options, _ in MODELS.values()]
+    vanilla_sum = sum(p for p, _ in peaks)
+    return max(int(vanilla_sum * BUDGET_FRACTION), max(w for _, w in peaks)), vanilla_sum
+
+
 def load_digits_tables(engine) -> int:
     """Create and fill digits_train / digits_test; returns the number of training rows."""
     from sklearn.datasets import load_digits
@@ -136,9 +144,7 @@ def run(home: str) -> int:
     engine = create_engine(cluster.url(DATABASE), pool_size=8)
     n_train = load_digits_tables(engine)
     print(f"loaded digits: {n_train} training rows, 64 features, 10 classes")
-    peaks = {name: unscheduled_peak(arch, options, n_train) for name, (arch, options, _) in MODELS.items()}
-    vanilla_sum = sum(p for p, _ in peaks.values())
-    budget = max(int(vanilla_sum * BUDGET_FRACTION), max(w for _, w in peaks.values()))
+    budget, vanilla_sum = shared_budget(n_train)
     with engine.begin() as conn:
         conn.execute(text("SELECT tensile.stop_coordinator()"))      # the next call starts one with the new budget
     cluster.configure({"tensile.device_budget": f"'{budget}'"})
@@ -167,7 +173,7 @@ def run_on_server(dsn: str) -> int:
     print(f"tensile_db {version} in database {database}")
     n_train = load_digits_tables(engine)
     print(f"loaded digits: {n_train} training rows, 64 features, 10 classes")
-    vanilla_sum = sum(unscheduled_peak(arch, options, n_train)[0] for arch, options, _ in MODELS.values())
+    _, vanilla_sum = shared_budget(n_train)
     with engine.begin() as conn:
         conn.execute(text("SELECT tensile.start_coordinator()"))
     budget = TensileClient(engine).memory()["budget_bytes"]

@@ -25,8 +25,7 @@ DATABASE = "analytics"
 @pytest.fixture(scope="module")
 def server():
     """A running cluster with the budget the embedded demo sets, and DATABASE holding tensile_db 0.3.0."""
-    peaks = [demo.unscheduled_peak(arch, options, 1347) for arch, options, _ in demo.MODELS.values()]
-    budget = max(int(sum(p for p, _ in peaks) * demo.BUDGET_FRACTION), max(p for p, _ in peaks))
+    budget, _ = demo.shared_budget(1347)
     base = tempfile.mkdtemp(prefix="tensile-demo-")
     cluster = EmbeddedCluster(base, python_paths=[site.getsitepackages()[0]],
                               settings={"tensile.device_budget": f"'{budget}'"})

@@ -459,7 +459,7 @@ def _standardize(spec, options, x, y, scale_modes=None):
         raise InvalidArgument(f"{len(scale_modes)} scale modes for {x.shape[1]} input columns")
     if any(m != "none" for m in scale_modes):
         scaling["x_mean"], scaling["x_std"] = preprocess.fit_scaling(x, scale_modes)
-        x = _affine(x, scaling["x_mean"], scaling["x_std"])
+        x = models.standardize(scaling, x)
     if spec.task == "classification":
         y = np.asarray(y, dtype=np.int32).reshape(-1)
     else:
@@ -472,19 +472,10 @@ def _standardize(spec, options, x, y, scale_modes=None):
     return np.ascontiguousarray(x), np.ascontiguousarray(y), scaling
 
 
-def _affine(x: np.ndarray, center: np.ndarray, spread: np.ndarray) -> np.ndarray:
-    """``(x - center) / spread``, float32, in one new (N, F) array (no intermediate copies)."""
-    out = np.subtract(x, center, dtype=np.float32)
-    out /= spread
-    return out
-
-
 def _scaled(scaling: dict, x: np.ndarray, y: np.ndarray, task: str) -> tuple[np.ndarray, np.ndarray]:
     """Held-out rows scaled with the training rows' ``scaling``: x (N, F) float32, y (N,) int32
     class indices or (N, 1) float32 scaled targets."""
-    x = np.asarray(x, np.float32)
-    if "x_mean" in scaling:
-        x = _affine(x, scaling["x_mean"], scaling["x_std"])
+    x = models.standardize(scaling, x)
     if task == "classification":
         return np.ascontiguousarray(x), np.asarray(y, np.int32).reshape(-1)
     y = np.asarray(y, np.float32).reshape(-1, 1)

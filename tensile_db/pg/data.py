@@ -84,10 +84,11 @@ _TABLE_NAME = re.compile(r'^("[^"]+"|[A-Za-z_][A-Za-z0-9_$]*)(\.("[^"]+"|[A-Za-z
 #: dtype (an array's is decoded by :func:`_decode_arrays`).
 _ENCODINGS = {"real": ("float4send", ">f4"), "double precision": ("float8send", ">f8"), "bigint": ("int8send", ">i8"),
               "real[]": ("array_send", None)}
-#: The extension's aggregate that reads a column as each encoding: the bytes of the send function's
-#: string_agg, or of a categorical value's length and UTF-8 bytes (extension/tensile_db.c; absent
-#: from a database whose tensile_db predates them).
-_PACKS = {"real": "_pack_float4", "double precision": "_pack_float8", "bigint": "_pack_int8", "text": "_pack_text"}
+#: The extension's aggregate that reads a column as each encoding but ``real`` (whose columns
+#: ``tensile._pack_float4_columns`` reads together): the bytes of the send function's string_agg,
+#: or a categorical column dictionary-encoded (extension/tensile_db.c; absent from a database
+#: whose tensile_db predates them).
+_PACKS = {"double precision": "_pack_float8", "bigint": "_pack_int8", "text": "_pack_text"}
 #: Real columns one ``tensile._pack_float4_columns`` reads at most (a function takes 100 arguments).
 PACKED_COLUMNS = 64
 #: Bytes array_send writes per value (its length and the float4) and per array besides (ndim,
@@ -332,12 +333,14 @@ def _scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]
     plpy.execute("SELECT pg_catalog.set_config('max_parallel_workers_per_gather', "
                  f"{plpy.quote_literal(parallel)}, true)")
     n = row["n"]
-    nulls = _null_counts(plpy, query, names, nullable) if row["complete"] < n and not skip_nulls else {}
+    nulls = {}
+    if row["complete"] < n and not skip_nulls:
+        nulls = _null_counts(plpy, query, names, nullable)
+        if not nulls:                   # a source whose rows changed between the scans
+            raise InvalidArgument(f"{n - row['complete']:,} of {n:,} rows have NULLs in the columns read (the source "
+                                  f"gave other rows when counted again); filter them in the source or pass "
+                                  f"options => '{{\"skip_nulls\": true}}' to skip such rows")
     holes = {c: row[f"holes{i}"] for i, c in arrays if row[f"holes{i}"]}
-    if row["complete"] < n and not skip_nulls and not nulls:      # a source whose rows changed between the scans
-        raise InvalidArgument(f"{n - row['complete']:,} of {n:,} rows have NULLs in the columns read (the source "
-                              f"gave other rows when counted again); filter them in the source or pass "
-                              f"options => '{{\"skip_nulls\": true}}' to skip such rows")
     if (nulls or holes) and not skip_nulls:
         listed = ", ".join([f'column "{c}" has {k:,} NULL{"s" if k > 1 else ""}' for c, k in nulls.items()]
                            + [f'column "{c}" has {k:,} array{"s" if k > 1 else ""} with NULL elements'
@@ -388,7 +391,7 @@ def _scan_query(plpy, query: str, types: dict[str, int], columns: list[tuple[str
     """The one statement of :func:`_scan` around the user's ``query``: the row counts (all, and
     those without a refused NULL), each array column's holes and widths, each column's values
     encoded into one ``bytea`` aggregate, and the kept-rows mask if asked. ``packs``: the extension's
-    C aggregates (``tensile._pack_float4`` and the like) read the numeric columns, else
+    C aggregates (:data:`_PACKS`) read the columns, else
     ``string_agg`` of each value's send function (the same bytes); ``together``: groups of the
     positions of the ``real`` columns that one ``tensile._pack_float4_columns`` reads at once.
 

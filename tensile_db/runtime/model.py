@@ -367,7 +367,11 @@ def standardize(weights: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
     """Raw features x (N, F) -> the network's float32 input (N, F): the stored feature scaling
     applied, if the model has one."""
     x = np.asarray(x, dtype=np.float32)
-    return (x - weights["x_mean"]) / weights["x_std"] if "x_mean" in weights else x
+    if "x_mean" not in weights:
+        return x
+    out = np.subtract(x, weights["x_mean"], dtype=np.float32)     # one new array, divided in place
+    out /= weights["x_std"]
+    return out
 
 
 def finish(spec: ModelSpec, weights: dict[str, np.ndarray], h: np.ndarray) -> np.ndarray:
