@@ -7,6 +7,7 @@ MLP and CNN timelines:
 - no plan of any planner that meets the target takes less extra time, and whole swaps and
   recomputes (the mixed-integer program) never give a lower bound than fractional ones;
 - a lower target never gives a smaller bound, free copies give none, and slow ones some;
+  contention between copies and kernels never lowers it, and raises it where copies are needed;
 - the same call gives the same answer, solves and iterations.
 """
 
@@ -34,6 +35,9 @@ COSTS = {
     "fast": CostModel(h2d_bytes_per_s=8e9, d2h_bytes_per_s=8e9),
     "slow": CostModel(h2d_bytes_per_s=1e6, d2h_bytes_per_s=1e6),          # copies cost more than recomputes
     "duplex": CostModel(h2d_bytes_per_s=3e7, d2h_bytes_per_s=2e7, latency_s=1e-4, duplex=True),
+    # kernels and copies slow each other (Note [Contention]), more than the simulated GPUs' 5%
+    "contended": CostModel(h2d_bytes_per_s=3e7, d2h_bytes_per_s=2e7, latency_s=1e-4, duplex=True, contention=0.3),
+    "contended-one-channel": CostModel(h2d_bytes_per_s=3e7, d2h_bytes_per_s=3e7, contention=0.3),
 }
 #: the timelines small enough for the mixed-integer program
 SMALL = ("cnn", "mlp-two-jobs")
@@ -160,6 +164,21 @@ def test_free_copies_cost_nothing_and_slow_ones_do(timelines, name):
     free = CostModel(h2d_bytes_per_s=1e30, d2h_bytes_per_s=1e30, duplex=True)
     assert lower_bound(tl, free, target).extra_s == 0.0
     assert lower_bound(tl, COSTS["slow"], target).extra_s > 0
+
+
+@pytest.mark.parametrize("name", ["cnn", "mlp-two-jobs", "cnn-and-mlp-twice"])
+def test_contention_never_lowers_the_bound_and_raises_it_where_copies_are_needed(timelines, name):
+    tl = timelines[name]
+    plain, contended = COSTS["duplex"], COSTS["contended"]
+    raised = 0
+    for fraction in (0.7, 0.5, 0.35):
+        target = max(int(fraction * tl.vanilla_peak_nbytes()), _floor_nbytes(tl))
+        without, with_ = lower_bound(tl, plain, target), lower_bound(tl, contended, target)
+        assert with_.extra_s >= without.extra_s - 1e-4 * without.compute_s
+        # where the relaxed plan copies, the kernels beside the copies lose c / (1 + c) of them
+        copies_s = float((with_.swap * plain.swap_out_s(with_.absences.nbytes)).sum())
+        raised += with_.extra_s > without.extra_s + 1e-3 * without.compute_s and copies_s > 0
+    assert raised
 
 
 def test_the_guide_frees_the_peak(timelines):

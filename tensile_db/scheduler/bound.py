@@ -28,9 +28,12 @@ E_hat``, where ``E_hat`` is the extra time allowed for (stalls and recomputes st
 between two events of one period by at most a period's extra time). So a swap frees a
 contiguous, cyclic part of the absence. Every event ``k`` above the target ``M`` (vanilla bytes
 ``U_k``) needs ``sum s_g x_g >= U_k - M`` over the variables ``x_g`` that free it. The extra
-time ``E`` is at least the recomputes' seconds, and at least each copy engine's busy seconds
-less the compute time ``T`` (an engine copies at most one period, ``T + E``, per period; one
-channel for both directions unless the cost model is duplex). Minimise ``E``: ``LP(E_hat)``.
+time ``E`` is at least the recomputes' seconds plus ``c / (1 + c)`` of each copy engine's busy
+seconds (the cost model's contention ``c``: while a copy is in flight the kernels run ``1 + c``
+times slower, so the compute stream loses at least that over a period; Note [Contention] in
+:mod:`~.cost`), and at least each copy engine's busy seconds less the compute time ``T`` (an
+engine copies at most one period, ``T + E``, per period; one channel for both directions unless
+the cost model is duplex). Minimise ``E``: ``LP(E_hat)``.
 
 Every plan of extra time ``E*`` is feasible in ``LP(E*)`` with ``E = E*``, so ``LP(E*) <= E*``.
 ``LP`` does not increase with ``E_hat`` (larger windows), so ``{e : LP(e) <= e}`` is an interval
@@ -52,9 +55,9 @@ would be simulated faster than it runs, and could then appear below this bound.
 Note [Congestion]
 -----------------
 Rationale: ``LP`` limits a copy engine only by the period's length, so every swap that frees the
-peak may copy at once. At 35% of one ResNet-50's peak on the simulated H100 it allowed 1% of
-extra time, where the swap-outs that free the peak need more: each must run between its tensor's
-last access before the peak and the peak.
+peak may copy at once. At 35% of one ResNet-50's peak on the simulated H100 it allowed 5.9% of
+extra time (1% without contention), where the swap-outs that free the peak need more: each must
+run between its tensor's last access before the peak and the peak.
 
 Approach: for a few events above the target (one per :data:`WATCHED` stretch of the period, the
 one of most excess there), a program of that event ``k`` alone: ``x_g`` for each absence that
@@ -361,10 +364,17 @@ class _Model:
         for busy in [out_s, in_s] if self.cost.duplex else [out_s + in_s]:
             ub.add(np.zeros(1 + len(w_at)), np.r_[0, w_at], np.r_[-1.0, busy], 1.0)
 
-    def _recomputes(self, ub: _Rows, r_at: np.ndarray, recomputes: np.ndarray) -> None:
-        """The compute stream's row for the recompute columns ``r_at`` (of ``recomputable[
-        recomputes]``), ``E`` in column 0: the recomputes' seconds add to it."""
-        ub.add(np.zeros(1 + len(r_at)), np.r_[0, r_at], np.r_[-1.0, self.recipe_s[recomputes] / self.compute_s], 0.0)
+    def _compute_stream(self, ub: _Rows, r_at: np.ndarray, recomputes: np.ndarray, w_at: np.ndarray,
+                        swaps: np.ndarray) -> None:
+        """The compute stream's rows for the recompute columns ``r_at`` (of ``recomputable[
+        recomputes]``) and the swap columns ``w_at`` (of the relevant absences ``swaps``), ``E``
+        in column 0: the recomputes' seconds add to it, and so does the kernels' loss to each
+        copy engine's seconds (Note [Relaxation]: ``c / (1 + c)`` of them)."""
+        loss = self.cost.contention / (1.0 + self.cost.contention)
+        recompute_s = self.recipe_s[recomputes] / self.compute_s
+        out_s, in_s = self.out_s[swaps] / self.compute_s, self.in_s[swaps] / self.compute_s
+        for busy in [out_s, in_s] if self.cost.duplex else [out_s + in_s]:
+            ub.add(np.zeros(1 + len(r_at) + len(w_at)), np.r_[0, r_at, w_at], np.r_[-1.0, recompute_s, loss * busy], 0.0)
 
     def _one_of_two(self, ub: _Rows, swap_at: np.ndarray, r_at: np.ndarray, recomputes: np.ndarray) -> None:
         """``w + r <= 1`` for the recompute columns ``r_at`` (of ``recomputable[recomputes]``)
@@ -398,7 +408,7 @@ class _Model:
                np.concatenate([np.ones(m), -np.ones(m - 1), w_signs * self.size[swaps][w_vars],
                                r_signs * self.size[self.recomputable][r_vars]]),
                np.zeros(m))
-        self._recomputes(ub, r_at, np.arange(n_r))
+        self._compute_stream(ub, r_at, np.arange(n_r), w_at, swaps)
         self._engines(ub, w_at, swaps)
         swap_at = np.full(len(self.relevant), -1)
         swap_at[swaps] = w_at
@@ -426,7 +436,7 @@ class _Model:
         eq, ub = _Rows(), _Rows()
         ub.add(np.zeros(c + n_r), np.r_[x_at, r_at],
                -np.r_[self.size[spans], self.size[self.recomputable[recomputes]]], -self.need[j])
-        self._recomputes(ub, r_at, recomputes)
+        self._compute_stream(ub, r_at, recomputes, x_at, spans)
         self._engines(ub, x_at, spans)
         swap_at = np.full(len(self.relevant), -1)
         swap_at[spans] = x_at

@@ -17,6 +17,32 @@ gets depends on when the other swaps are issued and complete, so the simulator d
 it replays a plan (:class:`~tensile_db.scheduler.timeline.Simulator`); the cost model only says
 what a copy from or to either tier costs (:meth:`CostModel.swap_out_s`, :meth:`CostModel.swap_in_s`).
 Without a host budget the host tier is unbounded: two tiers, as in TENSILE.
+
+Note [Contention]
+-----------------
+Rationale: a copy between host and device and a kernel that run at once share the device's
+memory (its controllers and L2 on a GPU; the memory bus of a CPU), so each goes slower than it
+would alone: every swap costs compute time even when its copy is hidden. The simulated device
+charges it (:class:`~tensile_db.runtime.simulated.VirtualClock`: both at ``1 / (1 + c)`` while
+the other runs, ``c`` = 0.05); a planner or a bound that leaves it out promises plans faster than
+they run. On the simulated H100 (no jitter, no first-run error), one ResNet-50 at 70% of its
+peak ran at +0.047 of extra time where its plan predicted +0.036; priced, the plan predicts
++0.044 and runs at +0.049.
+
+Approach: :attr:`CostModel.contention` is ``c``, measured at start-up like the bandwidths
+(:func:`measure_bandwidth`: a device-to-device copy on the compute stream, the best of a few,
+alone and beside a swap-out). A copy of ``S`` uncontended seconds that runs wholly beside kernels
+takes ``S (1 + c)``, during which the kernels do ``S`` seconds of work instead of ``S (1 + c)``:
+the compute stream falls ``c S`` behind. The planners' simulation prices each copy at ``S (1 +
+c)`` and adds ``c`` times the busier copy engine's uncontended seconds to the period
+(:class:`~tensile_db.scheduler.timeline.Simulator`). The lower bound counts
+``c / (1 + c)`` of them, what every plan loses at least (Note [Relaxation] in
+:mod:`~tensile_db.scheduler.bound`).
+
+Limitations: first order. The simulation adds the loss at the end of the period, not where the
+copies run, and assumes every copy runs beside a kernel (a copy during a stall runs at full
+speed); two engines busy at once lose once, so the busier one's seconds are counted. On ``cpu``
+the measure is of one machine at one moment, like the bandwidths.
 """
 
 from __future__ import annotations
@@ -40,6 +66,9 @@ MIN_DISK_PROBE_NBYTES = 1 << 20
 #: little free space, or an error): a SATA SSD's order of magnitude; the plans price disk swaps
 #: with it until the coordinator starts again with room to measure.
 DEFAULT_DISK_BYTES_PER_S = 200e6
+#: The most contention a start's measurement reports (Note [Contention]): beyond it, what slowed
+#: the kernel was the machine's other work, not the copy.
+MAX_CONTENTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -48,13 +77,16 @@ class CostModel:
     swap-outs and swap-ins run on separate copy engines and overlap each other (a GPU's copy
     engines, the simulated device's); else they share one channel (``cpu``'s copy thread).
 
+    ``contention``: how much slower a kernel runs while a copy is in flight, and a copy while a
+    kernel runs, as a fraction (0.05: 5% slower; Note [Contention]).
+
     ``host_budget_nbytes``: bytes of swapped-out tensors the host tier holds at most, None for
     no limit (Note [Tiers]); with one, ``disk_read_bytes_per_s`` and ``disk_write_bytes_per_s``
     (the spill file's, :func:`measure_disk`) price the swaps that go to the disk tier.
 
     Raises:
-        InvalidArgument: a negative host budget, or a host budget without both disk bandwidths
-            (positive).
+        InvalidArgument: a negative contention, a negative host budget, or a host budget without
+            both disk bandwidths (positive).
     """
 
     h2d_bytes_per_s: float
@@ -64,8 +96,12 @@ class CostModel:
     host_budget_nbytes: int | None = None
     disk_read_bytes_per_s: float | None = None
     disk_write_bytes_per_s: float | None = None
+    contention: float = 0.0
 
     def __post_init__(self):
+        if not self.contention >= 0:
+            raise InvalidArgument(f"contention {self.contention!r} is not a fraction >= 0; give how much slower a "
+                                  f"kernel runs while a copy is in flight (0.05: 5%), or 0")
         if self.host_budget_nbytes is None:
             return
         if self.host_budget_nbytes < 0:
@@ -112,7 +148,8 @@ def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) 
     :meth:`~tensile_db.runtime.device.Device.copy_engine`): the best of ``repeats`` copies of
     ``nbytes`` bytes each way, and the latency (best of a 512-byte copy each way); the bandwidth
     is the slope between the two sizes, or ``nbytes`` over the large copy's time when noise makes
-    the slope meaningless. Returns a :class:`CostModel` with an unbounded host tier.
+    the slope meaningless; and the contention of a copy and a kernel at once (Note
+    [Contention]). Returns a :class:`CostModel` with an unbounded host tier.
     """
     host = device.host_empty((nbytes,), np.uint8)
     host[...] = 1
@@ -136,7 +173,33 @@ def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) 
         return nbytes / seconds
 
     return CostModel(h2d_bytes_per_s=bandwidth(h2d), d2h_bytes_per_s=bandwidth(d2h), latency_s=latency,
-                     duplex=engine.duplex)
+                     duplex=engine.duplex, contention=_contention(device, engine, dev, repeats))
+
+
+def _contention(device, engine, dev, repeats: int) -> float:
+    """Note [Contention]: how much slower a device-to-device copy of an eighth of ``dev``'s bytes
+    (a kernel on the compute stream) runs while a swap-out of all of ``dev`` is in flight than
+    alone: the median over ``2 * repeats`` pairs, each timed alone then beside one, of the ratio
+    less 1 (interleaved, so that the machine's other work falls on both alike); 0 where noise
+    makes it look faster, at most :data:`MAX_CONTENTION`."""
+    size = dev.nbytes // 8
+    scratch = device.arena_buffer(2 * size)
+
+    def kernel_s(beside: bool) -> float:
+        copy = engine.to_host(dev) if beside else None
+        start = device.now()
+        device.copy_within(scratch, 0, size, size)
+        device.synchronize()
+        seconds = device.now() - start
+        if copy is not None:
+            copy.wait()
+        return seconds
+
+    ratios = []
+    for _ in range(2 * repeats):
+        alone = kernel_s(False)
+        ratios.append(kernel_s(True) / alone - 1.0 if alone > 0 else 0.0)
+    return min(max(float(np.median(ratios)), 0.0), MAX_CONTENTION)
 
 
 def measure_disk(spill_file, nbytes: int = 32 << 20, repeats: int = 3) -> tuple[float, float]:

@@ -280,7 +280,9 @@ def simulate(timeline: Timeline, decisions: list[Decision], cost: CostModel) -> 
     separate channels when ``cost.duplex``), each to and from the tier the host budget gives it
     (Note [Tiers] in :mod:`~tensile_db.scheduler.cost`); the op that next accesses
     a swapped tensor waits for its swap-in, a release waits for its swap-out, and a recompute adds
-    the producing ops' measured times before the op that needs the tensor (:class:`Simulator`)."""
+    the producing ops' measured times before the op that needs the tensor; copies and kernels
+    slow each other by ``cost.contention`` (Note [Contention] in :mod:`~.cost`: the copies priced
+    that much slower, and the busier copy channel's loss added to each period) (:class:`Simulator`)."""
     return Simulator(timeline, cost, decisions).simulate()
 
 
@@ -338,11 +340,12 @@ class Simulator:
         """Put the actions of ``d``, the ``i``-th decision, into ``steps``, in place."""
         if d.method == "swap":
             cost, nbytes = self.cost, d.nbytes
-            in_s, out_s = cost.swap_in_s(nbytes), cost.swap_out_s(nbytes)
+            slow = 1.0 + cost.contention                  # beside the kernels (Note [Contention])
+            in_s, out_s = cost.swap_in_s(nbytes) * slow, cost.swap_out_s(nbytes) * slow
             if cost.host_budget_nbytes is None:           # one tier: the disk's seconds are never read
                 disk_in_s, disk_out_s = in_s, out_s
             else:
-                disk_in_s, disk_out_s = cost.swap_in_s(nbytes, disk=True), cost.swap_out_s(nbytes, disk=True)
+                disk_in_s, disk_out_s = cost.swap_in_s(nbytes, disk=True) * slow, cost.swap_out_s(nbytes, disk=True) * slow
             actions = [(d.free, 0, i), (d.back, 1, (i, in_s, disk_in_s, nbytes)), (d.b, 2, i),
                        (d.a, 3, (i, out_s, disk_out_s, nbytes))]
         else:
@@ -416,9 +419,13 @@ class Simulator:
         out_end = [0.0] * transfers
         in_end = [0.0] * transfers
         starts: list[float] = []            # the second period's op start times, on one clock
-        t = period_start = stall = busy = 0.0
+        t = period_start = stall = 0.0
         free = [0.0, 0.0]                   # when each copy channel is next free: swap-ins', swap-outs'
+        busy = [0.0, 0.0]                   # and its seconds busy in this period
         out = 1 if self.cost.duplex else 0  # one channel for both directions unless duplex
+        # the compute stream's loss per second of the busier channel (Note [Contention] in
+        # :mod:`~tensile_db.scheduler.cost`: its seconds are c S, of copies priced at S (1 + c))
+        loss = self.cost.contention / (1.0 + self.cost.contention)
         # Tiers: only with a host budget; without one every swap is a host tier's, as before.
         budget = self.cost.host_budget_nbytes
         tiered = budget is not None
@@ -435,7 +442,7 @@ class Simulator:
                 held += nbytes
         waited: dict[int, float] = {}      # the second period's waits (:attr:`waited_s`)
         for rep in range(2):
-            period_start, stall, busy, done, spilled = t, 0.0, 0.0, 0, 0
+            period_start, stall, busy, done, spilled = t, 0.0, [0.0, 0.0], 0, 0
             for k, releases, swap_ins, waits, swap_outs in steps:
                 if not timed:               # the ops before this event, summed
                     t += prefix[k] - prefix[done]
@@ -456,7 +463,7 @@ class Simulator:
                         if on_disk[i]:
                             seconds = disk_s
                         free[0] = (free[0] if free[0] > t else t) + seconds
-                        busy += seconds
+                        busy[0] += seconds
                         in_end[i] = free[0]
                         if tiered and not on_disk[i]:
                             frees.append((free[0], nbytes))
@@ -484,7 +491,7 @@ class Simulator:
                             else:
                                 held += nbytes
                         free[out] = (free[out] if free[out] > t else t) + seconds
-                        busy += seconds
+                        busy[out] += seconds
                         out_end[i] = free[out]
                 done = k + 1
             if not timed:
@@ -494,7 +501,8 @@ class Simulator:
                 t = starts.pop()
             else:
                 t = functools.reduce(operator.add, durations[done:], t)
+            t += loss * max(busy)           # the kernels slowed by the copies beside them
         if not timed:
-            return None, t - period_start, stall, busy, spilled
+            return None, t - period_start, stall, sum(busy), spilled
         self.waited_s = waited
-        return np.array(starts) - period_start, t - period_start, stall, busy, spilled
+        return np.array(starts) - period_start, t - period_start, stall, sum(busy), spilled

@@ -1,0 +1,88 @@
+"""Contention between copies and kernels (Note [Contention] in ``tensile_db.scheduler.cost``):
+
+- the start-up measurement finds the simulated device's contention, and none where it has none;
+- a negative contention is refused with the value named;
+- the planners' simulation prices it: a swap that hides alone costs the kernels beside it
+  ``c`` of its copy's seconds, and copies arrive later by the same factor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from tensile_db.errors import InvalidArgument
+from tensile_db.memory.manager import MemoryManager
+from tensile_db.runtime import gpus
+from tensile_db.runtime.builder import build_training_program
+from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
+from tensile_db.runtime.simulated import SimDevice
+from tensile_db.scheduler.cost import CostModel, measure_bandwidth
+from tensile_db.scheduler.planners import plan_swap_score
+from tensile_db.scheduler.timeline import Decision, JobTrace, Timeline, simulate
+from tensile_db.scheduler.trace import AccessSequence
+
+SPEC = ModelSpec(Architecture((Layer(96, "relu"), Layer(64, "tanh"), Layer(48, "relu"))), 16, 4, "classification")
+OPTIONS = TrainOptions(epochs=1, batch_size=64, optimizer="adam", lr=0.005, seed=11)
+OP_S = 1e-3
+N = 1_000_000                   # bytes of each hand-made swap: 1 ms each way at 1 GB/s
+PLAIN = CostModel(h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, duplex=True)
+C = 0.2
+CONTENDED = replace(PLAIN, contention=C)
+
+
+def timeline() -> Timeline:
+    seq = AccessSequence(build_training_program(SPEC, OPTIONS, 64))
+    for p in range(len(seq.program.ops)):
+        seq.record(p, OP_S)
+    seq.end_iteration()
+    return Timeline([JobTrace(1, seq)])
+
+
+@pytest.mark.parametrize("contention", [gpus.CONTENTION, 0.0])
+def test_the_measurement_finds_the_simulated_devices_contention(contention):
+    device = SimDevice("h100", jitter=0.0, contention=contention)
+    cost = measure_bandwidth(device, MemoryManager(device, 1 << 30).engine)
+    assert cost.contention == pytest.approx(contention, abs=1e-9)
+
+
+def test_a_negative_contention_is_refused():
+    with pytest.raises(InvalidArgument, match="contention -0.1"):
+        CostModel(h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, contention=-0.1)
+
+
+def test_a_hidden_swap_costs_the_kernels_beside_it_c_of_its_copy():
+    tl = timeline()
+    # out after event 2, released before 5, in before 18, needed at 22: 1 ms copies with room
+    d = Decision(1, "t", N, "swap", 2, 22, 5, 18)
+    plain, contended = simulate(tl, [d], PLAIN), simulate(tl, [d], CONTENDED)
+    assert plain.stall_s == 0.0 and contended.stall_s == 0.0
+    # both engines copy (1 + C) ms beside the kernels: the busier one's C ms are lost once
+    assert contended.extra_s - plain.extra_s == pytest.approx(C * PLAIN.swap_out_s(N), rel=1e-9)
+    assert contended.channel_busy_s == pytest.approx((1 + C) * plain.channel_busy_s, rel=1e-9)
+
+
+def test_a_swap_with_no_room_to_spare_waits_longer_for_its_slower_copy():
+    tl = timeline()
+    # released at the next event, 1 ms after its swap-out starts: the copy takes 1 ms alone
+    d = Decision(1, "t", N, "swap", 2, 22, 3, 18)
+    plain, contended = simulate(tl, [d], PLAIN), simulate(tl, [d], CONTENDED)
+    assert contended.stall_s == pytest.approx(plain.stall_s + C * PLAIN.swap_out_s(N), rel=1e-9)
+
+
+def test_no_copies_no_loss():
+    tl = timeline()
+    assert simulate(tl, [], CONTENDED).extra_s == simulate(tl, [], PLAIN).extra_s
+
+
+def test_a_plans_loss_is_at_least_c_of_its_busier_engines_seconds():
+    tl = timeline()
+    plan = plan_swap_score(tl, PLAIN, int(0.6 * tl.vanilla_peak_nbytes()), None)
+    swaps = [d for d in plan.decisions if d.method == "swap"]
+    assert swaps
+    busier_s = max(sum(PLAIN.swap_out_s(d.nbytes) for d in swaps), sum(PLAIN.swap_in_s(d.nbytes) for d in swaps))
+    plain, contended = simulate(tl, plan.decisions, PLAIN), simulate(tl, plan.decisions, CONTENDED)
+    assert contended.extra_s >= plain.extra_s + C * busier_s * (1 - 1e-9)
+    assert np.all(np.diff(contended.start_s) > 0)
