@@ -1,6 +1,7 @@
 """Contention between copies and kernels (Note [Contention] in ``tensile_db.scheduler.cost``):
 
 - the start-up measurement finds the simulated device's contention, and none where it has none;
+  on ``cpu`` it is a fraction within the cap;
 - a negative contention is refused with the value named;
 - the planners' simulation prices it: a swap that hides alone costs the kernels beside it
   ``c`` of its copy's seconds, and copies arrive later by the same factor.
@@ -17,9 +18,10 @@ from tensile_db.errors import InvalidArgument
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import gpus
 from tensile_db.runtime.builder import build_training_program
+from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
 from tensile_db.runtime.simulated import SimDevice
-from tensile_db.scheduler.cost import CostModel, measure_bandwidth
+from tensile_db.scheduler.cost import MAX_CONTENTION, CostModel, measure_bandwidth
 from tensile_db.scheduler.planners import plan_swap_score
 from tensile_db.scheduler.timeline import Decision, JobTrace, Timeline, simulate
 from tensile_db.scheduler.trace import AccessSequence
@@ -46,6 +48,16 @@ def test_the_measurement_finds_the_simulated_devices_contention(contention):
     device = SimDevice("h100", jitter=0.0, contention=contention)
     cost = measure_bandwidth(device, MemoryManager(device, 1 << 30).engine)
     assert cost.contention == pytest.approx(contention, abs=1e-9)
+
+
+def test_on_cpu_the_measurement_is_a_fraction_within_the_cap():
+    device = CpuDevice()
+    manager = MemoryManager(device, 64 << 20)
+    try:
+        contention = measure_bandwidth(device, manager.engine, nbytes=4 << 20, repeats=2).contention
+    finally:
+        manager.close()
+    assert 0.0 <= contention <= MAX_CONTENTION
 
 
 def test_a_negative_contention_is_refused():

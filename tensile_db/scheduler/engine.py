@@ -175,7 +175,8 @@ class Scheduler:
         manager.next_use = self.reactive
         if policy == "tensile":        # the fallback keeps the plans' headroom too
             manager.limit_nbytes = int(manager.budget_nbytes * (1.0 - headroom)) // UNIT_NBYTES * UNIT_NBYTES
-        # Where the arena is host memory the probe's buffers are too; elsewhere they come from the arena.
+        # Where the arena is host memory the probe's buffers (1.25 x nbytes with the contention's
+        # kernel scratch) are too; elsewhere they come from the arena.
         nbytes = 16 << 20 if manager.device.arena_in_host_memory else min(16 << 20, max(manager.budget_nbytes // 4, 4096))
         self.cost = cost or self._measure(manager, nbytes)
         # Fields below are used by the executor's thread only, except ``plan`` (read by describe()).
