@@ -357,11 +357,17 @@ class _Model:
         signs = np.concatenate([np.full(frees_0.sum() + starts.sum(), -1.0), np.ones(stops.sum())])
         return rows, variables, signs
 
+    def _busy(self, swaps: np.ndarray) -> list[np.ndarray]:
+        """Per copy engine, the seconds over the compute seconds that each of the relevant
+        absences ``swaps`` keeps it busy if swapped: swap-outs' and swap-ins' engines, or one
+        channel for both unless the cost model is duplex."""
+        out_s, in_s = self.out_s[swaps] / self.compute_s, self.in_s[swaps] / self.compute_s
+        return [out_s, in_s] if self.cost.duplex else [out_s + in_s]
+
     def _engines(self, ub: _Rows, w_at: np.ndarray, swaps: np.ndarray) -> None:
         """The copy engines' rows for the swap columns ``w_at`` (of the relevant absences
         ``swaps``), ``E`` in column 0: each engine is busy at most a period, ``T + E``."""
-        out_s, in_s = self.out_s[swaps] / self.compute_s, self.in_s[swaps] / self.compute_s
-        for busy in [out_s, in_s] if self.cost.duplex else [out_s + in_s]:
+        for busy in self._busy(swaps):
             ub.add(np.zeros(1 + len(w_at)), np.r_[0, w_at], np.r_[-1.0, busy], 1.0)
 
     def _compute_stream(self, ub: _Rows, r_at: np.ndarray, recomputes: np.ndarray, w_at: np.ndarray,
@@ -370,11 +376,10 @@ class _Model:
         recomputes]``) and the swap columns ``w_at`` (of the relevant absences ``swaps``), ``E``
         in column 0: the recomputes' seconds add to it, and so does the kernels' loss to each
         copy engine's seconds (Note [Relaxation]: ``c / (1 + c)`` of them)."""
-        loss = self.cost.contention / (1.0 + self.cost.contention)
         recompute_s = self.recipe_s[recomputes] / self.compute_s
-        out_s, in_s = self.out_s[swaps] / self.compute_s, self.in_s[swaps] / self.compute_s
-        for busy in [out_s, in_s] if self.cost.duplex else [out_s + in_s]:
-            ub.add(np.zeros(1 + len(r_at) + len(w_at)), np.r_[0, r_at, w_at], np.r_[-1.0, recompute_s, loss * busy], 0.0)
+        for busy in self._busy(swaps):
+            ub.add(np.zeros(1 + len(r_at) + len(w_at)), np.r_[0, r_at, w_at],
+                   np.r_[-1.0, recompute_s, self.cost.kernel_loss * busy], 0.0)
 
     def _one_of_two(self, ub: _Rows, swap_at: np.ndarray, r_at: np.ndarray, recomputes: np.ndarray) -> None:
         """``w + r <= 1`` for the recompute columns ``r_at`` (of ``recomputable[recomputes]``)

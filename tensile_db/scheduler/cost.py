@@ -119,6 +119,12 @@ class CostModel:
                 raise InvalidArgument(f"a host budget of {self.host_budget_nbytes:,} bytes needs the disk tier's "
                                       f"{name}, got {value!r}; measure it with measure_disk")
 
+    @property
+    def kernel_loss(self) -> float:
+        """Compute seconds the kernels lose per second a copy is in flight beside them, ``c / (1 +
+        c)`` (Note [Contention]): the one rule the planners' simulation and the lower bound share."""
+        return self.contention / (1.0 + self.contention)
+
     def disk_read_s(self, nbytes: int) -> float:
         """Seconds to read ``nbytes`` from the spill file."""
         return self.latency_s + nbytes / self.disk_read_bytes_per_s

@@ -421,11 +421,10 @@ class Simulator:
         starts: list[float] = []            # the second period's op start times, on one clock
         t = period_start = stall = 0.0
         free = [0.0, 0.0]                   # when each copy channel is next free: swap-ins', swap-outs'
-        busy = [0.0, 0.0]                   # and its seconds busy in this period
         out = 1 if self.cost.duplex else 0  # one channel for both directions unless duplex
         # the compute stream's loss per second of the busier channel (Note [Contention] in
-        # :mod:`~tensile_db.scheduler.cost`: its seconds are c S, of copies priced at S (1 + c))
-        loss = self.cost.contention / (1.0 + self.cost.contention)
+        # :mod:`~tensile_db.scheduler.cost`: c S of copies priced at S (1 + c))
+        loss = self.cost.kernel_loss
         # Tiers: only with a host budget; without one every swap is a host tier's, as before.
         budget = self.cost.host_budget_nbytes
         tiered = budget is not None
@@ -442,6 +441,7 @@ class Simulator:
                 held += nbytes
         waited: dict[int, float] = {}      # the second period's waits (:attr:`waited_s`)
         for rep in range(2):
+            # busy: each copy channel's seconds in this period
             period_start, stall, busy, done, spilled = t, 0.0, [0.0, 0.0], 0, 0
             for k, releases, swap_ins, waits, swap_outs in steps:
                 if not timed:               # the ops before this event, summed
