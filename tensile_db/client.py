@@ -95,9 +95,15 @@ class TensileClient:
         return self._rows("SELECT * FROM tensile.jobs ORDER BY job_id")
 
     def memory(self) -> dict | None:
-        """The row of ``tensile.memory``, or None when no coordinator runs."""
-        rows = self._rows("SELECT * FROM tensile.memory")
+        """The row of ``tensile.memory`` of the first device (the one that serves predict calls),
+        or None when no coordinator runs."""
+        rows = self.devices()
         return rows[0] if rows else None
+
+    def devices(self) -> list[dict]:
+        """Every row of ``tensile.memory``: one per device the coordinator drives, in the order of
+        ``tensile.devices``; none when no coordinator runs."""
+        return self._rows("SELECT * FROM tensile.memory")
 
     def drop(self, model_name: str) -> None:
         with self.engine.begin() as conn:

@@ -13,9 +13,13 @@ scheduler or the memory manager.
 - ``UNPLANNED_POLICIES``: the policies of ``POLICIES`` that make no plan: they decide only when
   an allocation does not fit.
 - ``DEVICES``: ``tensile.device``: ``cpu`` (NumPy) or ``cuda`` (CuPy).
+- ``tensile.devices``: the devices one coordinator drives, each with its own budget, arena,
+  memory manager, executor and plans (:func:`parse_devices`); empty: ``tensile.device`` alone.
 - ``POOLS``: ``tensile.pool``: ``planned`` (recurring allocations at lifetime-planned offsets) or
   ``general`` (the best-fit pool only).
 """
+
+from .errors import InvalidArgument
 
 POLICIES = ("tensile", "reactive", "vdnn", "swap_score", "capuchin", "checkpoint", "tensile_published", "dtr")
 UNPLANNED_POLICIES = ("reactive", "dtr")
@@ -36,3 +40,31 @@ MAX_PREDICT_BATCH_ROWS = 1 << 16
 #: Rows per batch a predict call streams when it does not say: at most this many, fewer when a
 #: step of that many rows would not fit the device budget.
 DEFAULT_PREDICT_BATCH_ROWS = 256
+#: Devices one coordinator drives at most (``tensile.devices``).
+MAX_DEVICES = 16
+
+
+def parse_devices(text: str) -> list[str]:
+    """The devices of ``tensile.devices``: a comma-separated list of ``kind:index`` (``kind`` one
+    of :data:`DEVICES`, all of one kind; ``cpu:0, cpu:1``), as names (``cpu:0``), in order; an
+    empty list for an empty value (then ``tensile.device`` alone).
+
+    Raises:
+        InvalidArgument: naming the value, for a malformed entry, another kind, two kinds, a
+            device listed twice, or more than :data:`MAX_DEVICES`.
+    """
+    entries = [e.strip() for e in text.split(",")] if text.strip() else []
+    names = []
+    for entry in entries:
+        kind, _, index = entry.partition(":")
+        if kind.strip() not in DEVICES or not index.strip().isdigit() or len(index.strip()) > 3:
+            raise InvalidArgument(f"tensile.devices entry {entry!r} is not a device: write kind:index, the kind one of "
+                                  f"{', '.join(DEVICES)} (tensile.devices = 'cpu:0, cpu:1')")
+        names.append(f"{kind.strip()}:{int(index)}")
+    if len({n.partition(':')[0] for n in names}) > 1:
+        raise InvalidArgument(f"tensile.devices {text!r} mixes device kinds; list devices of one kind")
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"tensile.devices {text!r} lists a device twice")
+    if len(names) > MAX_DEVICES:
+        raise InvalidArgument(f"tensile.devices {text!r} lists {len(names)} devices; at most {MAX_DEVICES}")
+    return names

@@ -53,7 +53,7 @@ def test_jobs_beyond_the_limit_wait_queued(executor):
     wait_running(first)
     executor.submit(second)
     assert second.state is JobState.QUEUED
-    assert [j.describe(executor.manager).state for j in executor.jobs()] == ["running", "queued"]
+    assert [j.describe(executor.manager, executor.name).state for j in executor.jobs()] == ["running", "queued"]
     executor.cancel(first)
     assert wait_done(first) == "error" and isinstance(first.error, JobCancelled)
     assert wait_done(second) == "done" and second.state is JobState.DONE

@@ -201,7 +201,7 @@ class Backend:
 
     def __init__(self, executor: Executor, header: dict, arrays: dict):
         self.conn, server_end = Pipe()
-        service = TrainingService(executor, models.Limits(), lambda: {"device": "cpu", "policy": "test"})
+        service = TrainingService([executor], models.Limits(), "test")
         self.failure: BaseException | None = None
 
         def serve():

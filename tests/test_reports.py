@@ -46,9 +46,9 @@ def test_a_running_coordinator_sends_exactly_the_records_fields(coordinator):
         assert accepted["type"] == "accepted"
         assert wait_until(lambda: status.request({"type": "jobs"})[0]["jobs"][0]["state"] == "running")
         jobs = status.request({"type": "jobs"})[0]["jobs"]
-        memory = status.request({"type": "memory"})[0]
+        (memory,) = status.request({"type": "memory"})[0]["devices"]
     assert list(jobs[0]) == FIELDS[JobRow]
-    assert [k for k in memory if k != "type"] == FIELDS[MemoryRow]
+    assert list(memory) == FIELDS[MemoryRow]
     assert memory["running_jobs"] == 1 and list(memory["per_job"]) == [str(jobs[0]["job_id"])]
 
 

@@ -12,6 +12,7 @@ import os
 import sys
 
 from .. import settings
+from ..errors import TensileError
 from ..memory.arena import UNIT_NBYTES
 from ..runtime.model import Limits
 from .address import START_FAILED
@@ -40,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tensile_db.coordinator", description=__doc__)
     parser.add_argument("--socket-dir", required=True, help="0700 directory for the socket and lock")
     parser.add_argument("--device", choices=settings.DEVICES, default=settings.DEFAULT_DEVICE)
-    parser.add_argument("--budget", type=int, default=settings.DEFAULT_BUDGET_NBYTES, help="device arena size, bytes")
+    parser.add_argument("--devices", default="",
+                        help="several devices of one kind, comma-separated (cpu:0,cpu:1); default: --device alone")
+    parser.add_argument("--budget", default=str(settings.DEFAULT_BUDGET_NBYTES),
+                        help="device arena size, bytes: one for every device, or one per device, comma-separated")
     parser.add_argument("--host-budget", type=int, default=settings.DEFAULT_HOST_BUDGET_NBYTES,
                         help="host memory for swapped-out tensors, bytes; beyond it they go to spill files")
     parser.add_argument("--spill-dir", help="directory of the spill files (default: <socket-dir>/spill)")
@@ -58,7 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-job-bytes", type=int, default=Limits.max_job_nbytes,
                         help="refuse training jobs whose unscheduled peak (device and host bytes) exceeds this")
     args = parser.parse_args(argv)
-    if args.budget < UNIT_NBYTES:
+    try:
+        devices = settings.parse_devices(args.devices)
+        budgets = [int(b) for b in args.budget.split(",")]
+    except (TensileError, ValueError) as exc:
+        parser.error(str(exc))
+    if len(budgets) not in (1, len(devices) or 1):
+        parser.error(f"--budget gives {len(budgets)} budgets for {len(devices) or 1} devices")
+    if min(budgets) < UNIT_NBYTES:
         parser.error(f"--budget must be at least {UNIT_NBYTES} bytes, got {args.budget}")
     if args.host_budget < 0:
         parser.error(f"--host-budget must not be negative, got {args.host_budget}")
@@ -70,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     fix_mmap_threshold()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s tensile-coordinator[%(process)d] %(levelname)s %(message)s")
-    coordinator = Coordinator(args.socket_dir, args.device, args.budget, args.max_active_jobs,
+    coordinator = Coordinator(args.socket_dir, args.device, budgets, args.max_active_jobs,
                               args.postmaster_pid_file, policy=args.policy, pool=args.pool,
                               limits=Limits(args.max_layers, args.max_parameters, args.max_job_bytes),
-                              host_budget_nbytes=args.host_budget, spill_dir=args.spill_dir)
+                              host_budget_nbytes=args.host_budget, spill_dir=args.spill_dir, devices=devices)
     try:
         listener = coordinator.start()
     except Exception as exc:          # the backend that started it reads the cause from this line

@@ -34,7 +34,9 @@ from .address import LOG_NAME, SOCKET_NAME, START_FAILED, coordinator_state, soc
 
 @dataclass(frozen=True)
 class StartSpec:
-    """How to start a coordinator: interpreter, device, budget (bytes), host budget (bytes) and
+    """How to start a coordinator: interpreter, device (or ``devices``, several of one kind, from
+    :func:`tensile_db.settings.parse_devices`), budget (bytes: one for every device, or a tuple of
+    one per device), host budget (bytes) and
     the spill directory of the disk tier under it, admission limit, scheduler
     policy (one of ``tensile_db.settings.POLICIES``), pool (one of
     ``tensile_db.settings.POOLS``), the postmaster pid file whose disappearance stops it, and
@@ -42,7 +44,7 @@ class StartSpec:
 
     python: str = sys.executable
     device: str = settings.DEFAULT_DEVICE
-    budget_nbytes: int = settings.DEFAULT_BUDGET_NBYTES
+    budget_nbytes: int | tuple[int, ...] = settings.DEFAULT_BUDGET_NBYTES
     host_budget_nbytes: int = settings.DEFAULT_HOST_BUDGET_NBYTES
     spill_dir: str | None = None        # None: <socket_dir>/spill
     max_active_jobs: int = settings.DEFAULT_MAX_ACTIVE_JOBS
@@ -51,12 +53,14 @@ class StartSpec:
     postmaster_pid_file: str | None = None
     python_path: str | None = None      # prepended to PYTHONPATH, so the interpreter finds this package
     limits: Limits = Limits()
+    devices: tuple[str, ...] = ()
 
 
 def command(socket_dir: str, spec: StartSpec) -> list[str]:
     """The command line that runs a coordinator for ``socket_dir`` (see ``__main__.py``)."""
     argv = [spec.python, "-m", "tensile_db.coordinator", "--socket-dir", socket_dir, "--device", spec.device,
-            "--budget", str(spec.budget_nbytes), "--host-budget", str(spec.host_budget_nbytes),
+            "--budget", ",".join(map(str, (spec.budget_nbytes,) if isinstance(spec.budget_nbytes, int)
+                                     else spec.budget_nbytes)), "--host-budget", str(spec.host_budget_nbytes),
             "--max-active-jobs", str(spec.max_active_jobs),
             "--policy", spec.policy, "--pool", spec.pool, "--max-layers", str(spec.limits.max_layers),
             "--max-parameters", str(spec.limits.max_parameters),
@@ -65,6 +69,8 @@ def command(socket_dir: str, spec: StartSpec) -> list[str]:
         argv += ["--postmaster-pid-file", spec.postmaster_pid_file]
     if spec.spill_dir:
         argv += ["--spill-dir", spec.spill_dir]
+    if spec.devices:
+        argv += ["--devices", ",".join(spec.devices)]
     return argv
 
 

@@ -58,12 +58,14 @@ class Executor:
     """Runs submitted jobs on ``manager``'s device; ``start()`` launches the thread.
 
     ``policy`` is the scheduler policy (:data:`tensile_db.scheduler.POLICIES`); ``cost`` the cost
-    model (measured when None). Raises InvalidArgument for an unknown policy.
+    model (measured when None); ``name`` the device's name in the views (``cpu:1``; by default
+    the device's kind). Raises InvalidArgument for an unknown policy.
     """
 
     def __init__(self, manager: MemoryManager, max_active_jobs: int = DEFAULT_MAX_ACTIVE_JOBS,
-                 policy: str = DEFAULT_POLICY, cost: CostModel | None = None):
+                 policy: str = DEFAULT_POLICY, cost: CostModel | None = None, name: str | None = None):
         self.manager = manager
+        self.name = name or manager.device.name
         self.scheduler = Scheduler(manager, policy, cost)
         self.max_active_jobs = max_active_jobs
         # ``_cond`` guards ``queued``, ``running``, ``_stopping`` and which jobs ``_pace`` holds;
@@ -76,7 +78,7 @@ class Executor:
         self.running: dict[int, tuple[TrainingJob, object]] = {}
         self._cond = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="tensile-executor", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=f"tensile-executor {self.name}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()

@@ -132,6 +132,7 @@ class TrainingJob:
         self.iterations = 0                      # iterations completed
         self.schedule = "cold start"             # 'cold start' | 'planned' | 'reactive'
         self.policy = ""
+        self.device: str | None = None           # the device placement chose (Note [Placement]), once submitted
 
     @cached_property
     def vanilla_peak_nbytes(self) -> int:
@@ -341,12 +342,13 @@ class TrainingJob:
             if t.residency is Residency.DROPPED:
                 self._recompute(mm, t.slot, ctx)
 
-    def describe(self, mm: MemoryManager | None) -> JobRow:
-        """The job's row of ``tensile.jobs``."""
+    def describe(self, mm: MemoryManager | None, device: str) -> JobRow:
+        """The job's row of ``tensile.jobs``; ``mm`` the memory manager of ``device``, the name
+        of the device it runs or waits on."""
         mem = mm.jobs.get(self.id) if mm else None
         return JobRow(
             job_id=self.id, backend_pid=self.info.backend_pid, role=self.info.role,
-            model_name=self.info.model_name, state=self.state.value, epoch=self.epoch,
+            model_name=self.info.model_name, state=self.state.value, device=device, epoch=self.epoch,
             epochs=self.options.epochs, loss=None if math.isnan(self.loss) else self.loss,
             device_nbytes=mem.device_nbytes if mem else 0,
             peak_nbytes=mem.peak_nbytes if mem else 0,

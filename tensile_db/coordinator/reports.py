@@ -28,6 +28,7 @@ class JobRow:
     role: str | None                    # None for readers that are not members of the job's role
     model_name: str | None              # likewise
     state: str                          # 'queued' | 'running'
+    device: str                         # the device it runs or waits on (Note [Placement])
     epoch: int
     epochs: int
     loss: float | None                  # mean loss of the last epoch; likewise hidden
@@ -49,9 +50,10 @@ class JobRow:
 
 @dataclass(frozen=True)
 class MemoryRow:
-    """The device, the scheduler, the planned pool and batch inference, as one row."""
+    """One device, its scheduler and its planned pool, and batch inference (on the device that
+    serves predict calls; zero on the others), as one row."""
 
-    device: str
+    device: str                         # its name: tensile.device, or one of tensile.devices
     budget_nbytes: int
     in_use_nbytes: int
     peak_nbytes: int                    # high-water mark since the coordinator started

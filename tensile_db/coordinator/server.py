@@ -1,4 +1,7 @@
-"""The coordinator server: one process per cluster and device.
+"""The coordinator server: one process per cluster, driving one device or several
+(``tensile.devices``), each with its own budget, arena, memory manager, executor and plans; a
+training job or a search trial runs on the device :mod:`.placement` chooses for it, and predict
+calls run on the first device listed.
 
 It listens on ``<socket_dir>/coordinator.sock`` (``socket_dir`` is 0700, so only processes of
 the PostgreSQL OS user can connect; see :mod:`.address`) and serves each backend connection on
@@ -30,18 +33,19 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Listener
 
 import numpy as np
 
 from .. import settings
 from ..dirs import secure_dir
-from ..errors import CorruptModel, JobCancelled, ProtocolError, TensileError
+from ..errors import CorruptModel, InvalidArgument, JobCancelled, ProtocolError, TensileError
 from ..inference.service import InferenceService
 from ..memory.manager import MemoryManager
 from ..memory.spill import SpillDir
 from ..runtime import model as models
-from ..runtime.devices import make_device
+from ..runtime.devices import device_kind, make_device
 from . import protocol, reports
 from .address import LOCK_NAME, SOCKET_NAME, resident_set, socket_address
 from .executor import Executor
@@ -56,32 +60,42 @@ BACKLOG = 128
 class Coordinator:
     """The server. ``serve_forever()`` blocks; returns False at once if another holds the lock.
 
-    ``policy`` is the scheduler policy, one of ``tensile_db.settings.POLICIES``; the executor
-    raises InvalidArgument for another when the server starts. ``pool`` is one of
-    ``tensile_db.settings.POOLS``.
+    ``device`` is the one device it drives unless ``devices`` lists several (names of
+    :func:`tensile_db.settings.parse_devices`: ``cpu:0``). ``budget_nbytes`` is every device's
+    budget, or a sequence of one per device; ``max_active_jobs`` holds per device; the host
+    budget is shared, an equal part to each device's manager. ``policy`` is the scheduler policy,
+    one of ``tensile_db.settings.POLICIES``; the executor raises InvalidArgument for another when
+    the server starts. ``pool`` is one of ``tensile_db.settings.POOLS``.
+
+    Raises:
+        InvalidArgument: a budget count that is not one or one per device.
     """
 
     def __init__(self, socket_dir: str, device: str = settings.DEFAULT_DEVICE,
-                 budget_nbytes: int = settings.DEFAULT_BUDGET_NBYTES,
+                 budget_nbytes: int | Sequence[int] = settings.DEFAULT_BUDGET_NBYTES,
                  max_active_jobs: int = settings.DEFAULT_MAX_ACTIVE_JOBS, postmaster_pid_file: str | None = None,
                  policy: str = settings.DEFAULT_POLICY, pool: str = settings.DEFAULT_POOL,
                  limits: models.Limits = models.Limits(),
-                 host_budget_nbytes: int | None = settings.DEFAULT_HOST_BUDGET_NBYTES, spill_dir: str | None = None):
+                 host_budget_nbytes: int | None = settings.DEFAULT_HOST_BUDGET_NBYTES, spill_dir: str | None = None,
+                 devices: Sequence[str] = ()):
+        self.device_names = list(devices) or [device]
+        budgets = [budget_nbytes] if isinstance(budget_nbytes, int) else list(budget_nbytes)
+        if len(budgets) not in (1, len(self.device_names)):
+            raise InvalidArgument(f"{len(budgets)} device budgets for {len(self.device_names)} devices "
+                                  f"({', '.join(self.device_names)}); give one for all or one per device")
+        self.budgets_nbytes = budgets * len(self.device_names) if len(budgets) == 1 else budgets
         self.socket_dir = secure_dir(socket_dir, "socket directory")
         self.host_budget_nbytes = host_budget_nbytes
         self.spill_root = spill_dir or os.path.join(self.socket_dir, settings.DEFAULT_SPILL_SUBDIR)
         self.models_dir = os.path.join(self.socket_dir, "models")    # the served models' files
         self.spill: SpillDir | None = None
         self.limits = limits
-        self.device_name = device
-        self.budget_nbytes = budget_nbytes
         self.max_active_jobs = max_active_jobs
         self.policy = policy
         self.pool = pool
         self.postmaster_pid_file = postmaster_pid_file
         self.started_at = time.time()
-        self.manager: MemoryManager | None = None
-        self.executor: Executor | None = None
+        self.executors: list[Executor] = []     # one per device, in the order listed
         self.inference: InferenceService | None = None
         self.training: TrainingService | None = None
         self._lock_fd: int | None = None
@@ -117,16 +131,18 @@ class Coordinator:
             return None
         os.ftruncate(self._lock_fd, 0)
         os.write(self._lock_fd, f"{os.getpid()}\n".encode())
-        device = make_device(self.device_name)
         self.spill = SpillDir(self.spill_root)          # removes what dead coordinators left
-        self.manager = MemoryManager(device, self.budget_nbytes, pool=self.pool,
-                                     host_budget_nbytes=self.host_budget_nbytes, spill=self.spill)
-        device.route_allocations(self.manager)
-        self.executor = Executor(self.manager, self.max_active_jobs, policy=self.policy)
-        self.executor.start()
-        self.inference = InferenceService(self.manager, models_dir=secure_dir(self.models_dir, "model directory"))
-        self.training = TrainingService(self.executor, self.limits, lambda: {
-            "device": self.device_name, "budget_nbytes": self.manager.budget_nbytes, "policy": self.policy})
+        host_share = None if self.host_budget_nbytes is None else self.host_budget_nbytes // len(self.device_names)
+        for name, budget in zip(self.device_names, self.budgets_nbytes):
+            device = make_device(device_kind(name, len(self.device_names)))
+            manager = MemoryManager(device, budget, pool=self.pool, host_budget_nbytes=host_share, spill=self.spill)
+            device.route_allocations(manager)
+            self.executors.append(Executor(manager, self.max_active_jobs, policy=self.policy, name=name))
+        for executor in self.executors:
+            executor.start()
+        self.inference = InferenceService(self.executors[0].manager,
+                                          models_dir=secure_dir(self.models_dir, "model directory"))
+        self.training = TrainingService(self.executors, self.limits, self.policy)
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)          # stale: we hold the lock, nobody serves it
         with socket_address(self.socket_dir) as address:
@@ -134,8 +150,9 @@ class Coordinator:
             os.chmod(address, 0o600)
         if self.postmaster_pid_file:
             threading.Thread(target=self._watch_postmaster, name="tensile-watch", daemon=True).start()
-        log.info("coordinator %d serving %s on %s, budget %d bytes, policy %s, pool %s", os.getpid(),
-                 self.socket_path, self.device_name, self.manager.budget_nbytes, self.policy, self.pool)
+        log.info("coordinator %d serving %s on %s, budgets %s bytes, policy %s, pool %s", os.getpid(),
+                 self.socket_path, ", ".join(self.device_names), ", ".join(map(str, self.budgets_nbytes)),
+                 self.policy, self.pool)
         return listener
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -175,17 +192,18 @@ class Coordinator:
                     elif kind == "predict":
                         self._predict(conn, header, arrays)
                     elif kind == "ping":
-                        protocol.send(conn, {"type": "pong", "pid": os.getpid(), "device": self.device_name,
-                                             "budget_nbytes": self.manager.budget_nbytes})
+                        protocol.send(conn, {"type": "pong", "pid": os.getpid(), "devices": {
+                            e.name: e.manager.budget_nbytes for e in self.executors}})
                     elif kind == "jobs":
-                        protocol.send(conn, {"type": "jobs", "jobs": [reports.as_dict(j.describe(self.manager))
-                                                                      for j in self.executor.jobs()]})
+                        protocol.send(conn, {"type": "jobs", "jobs": [reports.as_dict(j.describe(e.manager, e.name))
+                                                                      for e in self.executors for j in e.jobs()]})
                     elif kind == "retire":
                         retired = self.inference.store.retire(int(header["database"]), str(header["name"]),
                                                               header.get("keep"))
                         protocol.send(conn, {"type": "retired", "count": retired})
                     elif kind == "memory":
-                        protocol.send(conn, dict(reports.as_dict(self.memory_report()), type="memory"))
+                        protocol.send(conn, {"type": "memory", "devices": [reports.as_dict(self.memory_report(e))
+                                                                           for e in self.executors]})
                     elif kind == "shutdown":
                         protocol.send(conn, {"type": "ok", "pid": os.getpid()})
                         self._exit("asked to shut down")
@@ -200,16 +218,20 @@ class Coordinator:
         finally:
             conn.close()
 
-    def memory_report(self) -> reports.MemoryRow:
-        """The row of ``tensile.memory``: the manager's counters (per job too), the scheduler's
-        figures (policy, bandwidths, plans) and the inference service's. Raises TypeError when a
+    def memory_report(self, executor: Executor) -> reports.MemoryRow:
+        """The row of ``tensile.memory`` of ``executor``'s device: its manager's counters (per job
+        too), its scheduler's figures (policy, bandwidths, plans) and, on the device that serves
+        predict calls, the inference service's (zero on the others). Raises TypeError when a
         producer's figures no longer match the record's fields."""
-        snap = self.manager.snapshot()
-        jobs = {j.id: j for j in self.executor.jobs()}
+        snap = executor.manager.snapshot()
+        jobs = {j.id: j for j in executor.jobs()}
         per_job = {str(jid): dict(c, model_name=jobs[jid].info.model_name, role=jobs[jid].info.role)
                    for jid, c in snap.pop("jobs").items() if jid in jobs}
+        inference = self.inference.describe()
+        if executor is not self.executors[0]:
+            inference = dict.fromkeys(inference, 0)
         return reports.MemoryRow(
-            **snap, **self.executor.describe(), **self.inference.describe(), per_job=per_job,
+            **dict(snap, device=executor.name), **executor.describe(), **inference, per_job=per_job,
             started_at=self.started_at, running_jobs=sum(j.state.value == "running" for j in jobs.values()),
             queued_jobs=sum(j.state.value == "queued" for j in jobs.values()),
             **dict(zip(("rss_nbytes", "peak_rss_nbytes"), resident_set())))

@@ -9,10 +9,14 @@ float32 targets, and optionally the held-out ``x_test`` / ``y_test`` of the same
 Answered by ``accepted``, a ``progress`` message per epoch (with the held-out ``val_loss``),
 then ``result`` with the metrics and the weights as arrays, or ``error``.
 
+Each job runs on the device :func:`.placement.choose` picks when it is submitted (Note
+[Placement]); ``accepted`` names it (``device``) and its budget.
+
 ``search``: the same, with ``trials`` (each ``{"architecture", "options", "params"}``, built by
 the backend from :mod:`tensile_db.runtime.search`), ``parallel`` and ``halving``. At most
-``parallel`` trials run at once as jobs of the executor, sharing the device budget with every
-other job; the others wait here. Answered by ``accepted`` (the trials' job ids as they are
+``parallel`` trials run at once as jobs of the executors, sharing the devices' budgets with every
+other job; the others wait here. Each is placed as it is submitted, so trials spread over the
+devices; ``accepted`` lists the devices and their budgets (``devices``). Answered by ``accepted`` (the trials' job ids as they are
 submitted arrive in ``progress``), ``progress`` per epoch of any trial (with ``trial``), a
 ``trial`` message as each trial ends (its metrics and weights, or its error), then ``result``.
 A trial whose held-out loss at a rung is in the worse half stops there when ``halving``
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from dataclasses import dataclass
 
@@ -37,7 +42,7 @@ from ..runtime import metrics as heldout
 from ..runtime import model as models
 from ..runtime import search as searching
 from ..runtime.search import MAX_TRIALS, Halving
-from . import protocol
+from . import placement, protocol
 from .jobs import JobInfo, TrainingJob, chunk_rows
 
 log = logging.getLogger(__name__)
@@ -75,13 +80,51 @@ def _data(header: dict, arrays: dict) -> _Data:
 
 
 class TrainingService:
-    """Serves ``train`` and ``search`` requests with ``executor`` under ``limits``; ``describe``
-    gives the figures every model's metrics carry (device, budget, policy)."""
+    """Serves ``train`` and ``search`` requests with ``executors`` (one per device, a list of
+    :class:`~.executor.Executor`) under ``limits``; ``policy`` is their scheduler policy, which
+    every model's metrics carry with its device and that device's budget."""
 
-    def __init__(self, executor, limits: models.Limits, describe):
-        self.executor = executor
+    def __init__(self, executors: list, limits: models.Limits, policy: str):
+        self.executors = executors
         self.limits = limits
-        self.describe = describe
+        self.policy = policy
+        self._by_name = {e.name: e for e in executors}
+        self._placing = threading.Lock()       # a choice and its submission, one job at a time
+
+    def describe(self, job: TrainingJob) -> dict:
+        """The figures a model's metrics carry about where it was trained: device, budget, policy."""
+        return {"device": job.device, "budget_nbytes": self._by_name[job.device].manager.budget_nbytes,
+                "policy": self.policy}
+
+    def check_fits(self, job: TrainingJob) -> None:
+        """Raise DeviceOutOfMemory when no device's budget holds the job's smallest working set."""
+        max(self.executors, key=lambda e: e.manager.budget_nbytes).check_fits(job)
+
+    def submit(self, job: TrainingJob):
+        """Queue ``job`` on the device placement chooses (Note [Placement]) and return that
+        device's executor. Raises DeviceOutOfMemory when no device's budget holds the job's
+        smallest working set."""
+        with self._placing:
+            if len(self.executors) == 1:
+                executor = self.executors[0]
+            else:
+                device = self.executors[0].manager.device          # one kind: one estimate for all
+                chosen = placement.choose([placement.load_of(e) for e in self.executors], job.vanilla_peak_nbytes,
+                                          job.min_working_set_nbytes, placement.remaining_s(job, device))
+                if chosen is None:
+                    self.check_fits(job)
+                executor = self.executors[chosen]
+            job.device = executor.name
+            executor.submit(job)
+        log.info("job %d (%r) placed on %s", job.id, job.info.model_name, executor.name)
+        return executor
+
+    def cancel(self, job: TrainingJob) -> None:
+        """Cancel ``job`` on its device, or before it was submitted."""
+        if job.device is None:
+            job.cancel_requested.set()
+        else:
+            self._by_name[job.device].cancel(job)
 
     def _job(self, header: dict, data: _Data, architecture, options, name: str,
              data_of: TrainingJob | None = None) -> TrainingJob:
@@ -103,14 +146,14 @@ class TrainingService:
         data = _data(header, arrays)
         job = self._job(header, data, header.get("architecture"), header.get("options"),
                         str(header.get("model_name", "")))
-        self.executor.submit(job)
+        executor = self.submit(job)
         try:
             protocol.send(conn, {"type": "accepted", "job_id": job.id, "vanilla_peak_nbytes": job.vanilla_peak_nbytes,
-                                 "min_working_set_nbytes": job.min_working_set_nbytes,
-                                 "budget_nbytes": self.executor.manager.budget_nbytes})
+                                 "min_working_set_nbytes": job.min_working_set_nbytes, "device": executor.name,
+                                 "budget_nbytes": executor.manager.budget_nbytes})
             self._relay(conn, {job.id: job})
         except BaseException:
-            self.executor.cancel(job)            # the backend has gone or broke the protocol: free the job
+            executor.cancel(job)                 # the backend has gone or broke the protocol: free the job
             job.discard_result()                 # if it had finished already
             raise
         if job.error is not None:
@@ -132,8 +175,8 @@ class TrainingService:
             jobs.append(self._job(header, data, t.get("architecture"), t.get("options"), f"{name} trial {i + 1}",
                                   jobs[0] if jobs else None))
         searching.check_weights_nbytes(sum(searching.weights_nbytes(j.spec) for j in jobs), len(jobs), self.limits)
-        for job in jobs:                           # admission, before any starts: each must fit the budget alone
-            self.executor.check_fits(job)
+        for job in jobs:                           # admission, before any starts: each must fit a budget alone
+            self.check_fits(job)
         if header.get("halving"):              # decided at each epoch's end, on the executor's one thread
             halvings = {}                      # trials of one epoch count are compared at its rungs
             for job in jobs:
@@ -141,21 +184,21 @@ class TrainingService:
         trial_of = {j.id: i for i, j in enumerate(jobs)}
         protocol.send(conn, {"type": "accepted", "job_ids": [j.id for j in jobs],
                              "vanilla_peak_nbytes": [j.vanilla_peak_nbytes for j in jobs],
-                             "budget_nbytes": self.executor.manager.budget_nbytes})
+                             "devices": {e.name: e.manager.budget_nbytes for e in self.executors}})
         waiting, running = list(jobs), {}
         started = time.monotonic()
         try:
             while waiting or running:
                 while waiting and len(running) < parallel:
                     job = waiting.pop(0)
-                    self.executor.submit(job)
+                    self.submit(job)
                     running[job.id] = job
                 for job in self._relay(conn, running, trial_of):
                     del running[job.id]
                     self._send_trial(conn, job, trial_of[job.id], data)
         except BaseException:
             for job in jobs:
-                self.executor.cancel(job)          # running or still waiting here: none is left
+                self.cancel(job)                   # running or still waiting here: none is left
                 job.discard_result()               # a finished trial's, not sent
             raise
         protocol.send(conn, {"type": "result", "wall_s": time.monotonic() - started, "trials": len(jobs)})
@@ -198,7 +241,7 @@ class TrainingService:
                         if trial_of is not None:
                             raise JobCancelled("the search was cancelled by its backend")
                         for job in jobs.values():
-                            self.executor.cancel(job)
+                            self.cancel(job)
 
     def metrics(self, job: TrainingJob, data: _Data) -> dict:
         """The metrics a trained model is stored with: held-out metrics when there are held-out
@@ -219,7 +262,7 @@ class TrainingService:
         return dict(test, **fit, train_loss=job.loss, epochs=job.epoch, samples=len(data.x), batch_size=job.batch,
                     history=job.history, best_epoch=job.best_epoch, stopped=job.stopped,
                     train_time_s=job.finished_at - job.started_at, queued_s=job.started_at - job.created_at,
-                    **self.describe(), peak_device_nbytes=m.peak_nbytes, vanilla_peak_nbytes=job.vanilla_peak_nbytes,
+                    **self.describe(job), peak_device_nbytes=m.peak_nbytes, vanilla_peak_nbytes=job.vanilla_peak_nbytes,
                     min_working_set_nbytes=job.min_working_set_nbytes,
                     swapped_out_nbytes=m.swapped_out_nbytes, swapped_in_nbytes=m.swapped_in_nbytes,
                     swap_outs=m.swap_outs, swap_ins=m.swap_ins, spilled_nbytes=m.spilled_nbytes,

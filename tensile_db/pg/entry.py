@@ -141,14 +141,13 @@ def jobs(plpy, GD) -> list[dict]:
 @_sql_errors
 def memory(plpy, GD) -> list[dict]:
     reply = _ask(plpy, GD, "memory")
-    if reply is None:
-        return []
-    _hide_others(plpy, GD, list(reply["per_job"].values()))
-    reply.pop("type")
-    reply["per_job"] = json.dumps({job_id: reports.sql_row(reports.MemoryRow, c)
-                                   for job_id, c in reply["per_job"].items()})
-    reply["started_at"] = _timestamp(reply["started_at"])
-    return [reports.sql_row(reports.MemoryRow, reply)]
+    rows = reply["devices"] if reply else []
+    for row in rows:
+        _hide_others(plpy, GD, list(row["per_job"].values()))
+        row["per_job"] = json.dumps({job_id: reports.sql_row(reports.MemoryRow, c)
+                                     for job_id, c in row["per_job"].items()})
+        row["started_at"] = _timestamp(row["started_at"])
+    return [reports.sql_row(reports.MemoryRow, row) for row in rows]
 
 
 @_sql_errors

@@ -72,14 +72,14 @@ def run(plpy, GD, client, header: dict, arrays: dict, found: searching.Search, t
     plpy.notice(f"tensile: search of {len(trials)} trials for {name!r} accepted ({found.parallel} at a time"
                 f"{', successive halving' if found.halving else ''}); unscheduled peaks "
                 f"{', '.join(f'{p:,}' for p in reply['vanilla_peak_nbytes'])} bytes, device budget "
-                f"{reply['budget_nbytes']:,} bytes")
+                + ", ".join(f"{b:,} bytes on {d}" for d, b in reply["devices"].items()))
 
     def on_message(message: dict, weights: dict) -> None:
         if message["type"] == "trial":
             t = trials[message["trial"]]
             t.metrics, t.weights, t.error = message.get("metrics"), weights, message.get("error")
             plpy.notice(f"tensile: trial {t.index + 1}/{len(trials)} {json.dumps(t.params)}: " + (
-                f"failed: {t.error}" if t.error else _summary(t.metrics)))
+                f"failed: {t.error}" if t.error else f"{_summary(t.metrics)} (on {t.metrics['device']})"))
             if t.metrics is not None:
                 on_trial(t)
 

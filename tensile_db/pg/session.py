@@ -8,8 +8,14 @@ the budget every job shares, so no session may change them with ``SET``, ``ALTER
 ``ALTER DATABASE ... SET`` or connection options.
 
 - ``tensile.device``: ``cpu`` (default) or ``cuda``.
-- ``tensile.device_budget``: the device arena, with units as ``pg_size_bytes`` reads them
-  (default ``1GB``).
+- ``tensile.devices``: several devices of one kind for one coordinator, comma-separated
+  (``cpu:0, cpu:1``; :func:`tensile_db.settings.parse_devices`), each with its own budget, arena,
+  memory manager, executor and plans; training jobs and search trials are placed among them
+  (Note [Placement] in :mod:`tensile_db.coordinator.placement`). Empty (default): the one
+  ``tensile.device``.
+- ``tensile.device_budget``: each device's arena, with units as ``pg_size_bytes`` reads them
+  (default ``1GB``): one size for every device, or one per device of ``tensile.devices``,
+  comma-separated.
 - ``tensile.host_budget``: host memory for the copies of swapped-out tensors, and for cached
   copies of served models' layers, with units as ``pg_size_bytes`` reads them (default ``1GB``);
   beyond it swapped-out tensors go to spill files (the disk tier).
@@ -72,7 +78,7 @@ from ..errors import CoordinatorUnavailable, InvalidArgument
 from ..runtime.model import Limits
 
 #: The tensile.* settings of the configuration files, by name, with their defaults.
-SERVER_SETTINGS = {"device": server_settings.DEFAULT_DEVICE,
+SERVER_SETTINGS = {"device": server_settings.DEFAULT_DEVICE, "devices": "",
                    "device_budget": str(server_settings.DEFAULT_BUDGET_NBYTES),
                    "host_budget": str(server_settings.DEFAULT_HOST_BUDGET_NBYTES), "spill_dir": "",
                    "max_active_jobs": str(server_settings.DEFAULT_MAX_ACTIVE_JOBS),
@@ -149,9 +155,15 @@ def _start_spec(plpy, GD, s: dict) -> coordinator_client.StartSpec:
     if size_bytes(plpy, GD, s, "host_budget") < 0:
         raise InvalidArgument(f"tensile.host_budget is {s['host_budget']!r}; it must not be negative: set it in the "
                               "server's configuration files and reload them (SELECT pg_reload_conf())")
+    devices = tuple(server_settings.parse_devices(s["devices"]))
+    budgets = tuple(size_bytes(plpy, GD, {"device_budget": b.strip()}, "device_budget") for b in s["device_budget"].split(","))
+    if len(budgets) not in (1, len(devices) or 1):
+        raise InvalidArgument(f"tensile.device_budget is {s['device_budget']!r}: {len(budgets)} budgets for "
+                              f"{len(devices) or 1} devices; give one for every device or one per device of "
+                              "tensile.devices, and reload the configuration (SELECT pg_reload_conf())")
     return coordinator_client.StartSpec(
-        python=s["python"] or _default_python(), device=s["device"],
-        budget_nbytes=size_bytes(plpy, GD, s, "device_budget"),
+        python=s["python"] or _default_python(), device=s["device"], devices=devices,
+        budget_nbytes=budgets[0] if len(budgets) == 1 else budgets,
         host_budget_nbytes=size_bytes(plpy, GD, s, "host_budget"), spill_dir=_spill_dir(s),
         max_active_jobs=_positive_int(s, "max_active_jobs"), policy=s["policy"], pool=s["pool"],
         postmaster_pid_file=os.path.join(os.getcwd(), "postmaster.pid"),

@@ -121,8 +121,8 @@ def _train_one(plpy, GD, client, header, arch, opts, prepared, data, label, mode
                                                       options=opts.to_json()),
                                prepared.arrays(), doing="the start of training")
     transfer_s = time.perf_counter() - started
-    plpy.notice(f"tensile: job {reply['job_id']} accepted; unscheduled peak {reply['vanilla_peak_nbytes']:,} bytes, "
-                f"device budget {reply['budget_nbytes']:,} bytes")
+    plpy.notice(f"tensile: job {reply['job_id']} accepted on device {reply['device']}; unscheduled peak "
+                f"{reply['vanilla_peak_nbytes']:,} bytes, device budget {reply['budget_nbytes']:,} bytes")
     result, weights = session.await_result(plpy, GD, client, "training", functools.partial(_relay_progress, plpy))
     return _version(plpy, arch, opts, prepared, data, label, model_name,
                     dict(result["metrics"], **timings, transfer_s=transfer_s), weights, None)

@@ -121,6 +121,12 @@ class CpuCopyEngine(CopyEngine):
         self._pool.shutdown(wait=True)
 
 
+#: The roofline of :meth:`Device.op_seconds` where a device has no model of its own: FLOP/s and
+#: bytes/s of about one server CPU socket. Only ratios between jobs' estimates matter.
+NOMINAL_FLOPS_PER_S = 1e11
+NOMINAL_BYTES_PER_S = 2e10
+
+
 class Device:
     """One compute device (the interface; see the module docstring). ``name`` is its name in
     ``tensile.device``; ``xp`` its array module (None on ``sim``)."""
@@ -148,6 +154,14 @@ class Device:
     def idle_until(self, t_s: float) -> None:
         """Move a virtual clock (:attr:`virtual_time`) forward to ``t_s`` with nothing running."""
         raise NotImplementedError(f"the {self.name} device's clock is the wall clock")
+
+    def op_seconds(self, op) -> float:
+        """An estimate of the seconds of ``op`` (a :class:`~.program.Op`) before it has run: a
+        roofline of its FLOPs and bytes at :data:`NOMINAL_FLOPS_PER_S` and
+        :data:`NOMINAL_BYTES_PER_S`. It weighs one job's work against another's on devices of one
+        kind (Note [Placement] in :mod:`tensile_db.coordinator.placement`); it is not a measure.
+        The simulated device answers with its profile's roofline."""
+        return max(op.flops / NOMINAL_FLOPS_PER_S, op.nbytes / NOMINAL_BYTES_PER_S)
 
     def execute(self, op, arrays: dict, ctx) -> None:
         """Run ``op`` (a :class:`~.program.Op`) on ``arrays`` (slot -> device array) and wait for

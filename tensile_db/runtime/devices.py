@@ -30,3 +30,19 @@ def make_device(name: str, **sim_options) -> Device:
     if name == "cuda":
         return CudaDevice()
     raise InvalidArgument(f"unknown device {name!r}; use {', '.join(map(repr, DEVICE_NAMES))}")
+
+
+def device_kind(name: str, count: int) -> str:
+    """The kind (a name for :func:`make_device`) of the device named ``name`` (``cpu``, or
+    ``cpu:1`` from :func:`tensile_db.settings.parse_devices`) among ``count`` devices of one
+    coordinator.
+
+    Raises:
+        InvalidArgument: a CUDA device other than the one current device: each CuPy allocator
+            and stream is bound to one GPU, and this coordinator routes CuPy into one arena.
+    """
+    kind, _, index = name.partition(":")
+    if kind == "cuda" and (count > 1 or index not in ("", "0")):
+        raise InvalidArgument(f"device {name!r}: one coordinator drives one CUDA device (cuda:0) so far; "
+                              "list several cpu devices, or run one cuda device")
+    return kind

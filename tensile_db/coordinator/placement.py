@@ -1,0 +1,98 @@
+"""Which device a training job runs on, when the coordinator drives several (``tensile.devices``).
+
+Note [Placement]
+----------------
+Rationale: each device has its own budget, arena, memory manager, executor and plans; a job is
+never split across devices, so where it starts decides both how long it waits behind the others
+and how hard its device's scheduler must cut memory. Round robin ignores both; a static split of
+each device's memory among a fixed number of slots (Apache MADlib's rule for GPUs shared by
+database segments) ignores what the jobs need.
+
+Rule, for a job of unscheduled peak ``P`` bytes, smallest working set ``W`` bytes and estimated
+work ``w`` seconds (its iterations times the device's estimate of its ops,
+:meth:`~tensile_db.runtime.device.Device.op_seconds`):
+
+1. Only a device whose budget holds ``W`` may take it (the job could never run elsewhere). If
+   none does, it is refused with the bytes it needs, as on one device.
+2. On each of those, its predicted finish under the executor's fair sharing, which gives every
+   running job about the same device time (processor sharing: a job of work ``w`` beside jobs
+   with ``r_j`` left finishes after ``w + sum_j min(r_j, w)``), stretched by the extra time
+   the device's scheduler is predicted to add: ``F = (w + sum_j min(r_j, w)) * (1 + e)``, with
+   ``e = PRESSURE_EXTRA * max(0, (P + sum_j P_j) / budget - 1)`` over the unscheduled peaks
+   ``P_j`` of the jobs there (running or queued).
+3. The least ``F``; among equal ones the least memory pressure ``(P + sum_j P_j) / budget``;
+   then the first device listed.
+
+So jobs spread while there is room, and a device already over its budget takes a job only when
+the wait elsewhere costs more than its scheduling would. A search's trials are placed one by one
+as each is submitted, so they spread over the devices too.
+
+Sources: earliest finish time list scheduling (HEFT: Topcuoglu, Hariri and Wu, IEEE TPDS 13(3),
+2002), with the finish time of processor sharing (Kleinrock, "Time-shared systems", JACM 14(2),
+1967), which the executor's periods approximate (Note [Fair sharing] in
+:mod:`tensile_db.scheduler.timeline`). ``PRESSURE_EXTRA`` is a coarse prior from
+``bench/paper.py``'s ``tensile`` rows on the simulated H100 (FP32): at a pressure of 1.43, 2 and
+2.86 (70%, 50% and 35% of the peak) four ResNet-50 ran +0.000, +0.035 and +0.138 and one
+ResNet-50 +0.052, +0.143 and +0.509; 0.1 per unit of pressure lies between them.
+
+Limitations: the work is estimated before the job runs, from FLOPs and bytes, and the jobs
+already running are estimated the same way, not by their measured times; ``max_active_jobs``
+(per device) queueing and stopping early (patience, halving) are not foreseen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Extra time per unit of memory pressure above 1 that placement expects a device's scheduler to
+#: add (Note [Placement]).
+PRESSURE_EXTRA = 0.1
+
+
+@dataclass(frozen=True)
+class Load:
+    """One device as placement sees it: its budget (bytes) and, per job there (running or
+    queued), its unscheduled peak (bytes) and its estimated remaining work (seconds)."""
+
+    budget_nbytes: int
+    peaks_nbytes: tuple[int, ...] = ()
+    remaining_s: tuple[float, ...] = ()
+
+    def pressure(self, peak_nbytes: int) -> float:
+        """The unscheduled peaks of its jobs and one more of ``peak_nbytes``, over the budget."""
+        return (peak_nbytes + sum(self.peaks_nbytes)) / self.budget_nbytes
+
+    def finish_s(self, peak_nbytes: int, work_s: float) -> float:
+        """The predicted seconds until a job of ``peak_nbytes`` and ``work_s`` placed here ends
+        (Note [Placement], step 2)."""
+        shared_s = work_s + sum(min(r, work_s) for r in self.remaining_s)
+        return shared_s * (1.0 + PRESSURE_EXTRA * max(0.0, self.pressure(peak_nbytes) - 1.0))
+
+
+def choose(loads: list[Load], peak_nbytes: int, min_working_set_nbytes: int, work_s: float) -> int | None:
+    """The index into ``loads`` of the device a job goes to (Note [Placement]), or None when no
+    budget holds its smallest working set ``min_working_set_nbytes``. ``peak_nbytes``: its
+    unscheduled peak, bytes; ``work_s``: its estimated work, seconds."""
+    fits = [i for i, load in enumerate(loads) if load.budget_nbytes >= min_working_set_nbytes]
+    if not fits:
+        return None
+    return min(fits, key=lambda i: (loads[i].finish_s(peak_nbytes, work_s), loads[i].pressure(peak_nbytes), i))
+
+
+def iteration_s(program, device) -> float:
+    """The device's estimate of one iteration of ``program``, seconds (:meth:`Device.op_seconds`)."""
+    return sum(device.op_seconds(op) for op in program.ops)
+
+
+def remaining_s(job, device) -> float:
+    """The estimated seconds of the iterations ``job`` (a :class:`~.jobs.TrainingJob`) has left."""
+    left = max(job.options.epochs * job.steps_per_epoch - job.iterations, 0)
+    return left * iteration_s(job.program, device)
+
+
+def load_of(executor) -> Load:
+    """What an :class:`~.executor.Executor`'s device holds now, for :func:`choose`."""
+    jobs = executor.jobs()
+    device = executor.manager.device
+    return Load(executor.manager.budget_nbytes, tuple(j.vanilla_peak_nbytes for j in jobs),
+                tuple(remaining_s(j, device) for j in jobs))
