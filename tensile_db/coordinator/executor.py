@@ -128,14 +128,27 @@ class Executor:
     # -- the loop -----------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while (turn := self._next_turn()) is not None:
-            if not turn:
-                continue
-            period = self.period
-            self._schedule(turn, period)
-            for job, ops in turn:
-                self._advance(job, ops, period)
-            self.round += 1
+        while self.step() is not None:
+            pass
+
+    def step(self) -> bool | None:
+        """One round: admit the queued jobs that are due, then run every running job's ops that
+        are due in it. True when a round ran, False when none could (after idling or waiting),
+        None once stopped with no job left. The thread of :meth:`start` calls it in a loop; a
+        driver of several executors on simulated devices calls it instead, to keep their virtual
+        clocks in step (``bench/placement.py``). On a device with a wall clock it waits while no
+        job is queued."""
+        turn = self._next_turn()
+        if turn is None:
+            return None
+        if not turn:
+            return False
+        period = self.period
+        self._schedule(turn, period)
+        for job, ops in turn:
+            self._advance(job, ops, period)
+        self.round += 1
+        return True
 
     def _next_turn(self) -> list | None:
         """Admit the queued jobs that are due and may run; the running jobs with their op

@@ -18,8 +18,9 @@ work ``w`` seconds (its iterations times the device's estimate of its ops,
    running job about the same device time (processor sharing: a job of work ``w`` beside jobs
    with ``r_j`` left finishes after ``w + sum_j min(r_j, w)``), stretched by the extra time
    the device's scheduler is predicted to add: ``F = (w + sum_j min(r_j, w)) * (1 + e)``, with
-   ``e = PRESSURE_EXTRA * max(0, (P + sum_j P_j) / budget - 1)`` over the unscheduled peaks
-   ``P_j`` of the jobs there (running or queued).
+   ``e`` the larger of ``PRESSURE_EXTRA * max(0, (P + sum_j P_j) / budget - 1)``, over the
+   unscheduled peaks ``P_j`` of the jobs there (running or queued), and the extra seconds per
+   second of compute that the device's latest plan predicts for the jobs it already has.
 3. The least ``F``; among equal ones the least memory pressure ``(P + sum_j P_j) / budget``;
    then the first device listed.
 
@@ -57,6 +58,7 @@ class Load:
     budget_nbytes: int
     peaks_nbytes: tuple[int, ...] = ()
     remaining_s: tuple[float, ...] = ()
+    planned_extra: float = 0.0          # the latest plan's predicted extra seconds per second of compute
 
     def pressure(self, peak_nbytes: int) -> float:
         """The unscheduled peaks of its jobs and one more of ``peak_nbytes``, over the budget."""
@@ -66,7 +68,7 @@ class Load:
         """The predicted seconds until a job of ``peak_nbytes`` and ``work_s`` placed here ends
         (Note [Placement], step 2)."""
         shared_s = work_s + sum(min(r, work_s) for r in self.remaining_s)
-        return shared_s * (1.0 + PRESSURE_EXTRA * max(0.0, self.pressure(peak_nbytes) - 1.0))
+        return shared_s * (1.0 + max(PRESSURE_EXTRA * max(0.0, self.pressure(peak_nbytes) - 1.0), self.planned_extra))
 
 
 def choose(loads: list[Load], peak_nbytes: int, min_working_set_nbytes: int, work_s: float) -> int | None:
@@ -94,5 +96,8 @@ def load_of(executor) -> Load:
     """What an :class:`~.executor.Executor`'s device holds now, for :func:`choose`."""
     jobs = executor.jobs()
     device = executor.manager.device
+    plan = executor.scheduler.plan
+    simulation = plan.simulation if plan is not None and jobs else None
+    planned = simulation.extra_s / simulation.compute_s if simulation is not None and simulation.compute_s > 0 else 0.0
     return Load(executor.manager.budget_nbytes, tuple(j.vanilla_peak_nbytes for j in jobs),
-                tuple(remaining_s(j, device) for j in jobs))
+                tuple(remaining_s(j, device) for j in jobs), planned)

@@ -13,7 +13,9 @@ before anything is built for them.
 Given the postmaster's pid file, it polls the postmaster's pid twice a second and exits when the
 server has gone, taking every job with it.
 
-Requests (``type`` in the header): ``ping``, ``jobs``, ``memory``, ``train`` and ``search``
+Requests (``type`` in the header): ``ping`` (answered with the pid and ``devices``, each device's
+budget by name), ``jobs`` (a row of ``tensile.jobs`` per job of every device), ``memory`` (a row
+of ``tensile.memory`` per device, in ``devices``), ``train`` and ``search``
 (:mod:`.training`: features and labels as arrays; answered by ``accepted``, ``progress`` per
 epoch, a ``trial`` message per trial of a search, then ``result``, or ``error``; a ``cancel``
 message or a closed connection cancels the job or every trial),

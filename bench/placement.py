@@ -1,0 +1,291 @@
+"""Training jobs placed over several simulated GPUs (Note [Placement]) against the placements users
+would otherwise get: round robin, and a static split of each device's memory.
+
+Sixteen jobs, four each of VGG-16, ResNet-50, Inception-V3 and DenseNet-121 (``bench/paper.py``'s:
+3x224x224, batch 16, Adam), in that order, one arriving every solo iteration of ResNet-50; each
+runs ``WARMUP`` iterations and then about ``MEASURED`` iterations of the slowest model's device
+time (so each takes about the same device time). They run on 1, 2 and 4 simulated GPUs of one
+profile, each with a budget of ``FRACTION`` of the four models' unscheduled peaks together (each
+device holds what ``bench/paper.py``'s mixed arrival holds at that fraction), under the
+``tensile`` policy, ``max_active_jobs`` 8 per device. Placements:
+
+- ``placement``: the coordinator's rule (:class:`~tensile_db.coordinator.training.TrainingService`
+  places each job as it arrives);
+- ``round robin``: job ``k`` on device ``k mod D``;
+- ``static split``: each device's memory split into ``SLOTS`` fixed parts, each running one job at a
+  time in its part (Apache MADlib gives each database segment a fixed share of a GPU, 0.9 /
+  segments per GPU); a job goes to the part with the fewest jobs, running or waiting. Two parts,
+  so that VGG-16's largest op fits one.
+
+The executors of all devices run in one thread, each round on the executor whose virtual clock is
+earliest, so that a job is placed when every device's clock has reached its arrival.
+
+Measures: makespan (virtual seconds until the last job ends) and its ratio to the ideal, the
+jobs' vanilla work over the devices: the seconds one device computed and waited for copies (the
+jobs' first loads of their weights and optimizer state) in the vanilla run of all of them on
+one device, over the number of devices; each job's
+EOR, its seconds per iteration from its ``WARMUP``-th iteration on over the same job's in a run
+of the same jobs on the same devices with unlimited memory (vanilla), minus 1; each device's peak
+over its budget. Every figure is **simulated** and deterministic: two runs with the same
+arguments print the same tables.
+
+Targets (on the most devices): makespan at most ``MAKESPAN_TARGET`` x the ideal, no job's EOR above
+its EOR on one device, every peak within its device's budget, and a shorter makespan than both
+alternatives.
+
+    python bench/placement.py [--devices 1,2,4] [--profile h100] [--seed 0] [--jitter 0.03]
+                              [--first-run-error 0.05] [--processes N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from tabulate import tabulate
+
+from paper import BATCH, IMAGE, MEASURED, MODELS, WARMUP, iteration_s, spec_of
+from tensile_db.coordinator.executor import Executor
+from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
+from tensile_db.coordinator.training import TrainingService
+from tensile_db.memory.manager import MemoryManager
+from tensile_db.runtime import model as models
+from tensile_db.runtime.gpus import PROFILES
+from tensile_db.runtime.simulated import SimDevice
+
+N_JOBS = 16
+FRACTION = 0.5
+SLOTS = 2
+MAX_ACTIVE_JOBS = 8
+PLACEMENTS = ("placement", "round robin", "static split")
+MAKESPAN_TARGET = 1.15
+VANILLA_HEADROOM = 8            # vanilla: a budget of this many times the unscheduled peaks on a device
+GiB = 1 << 30
+
+
+@dataclass
+class Run:
+    """One run: virtual seconds, bytes; by job label where per job."""
+
+    devices: int
+    placement: str
+    vanilla: bool
+    assignment: dict = field(default_factory=dict)      # job label -> device index
+    executor_of: dict = field(default_factory=dict)     # job label -> executor index (static split: a part)
+    finish_s: dict = field(default_factory=dict)        # job label -> virtual s it ended
+    iteration_s: dict = field(default_factory=dict)     # job label -> steady seconds per iteration
+    peaks: list = field(default_factory=list)           # per device: (peak bytes, budget bytes)
+    errors: list = field(default_factory=list)
+    device_s: float = 0.0                               # the devices' seconds computing or waiting for copies
+    wall_s: float = 0.0
+
+
+def make_jobs(device: SimDevice) -> list[TrainingJob]:
+    """The sixteen jobs, fresh, with their iterations and arrivals (see the module docstring)."""
+    jobs = []
+    for i in range(N_JOBS):
+        model = MODELS[i % len(MODELS)]
+        options = models.parse_options({"epochs": 1, "batch_size": BATCH, "seed": i, "standardize": False})
+        jobs.append(TrainingJob(JobInfo(0, "bench", f"{model} #{i + 1}"), spec_of(model), options,
+                                np.zeros((BATCH, math.prod(IMAGE)), np.float32), np.zeros(BATCH, np.int32)))
+    solo = [iteration_s(device, j) for j in jobs]
+    arrival_s = solo[MODELS.index("resnet50")]
+    for i, job in enumerate(jobs):
+        job.options = dataclasses.replace(job.options, epochs=WARMUP + math.ceil(MEASURED * max(solo) / solo[i]))
+        job.arrival_s = i * arrival_s
+    return jobs
+
+
+def device_budget(device: SimDevice) -> int:
+    """Each device's budget: FRACTION of the four models' unscheduled peaks together."""
+    return int(FRACTION * sum(j.vanilla_peak_nbytes for j in make_jobs(device)[:len(MODELS)]))
+
+
+def run(n_devices: int, placement: str, args, assignment: dict | None = None) -> Run:
+    """The sixteen jobs on ``n_devices`` simulated GPUs under ``placement``; with ``assignment``
+    (job label -> executor index, from a run of that placement) a vanilla run of the same
+    assignment."""
+    started = time.perf_counter()
+    vanilla = assignment is not None
+    devices = [SimDevice(args.profile, seed=args.seed + d, jitter=args.jitter, first_run_error=args.first_run_error)
+               for d in range(n_devices)]
+    jobs = make_jobs(devices[0])
+    slots = SLOTS if placement == "static split" else 1
+    budget = (VANILLA_HEADROOM * sum(j.vanilla_peak_nbytes for j in jobs) if vanilla
+              else device_budget(devices[0])) // slots
+    executors = [Executor(MemoryManager(device, budget), MAX_ACTIVE_JOBS if slots == 1 else 1,
+                          policy="reactive" if vanilla else "tensile", name=f"sim:{d}" + (f".{s}" if slots > 1 else ""))
+                 for d, device in enumerate(devices) for s in range(slots)]
+    result = Run(n_devices, placement, vanilla)
+    done: dict[int, list] = {j.id: [] for j in jobs}     # job id -> (virtual s, iterations done) per iteration
+    for e in executors:
+        hook = e.scheduler.iteration_done
+
+        def on_iteration(job, hook=hook, device=e.manager.device) -> bool:
+            done[job.id].append((device.now(), job.iterations))
+            return hook(job)
+        e.scheduler.iteration_done = on_iteration
+    service = TrainingService(executors, models.Limits(), "tensile")
+    _drive(executors, jobs, lambda k, job: _place(placement, service, executors, k, job, assignment), result)
+    for e in executors:
+        e.stop()
+    result.device_s = sum(d.clock.busy_s + d.clock.stall_s for d in devices)
+    result.peaks = [(sum(e.manager.peak_nbytes for e in executors[d * slots:(d + 1) * slots]), budget * slots)
+                    for d in range(n_devices)]
+    for job in jobs:
+        mine = dict((n, t) for t, n in done[job.id])
+        if job.state is JobState.DONE and WARMUP in mine:
+            last = max(mine)
+            result.iteration_s[job.info.model_name] = (mine[last] - mine[WARMUP]) / (last - WARMUP)
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+def _place(placement: str, service: TrainingService, executors: list, k: int, job: TrainingJob,
+           assignment: dict | None) -> int:
+    """Submit the ``k``-th job to its executor under ``placement``; returns the executor's index."""
+    if assignment is not None:
+        i = assignment[job.info.model_name]
+    elif placement == "placement":
+        i = executors.index(service.submit(job))
+        return i
+    elif placement == "round robin":
+        i = k % len(executors)
+    else:
+        i = min(range(len(executors)), key=lambda i: (len(executors[i].jobs()), i))
+    job.device = executors[i].name
+    executors[i].submit(job)
+    return i
+
+
+def _drive(executors: list, jobs: list, place, result: Run) -> None:
+    """Run the executors in step until every job has ended: a round on the executor of the
+    earliest virtual clock (of those with jobs; the least stepped among equals, so parts of one
+    device alternate), and each job placed once every clock with a job has reached its arrival
+    (an idle device's clock is moved to it)."""
+    pending = sorted(jobs, key=lambda j: j.arrival_s)
+    steps = [0] * len(executors)
+    where: dict[int, int] = {}
+
+    def now(i: int) -> float:
+        return executors[i].manager.device.now()
+
+    k = 0
+    while pending or any(e.jobs() for e in executors):
+        active = [i for i, e in enumerate(executors) if e.jobs()]
+        earliest = min((now(i) for i in active), default=math.inf)
+        if pending and pending[0].arrival_s <= earliest:
+            job = pending.pop(0)
+            for i, e in enumerate(executors):
+                if not e.jobs() and now(i) < job.arrival_s:
+                    e.manager.device.idle_until(job.arrival_s)
+            try:
+                where[job.id] = place(k, job)
+            except Exception as exc:          # no budget holds its smallest working set
+                result.errors.append(f"{job.info.model_name}: {type(exc).__name__}")
+            k += 1
+            continue
+        i = min(active, key=lambda i: (now(i), steps[i]))
+        executors[i].step()
+        steps[i] += 1
+        for job in jobs:
+            if where.get(job.id) == i and job.state is not JobState.QUEUED and job.state is not JobState.RUNNING \
+                    and job.info.model_name not in result.finish_s:
+                result.finish_s[job.info.model_name] = now(i)
+                if job.state is not JobState.DONE:
+                    result.errors.append(f"{job.info.model_name}: {job.state.value} {job.error!r}")
+    per_part = len(executors) // result.devices
+    result.executor_of = {j.info.model_name: where[j.id] for j in jobs if j.id in where}
+    result.assignment = {name: i // per_part for name, i in result.executor_of.items()}
+
+
+def eors(r: Run, vanilla: Run) -> dict[str, float]:
+    """Each job's EOR in ``r`` over the vanilla run of its assignment."""
+    return {name: s / vanilla.iteration_s[name] - 1.0 for name, s in r.iteration_s.items()
+            if name in vanilla.iteration_s}
+
+
+def _job(config: tuple) -> tuple:
+    n_devices, placement, args, assignment = config
+    return config[:2] + (assignment is not None,), run(n_devices, placement, args, assignment)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", default="1,2,4", help="device counts, comma-separated")
+    parser.add_argument("--profile", default="h100", choices=sorted(PROFILES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jitter", type=float, default=0.03)
+    parser.add_argument("--first-run-error", type=float, default=0.05)
+    parser.add_argument("--processes", type=int, default=min(4, os.cpu_count() or 1))
+    args = parser.parse_args()
+    counts = sorted({1} | {int(c) for c in args.devices.split(",")})      # one device: the reference
+    configs = [(d, p) for d in counts for p in PLACEMENTS if not (d == 1 and p == "round robin")]
+    runs: dict[tuple, Run] = {}
+    with concurrent.futures.ProcessPoolExecutor(args.processes) as pool:
+        for key, r in pool.map(_job, [(d, p, args, None) for d, p in configs]):
+            runs[key] = r
+        for key, r in pool.map(_job, [(d, p, args, runs[(d, p, False)].executor_of) for d, p in configs]):
+            runs[key] = r
+    profile = SimDevice(args.profile)
+    budget = device_budget(profile)
+    print(f"# Placement over several devices (simulated, {profile.describe()}; seed {args.seed}, jitter "
+          f"{args.jitter}, first-run error +{args.first_run_error})\n")
+    print(f"{N_JOBS} jobs ({', '.join(MODELS)} in turn, batch {BATCH}, Adam), one every solo ResNet-50 iteration; "
+          f"each device's budget {budget / GiB:.3f} GiB ({FRACTION:.0%} of the four models' unscheduled peaks "
+          f"together), policy tensile, {MAX_ACTIVE_JOBS} jobs at once per device (static split: {SLOTS} parts of "
+          f"one job each).\n")
+    one = runs.get((1, "placement", False)), runs.get((1, "placement", True))
+    one_eor = eors(*one) if all(one) else {}
+    work_s = one[1].device_s if one[1] else math.nan
+    rows, verdicts = [], {}
+    for d, p in configs:
+        r, v = runs[(d, p, False)], runs[(d, p, True)]
+        e = eors(r, v)
+        makespan = max(r.finish_s.values(), default=math.nan)
+        ideal = work_s / d
+        worse = [n for n, x in e.items() if n in one_eor and x > one_eor[n] + 1e-9]
+        peak = max(pk / b for pk, b in r.peaks)
+        rows.append([d, p, f"{makespan:.3f}", f"{ideal:.3f}", f"{makespan / ideal:.3f}",
+                     f"{statistics.median(e.values()):+.3f}" if e else "-", f"{max(e.values()):+.3f}" if e else "-",
+                     len(worse) if one_eor else "-", f"{peak:.3f}",
+                     " ".join(str(sum(1 for a in r.assignment.values() if a == i)) for i in range(d)),
+                     "yes" if not r.errors else "; ".join(r.errors)])
+        verdicts[(d, p)] = (makespan, ideal, worse, peak, not r.errors)
+    print(tabulate(rows, headers=["devices", "placement", "makespan s", "ideal s", "/ ideal", "median job EOR",
+                                  "max job EOR", "jobs above their 1-device EOR", "max peak / budget",
+                                  "jobs per device", "completed"], disablenumparse=True))
+    top = counts[-1]
+    if top > 1 and (top, "placement") in verdicts:
+        print(f"\n## Each job's EOR, on 1 device and on {top} (placement; vanilla runs of the same assignment)\n")
+        e_top = eors(runs[(top, "placement", False)], runs[(top, "placement", True)])
+        print(tabulate([[n, f"{one_eor.get(n, math.nan):+.3f}", f"{e_top.get(n, math.nan):+.3f}",
+                         runs[(top, "placement", False)].assignment.get(n, "-")] for n in e_top],
+                       headers=["job", "EOR on 1 device", f"EOR on {top}", "device"], disablenumparse=True))
+        makespan, ideal, worse, peak, complete = verdicts[(top, "placement")]
+        others = {p: verdicts[(top, p)][0] for p in PLACEMENTS if p != "placement" and (top, p) in verdicts}
+        print("\n## Targets\n")
+        print(f"{'PASS' if makespan <= MAKESPAN_TARGET * ideal else 'FAIL'}: on {top} devices the makespan is at most "
+              f"{MAKESPAN_TARGET} x the ideal (got {makespan / ideal:.3f})")
+        print(f"{'PASS' if not worse and one_eor else 'FAIL'}: no job's EOR on {top} devices above its EOR on one"
+              + (f" (above: {', '.join(worse)})" if worse else ""))
+        print(f"{'PASS' if peak <= 1.0 else 'FAIL'}: every device's peak within its budget (highest {peak:.3f})")
+        for p, m in others.items():
+            print(f"{'PASS' if makespan < m and complete else 'FAIL'}: ahead of {p} on {top} devices "
+                  f"(makespan {makespan:.3f} s against {m:.3f} s)")
+    print("\n## Wall clock of this machine (not simulated)\n")
+    print(tabulate([[d, p, f"{runs[(d, p, False)].wall_s:.1f}", f"{runs[(d, p, True)].wall_s:.1f}"] for d, p in configs],
+                   headers=["devices", "placement", "run s", "vanilla run s"], disablenumparse=True))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()
