@@ -43,6 +43,7 @@ bench: $(VENV)/.bench-deps package extension
 	$(PY) bench/disk_layering.py
 	$(PY) bench/accuracy.py
 	$(PY) bench/search.py
+	$(PY) bench/placement.py
 
 system-deps:
 	@dpkg -s $(APT_PACKAGES) $(APT_TOOLS) >/dev/null 2>&1 || { \

@@ -34,7 +34,7 @@ its EOR on one device, every peak within its device's budget, and a shorter make
 alternatives.
 
     python bench/placement.py [--devices 1,2,4] [--profile h100] [--seed 0] [--jitter 0.03]
-                              [--first-run-error 0.05] [--processes N]
+                              [--first-run-error 0.05] [--processes N] [--out bench/out]
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import json
 import math
 import os
 import statistics
@@ -226,6 +227,8 @@ def main() -> None:
     parser.add_argument("--jitter", type=float, default=0.03)
     parser.add_argument("--first-run-error", type=float, default=0.05)
     parser.add_argument("--processes", type=int, default=min(4, os.cpu_count() or 1))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
+                        help="directory of placement_runs.json, every run's figures")
     args = parser.parse_args()
     counts = sorted({1} | {int(c) for c in args.devices.split(",")})      # one device: the reference
     configs = [(d, p) for d in counts for p in PLACEMENTS if not (d == 1 and p == "round robin")]
@@ -235,9 +238,17 @@ def main() -> None:
             runs[key] = r
         for key, r in pool.map(_job, [(d, p, args, runs[(d, p, False)].executor_of) for d, p in configs]):
             runs[key] = r
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "placement_runs.json"), "w") as f:     # the figures, before any is printed
+        json.dump([dataclasses.asdict(r) for r in runs.values()], f)
+    report(runs, counts, configs, args)
+
+
+def report(runs: dict, counts: list[int], configs: list[tuple], args) -> None:
+    """Print the tables and the targets of ``runs`` ((devices, placement, vanilla) -> Run)."""
     profile = SimDevice(args.profile)
     budget = device_budget(profile)
-    print(f"# Placement over several devices (simulated, {profile.describe()}; seed {args.seed}, jitter "
+    print(f"# Placement over several devices ({profile.describe()}; seed {args.seed}, jitter "
           f"{args.jitter}, first-run error +{args.first_run_error})\n")
     print(f"{N_JOBS} jobs ({', '.join(MODELS)} in turn, batch {BATCH}, Adam), one every solo ResNet-50 iteration; "
           f"each device's budget {budget / GiB:.3f} GiB ({FRACTION:.0%} of the four models' unscheduled peaks "
@@ -262,14 +273,14 @@ def main() -> None:
         verdicts[(d, p)] = (makespan, ideal, worse, peak, not r.errors)
     print(tabulate(rows, headers=["devices", "placement", "makespan s", "ideal s", "/ ideal", "median job EOR",
                                   "max job EOR", "jobs above their 1-device EOR", "max peak / budget",
-                                  "jobs per device", "completed"], disablenumparse=True))
+                                  "jobs per device", "completed"], disable_numparse=True))
     top = counts[-1]
     if top > 1 and (top, "placement") in verdicts:
         print(f"\n## Each job's EOR, on 1 device and on {top} (placement; vanilla runs of the same assignment)\n")
         e_top = eors(runs[(top, "placement", False)], runs[(top, "placement", True)])
         print(tabulate([[n, f"{one_eor.get(n, math.nan):+.3f}", f"{e_top.get(n, math.nan):+.3f}",
                          runs[(top, "placement", False)].assignment.get(n, "-")] for n in e_top],
-                       headers=["job", "EOR on 1 device", f"EOR on {top}", "device"], disablenumparse=True))
+                       headers=["job", "EOR on 1 device", f"EOR on {top}", "device"], disable_numparse=True))
         makespan, ideal, worse, peak, complete = verdicts[(top, "placement")]
         others = {p: verdicts[(top, p)][0] for p in PLACEMENTS if p != "placement" and (top, p) in verdicts}
         print("\n## Targets\n")
@@ -283,7 +294,7 @@ def main() -> None:
                   f"(makespan {makespan:.3f} s against {m:.3f} s)")
     print("\n## Wall clock of this machine (not simulated)\n")
     print(tabulate([[d, p, f"{runs[(d, p, False)].wall_s:.1f}", f"{runs[(d, p, True)].wall_s:.1f}"] for d, p in configs],
-                   headers=["devices", "placement", "run s", "vanilla run s"], disablenumparse=True))
+                   headers=["devices", "placement", "run s", "vanilla run s"], disable_numparse=True))
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ class TensileClient:
         return self._rows("SELECT * FROM tensile.jobs ORDER BY job_id")
 
     def memory(self) -> dict | None:
-        """The row of ``tensile.memory`` of the first device (the one that serves predict calls),
+        """The row of ``tensile.memory`` of the first device,
         or None when no coordinator runs."""
         rows = self.devices()
         return rows[0] if rows else None

@@ -1,7 +1,9 @@
 """Several devices from SQL: ``tensile.devices`` and a budget per device reach the coordinator,
 ``tensile.memory`` has a row per device, concurrent trainings land on both devices (the NOTICE
 and ``tensile.jobs`` name each one's), each device's peak stays within its budget, a cancel frees
-the right device's memory, and a device whose budget cannot hold a job is never chosen for it."""
+the right device's memory, a device whose budget cannot hold a job is never chosen for it, and a
+predict call goes where its model's layers are (else to the less busy device), each device keeping
+its own model files."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import psycopg
 import pytest
 
 from conftest import TEST_BUDGET, wait_until
+from tensile_db.inference.files import file_name
 
 pytestmark = pytest.mark.db
 
@@ -104,3 +107,43 @@ def test_device_settings_are_checked(devices, conn, setting, budget, message):
     devices(setting, budget)
     with pytest.raises(psycopg.errors.InvalidParameterValue, match=message):
         conn.execute("SELECT tensile.start_coordinator()")
+
+
+def test_predict_calls_go_where_the_models_layers_are(devices, cluster, conn, dsn, digits):
+    devices("'cpu:0, cpu:1'", f"'{TEST_BUDGET}'")
+    conn.execute("CALL tensile.train_model(model_name => 'd_served', source => %s, label => 'label', "
+                 "architecture => %s, options => %s)",
+                 (SOURCE, ARCHITECTURE, '{"epochs": 1, "test_size": 0, "replace": true}'))
+    model_id, version = conn.execute(
+        "SELECT id, concat_ws('/', d.oid, owner, to_char(created_at AT TIME ZONE 'UTC', "
+        "'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')) FROM tensile.models, "
+        "(SELECT oid FROM pg_database WHERE datname = current_database()) d WHERE name = 'd_served'").fetchone()
+    models = cluster.data_dir / "tensile_coordinator" / "models"
+    directory = {"cpu:0": models, "cpu:1": models / "cpu-1"}
+
+    def figures() -> dict:
+        return {d: (loads, hits) for d, loads, hits in conn.execute(
+            "SELECT device, weight_loads, weight_cache_hits FROM tensile.memory").fetchall()}
+
+    query = "SELECT count(*) FROM tensile.predict_batch('d_served', 'SELECT * FROM digits_test')"
+    outcome = {}
+    thread = _train_in_background(dsn, "d_busy", 5000, outcome)     # one device trains: the call goes to the other
+    try:
+        assert wait_until(lambda: len(_devices_of(conn, ["d_busy"])) == 1, 60)
+        busy = _devices_of(conn, ["d_busy"])["d_busy"]
+        assert conn.execute(query).fetchone()[0] > 0
+    finally:
+        conn.execute("SELECT pg_cancel_backend(%s)", (outcome["d_busy pid"],))
+        thread.join(60)
+    first = figures()
+    (served,) = [d for d, (loads, _) in first.items() if loads > 0]
+    assert served != busy and (directory[served] / file_name(model_id, version)).exists()
+    assert not (directory[busy] / file_name(model_id, version)).exists()
+    assert conn.execute(query).fetchone()[0] > 0                  # both idle: where its layers are
+    second = figures()
+    assert second[served][1] > first[served][1] and second[busy] == first[busy] == (0, 0)
+    conn.execute("SELECT tensile.stop_coordinator()")
+    cluster.configure({"tensile.devices": "''"})
+    conn.execute("SELECT tensile.start_coordinator()")             # one device: the other's files go
+    assert not (models / "cpu-1").exists()
+    cluster.configure({"tensile.devices": "'cpu:0, cpu:1'"})

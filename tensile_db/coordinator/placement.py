@@ -28,6 +28,13 @@ So jobs spread while there is room, and a device already over its budget takes a
 the wait elsewhere costs more than its scheduling would. A search's trials are placed one by one
 as each is submitted, so they spread over the devices too.
 
+A predict call (:func:`choose_for_predict`) goes where its model's layers are cheapest to reach:
+the device whose model store holds that version open (its layers possibly in the device's weight
+cache), else one whose models directory has its file, else anywhere (the backend then sends the
+weights); among equals, the device with the fewest predict calls and training jobs, then the
+first listed. So a model's repeated calls reuse one device's cache, and the files of a version
+are written once. A call's layers never spread over devices.
+
 Sources: earliest finish time list scheduling (HEFT: Topcuoglu, Hariri and Wu, IEEE TPDS 13(3),
 2002), with the finish time of processor sharing (Kleinrock, "Time-shared systems", JACM 14(2),
 1967), which the executor's periods approximate (Note [Fair sharing] in
@@ -101,3 +108,17 @@ def load_of(executor) -> Load:
     planned = simulation.extra_s / simulation.compute_s if simulation is not None and simulation.compute_s > 0 else 0.0
     return Load(executor.manager.budget_nbytes, tuple(j.vanilla_peak_nbytes for j in jobs),
                 tuple(remaining_s(j, device) for j in jobs), planned)
+
+
+def choose_for_predict(executors: list, services: list, model_id: int, version: str) -> int:
+    """The index of the device a predict call of the registry row ``model_id`` at ``version``
+    goes to (Note [Placement]); ``executors`` and ``services`` (their
+    :class:`~tensile_db.inference.service.InferenceService`) one per device, in order."""
+    if len(services) == 1:
+        return 0
+
+    def rank(i: int) -> tuple:
+        store = services[i].store
+        held = 0 if store.get(model_id, version) is not None else 1 if store.has_file(model_id, version) else 2
+        return held, services[i].calls() + len(executors[i].jobs()), i
+    return min(range(len(services)), key=rank)

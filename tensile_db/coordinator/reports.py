@@ -50,8 +50,7 @@ class JobRow:
 
 @dataclass(frozen=True)
 class MemoryRow:
-    """One device, its scheduler and its planned pool, and batch inference (on the device that
-    serves predict calls; zero on the others), as one row."""
+    """One device: its arena, scheduler, planned pool and batch inference, as one row."""
 
     device: str                         # its name: tensile.device, or one of tensile.devices
     budget_nbytes: int

@@ -1,7 +1,8 @@
 """The coordinator server: one process per cluster, driving one device or several
 (``tensile.devices``), each with its own budget, arena, memory manager, executor and plans; a
-training job or a search trial runs on the device :mod:`.placement` chooses for it, and predict
-calls run on the first device listed.
+training job, a search trial or a predict call runs on the device :mod:`.placement` chooses for
+it. Each device serves predict calls from its own model store: the first keeps its files in the
+models directory, each other one in a subdirectory named after it.
 
 It listens on ``<socket_dir>/coordinator.sock`` (``socket_dir`` is 0700, so only processes of
 the PostgreSQL OS user can connect; see :mod:`.address`) and serves each backend connection on
@@ -33,6 +34,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Sequence
@@ -44,11 +46,12 @@ from .. import settings
 from ..dirs import secure_dir
 from ..errors import CorruptModel, InvalidArgument, JobCancelled, ProtocolError, TensileError
 from ..inference.service import InferenceService
+from ..inference.store import FILES_LIMIT_NBYTES
 from ..memory.manager import MemoryManager
 from ..memory.spill import SpillDir
 from ..runtime import model as models
 from ..runtime.devices import device_kind, make_device
-from . import protocol, reports
+from . import placement, protocol, reports
 from .address import LOCK_NAME, SOCKET_NAME, resident_set, socket_address
 from .executor import Executor
 from .training import TrainingService
@@ -98,7 +101,7 @@ class Coordinator:
         self.postmaster_pid_file = postmaster_pid_file
         self.started_at = time.time()
         self.executors: list[Executor] = []     # one per device, in the order listed
-        self.inference: InferenceService | None = None
+        self.inference: list[InferenceService] = []     # one per device, as executors
         self.training: TrainingService | None = None
         self._lock_fd: int | None = None
 
@@ -142,8 +145,9 @@ class Coordinator:
             self.executors.append(Executor(manager, self.max_active_jobs, policy=self.policy, name=name))
         for executor in self.executors:
             executor.start()
-        self.inference = InferenceService(self.executors[0].manager,
-                                          models_dir=secure_dir(self.models_dir, "model directory"))
+        for directory, executor in zip(self._model_dirs(), self.executors):
+            self.inference.append(InferenceService(executor.manager, secure_dir(directory, "model directory"),
+                                                   FILES_LIMIT_NBYTES // len(self.executors)))
         self.training = TrainingService(self.executors, self.limits, self.policy)
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)          # stale: we hold the lock, nobody serves it
@@ -156,6 +160,17 @@ class Coordinator:
                  self.socket_path, ", ".join(self.device_names), ", ".join(map(str, self.budgets_nbytes)),
                  self.policy, self.pool)
         return listener
+
+    def _model_dirs(self) -> list[str]:
+        """Each device's directory of model files: the models directory for the first, a
+        subdirectory named after the device for each other (``models/cpu-1``). Subdirectories of
+        devices no longer listed are removed, with their files."""
+        secure_dir(self.models_dir, "model directory")
+        dirs = [self.models_dir] + [os.path.join(self.models_dir, e.name.replace(":", "-")) for e in self.executors[1:]]
+        for entry in os.scandir(self.models_dir):
+            if entry.is_dir(follow_symlinks=False) and entry.path not in dirs:
+                shutil.rmtree(entry.path, ignore_errors=True)
+        return dirs
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -200,8 +215,8 @@ class Coordinator:
                         protocol.send(conn, {"type": "jobs", "jobs": [reports.as_dict(j.describe(e.manager, e.name))
                                                                       for e in self.executors for j in e.jobs()]})
                     elif kind == "retire":
-                        retired = self.inference.store.retire(int(header["database"]), str(header["name"]),
-                                                              header.get("keep"))
+                        retired = sum(i.store.retire(int(header["database"]), str(header["name"]), header.get("keep"))
+                                      for i in self.inference)
                         protocol.send(conn, {"type": "retired", "count": retired})
                     elif kind == "memory":
                         protocol.send(conn, {"type": "memory", "devices": [reports.as_dict(self.memory_report(e))
@@ -222,16 +237,13 @@ class Coordinator:
 
     def memory_report(self, executor: Executor) -> reports.MemoryRow:
         """The row of ``tensile.memory`` of ``executor``'s device: its manager's counters (per job
-        too), its scheduler's figures (policy, bandwidths, plans) and, on the device that serves
-        predict calls, the inference service's (zero on the others). Raises TypeError when a
-        producer's figures no longer match the record's fields."""
+        too), its scheduler's figures (policy, bandwidths, plans) and its inference service's.
+        Raises TypeError when a producer's figures no longer match the record's fields."""
         snap = executor.manager.snapshot()
         jobs = {j.id: j for j in executor.jobs()}
         per_job = {str(jid): dict(c, model_name=jobs[jid].info.model_name, role=jobs[jid].info.role)
                    for jid, c in snap.pop("jobs").items() if jid in jobs}
-        inference = self.inference.describe()
-        if executor is not self.executors[0]:
-            inference = dict.fromkeys(inference, 0)
+        inference = self.inference[self.executors.index(executor)].describe()
         return reports.MemoryRow(
             **dict(snap, device=executor.name), **executor.describe(), **inference, per_job=per_job,
             started_at=self.started_at, running_jobs=sum(j.state.value == "running" for j in jobs.values()),
@@ -251,14 +263,15 @@ class Coordinator:
             raise ProtocolError(f"predict request without {exc}") from None
         self.limits.check(spec, name)
         database = int(header.get("database", 0))
-        model = self.inference.store.checkout(model_id, version, name, spec, database)
+        service = self.inference[placement.choose_for_predict(self.executors, self.inference, model_id, version)]
+        model = service.store.checkout(model_id, version, name, spec, database)
         if model is None:                   # neither open nor in a file: the backend sends the weights
             protocol.send(conn, {"type": "need_weights"})
             reply, weights = protocol.recv_stream(conn)
             with weights:                   # written to the model's file array by array as they arrive
                 if reply["type"] != "weights":
                     raise ProtocolError(f"expected the model's weights, got a {reply['type']!r} message")
-                model = self.inference.store.add(model_id, version, name, spec, weights, database)
+                model = service.store.add(model_id, version, name, spec, weights, database)
 
         def cancelled() -> bool:
             if not conn.poll(0):
@@ -273,7 +286,7 @@ class Coordinator:
                                  "layers": len(model.layers), "batches": batches})
 
         try:
-            outputs, stats = self.inference.predict(model, x, window, batch_size, cache, cancelled, accepted)
+            outputs, stats = service.predict(model, x, window, batch_size, cache, cancelled, accepted)
         except JobCancelled:
             log.info("predict call on model %r cancelled by its backend", name)
             raise

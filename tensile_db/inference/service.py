@@ -35,7 +35,7 @@ from .store import FILES_LIMIT_NBYTES, ModelStore, ServedModel
 
 
 class InferenceService:
-    """Demand-layered inference on ``manager``'s device; one per coordinator. The served models'
+    """Demand-layered inference on ``manager``'s device; one per device of a coordinator. The served models'
     files go in ``models_dir`` (a 0700 directory; None: a private temporary one), up to
     ``files_limit_nbytes`` bytes of them (:class:`~.store.ModelStore`)."""
 
@@ -126,6 +126,11 @@ class InferenceService:
         """(calls admitted and running, calls waiting to be admitted), counts."""
         with self._lock:
             return len(self._footprints), len(self._waiting)
+
+    def calls(self) -> int:
+        """Predict calls running or waiting to start."""
+        with self._lock:
+            return len(self._calls)
 
     def describe(self) -> dict:
         """Figures for ``tensile.memory``: calls running or waiting to start, the device bytes

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import threading
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -144,6 +145,10 @@ class ModelStore:
         """The served model if held here, without checking it out (to inspect ``users``)."""
         with self._lock:
             return self._models.get((model_id, version))
+
+    def has_file(self, model_id: int, version: str) -> bool:
+        """Whether the models directory has a file of the version (open or not)."""
+        return os.path.exists(self.files.path(model_id, version))
 
     def _hold(self, key: tuple[int, str]) -> ServedModel | None:
         m = self._models.get(key)
