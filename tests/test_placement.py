@@ -14,7 +14,7 @@ from tensile_db.coordinator.server import Coordinator
 from tensile_db.errors import DeviceOutOfMemory, InvalidArgument
 from tensile_db.runtime import model as models
 from tensile_db.runtime.device import CpuDevice
-from tensile_db.runtime.devices import device_kind
+from tensile_db.runtime.devices import kind_and_index
 from tensile_db.settings import MAX_DEVICES, parse_devices
 
 MIB = 1 << 20
@@ -80,10 +80,9 @@ def test_the_devices_setting_refuses_what_it_cannot_drive(text, message):
         parse_devices(text)
 
 
-def test_one_coordinator_drives_one_cuda_device_so_far():
-    assert device_kind("cpu:3", 4) == "cpu" and device_kind("cuda", 1) == "cuda" and device_kind("cuda:0", 1) == "cuda"
-    with pytest.raises(InvalidArgument, match="one CUDA device"):
-        device_kind("cuda:1", 2)
+def test_a_devices_name_gives_its_kind_and_index():
+    assert [kind_and_index(n) for n in ("cpu", "cuda", "cpu:3", "cuda:1")] == [("cpu", 0), ("cuda", 0), ("cpu", 3),
+                                                                             ("cuda", 1)]
 
 
 def test_a_budget_per_device_or_one_for_all(tmp_path):

@@ -128,8 +128,9 @@ class Executor:
     # -- the loop -----------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while self.step() is not None:
-            pass
+        with self.manager.device.using():
+            while self.step() is not None:
+                pass
 
     def step(self) -> bool | None:
         """One round: admit the queued jobs that are due, then run every running job's ops that

@@ -38,6 +38,7 @@ import shutil
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Listener
 
 import numpy as np
@@ -50,7 +51,7 @@ from ..inference.store import FILES_LIMIT_NBYTES
 from ..memory.manager import MemoryManager
 from ..memory.spill import SpillDir
 from ..runtime import model as models
-from ..runtime.devices import device_kind, make_device
+from ..runtime.devices import kind_and_index, make_device
 from . import placement, protocol, reports
 from .address import LOCK_NAME, SOCKET_NAME, resident_set, socket_address
 from .executor import Executor
@@ -139,10 +140,12 @@ class Coordinator:
         self.spill = SpillDir(self.spill_root)          # removes what dead coordinators left
         host_share = None if self.host_budget_nbytes is None else self.host_budget_nbytes // len(self.device_names)
         for name, budget in zip(self.device_names, self.budgets_nbytes):
-            device = make_device(device_kind(name, len(self.device_names)))
-            manager = MemoryManager(device, budget, pool=self.pool, host_budget_nbytes=host_share, spill=self.spill)
-            device.route_allocations(manager)
-            self.executors.append(Executor(manager, self.max_active_jobs, policy=self.policy, name=name))
+            device = make_device(*kind_and_index(name))
+            with device.using():           # its arena, copy streams and the bandwidth probe on that GPU
+                manager = MemoryManager(device, budget, pool=self.pool, host_budget_nbytes=host_share,
+                                        spill=self.spill)
+                device.route_allocations(manager)
+                self.executors.append(Executor(manager, self.max_active_jobs, policy=self.policy, name=name))
         for executor in self.executors:
             executor.start()
         for directory, executor in zip(self._model_dirs(), self.executors):
@@ -251,19 +254,17 @@ class Coordinator:
             **dict(zip(("rss_nbytes", "peak_rss_nbytes"), resident_set())))
 
     def _predict(self, conn, header: dict, arrays: dict) -> None:
-        """One ``predict`` call, run on this connection's thread (see the module docstring)."""
-        try:
-            x = arrays["x"]
-            if x.ndim != 2 or x.dtype != np.float32:
-                raise ProtocolError(f"predict request with features {x.dtype} {x.shape}")
-            spec = models.ModelSpec.parse(header["architecture"], x.shape[1], header["n_outputs"], header["task"])
-            model_id, version, name = int(header["model_id"]), str(header["model_version"]), str(header["model_name"])
-            window, batch_size, cache = header["window"], header["batch_size"], bool(header.get("cache", True))
-        except KeyError as exc:
-            raise ProtocolError(f"predict request without {exc}") from None
-        self.limits.check(spec, name)
-        database = int(header.get("database", 0))
-        service = self.inference[placement.choose_for_predict(self.executors, self.inference, model_id, version)]
+        """One ``predict`` call, run on this connection's thread (see the module docstring), on
+        the device placement chooses for it."""
+        call = _PredictCall.parse(header, arrays)
+        self.limits.check(call.spec, call.name)
+        service = self.inference[placement.choose_for_predict(self.executors, self.inference, call.model_id,
+                                                              call.version)]
+        with service.manager.device.using():       # the connection's thread works on that device
+            self._run_predict(conn, service, call)
+
+    def _run_predict(self, conn, service: InferenceService, call: "_PredictCall") -> None:
+        model_id, version, name, spec, database = call.model_id, call.version, call.name, call.spec, call.database
         model = service.store.checkout(model_id, version, name, spec, database)
         if model is None:                   # neither open nor in a file: the backend sends the weights
             protocol.send(conn, {"type": "need_weights"})
@@ -286,7 +287,7 @@ class Coordinator:
                                  "layers": len(model.layers), "batches": batches})
 
         try:
-            outputs, stats = service.predict(model, x, window, batch_size, cache, cancelled, accepted)
+            outputs, stats = service.predict(model, call.x, call.window, call.batch_size, call.cache, cancelled, accepted)
         except JobCancelled:
             log.info("predict call on model %r cancelled by its backend", name)
             raise
@@ -298,3 +299,33 @@ class Coordinator:
             protocol.send(conn, {"type": "reload", "message": str(exc)})
             return
         protocol.send(conn, {"type": "result", "stats": stats.to_json()}, {"outputs": outputs})
+
+
+@dataclass(frozen=True)
+class _PredictCall:
+    """A ``predict`` request: features ``x`` ((N, F) float32), the model's registry id, version,
+    name, spec and database, and the call's window, batch size and whether to cache its layers."""
+
+    x: np.ndarray
+    spec: models.ModelSpec
+    model_id: int
+    version: str
+    name: str
+    database: int
+    window: object
+    batch_size: int | None
+    cache: bool
+
+    @classmethod
+    def parse(cls, header: dict, arrays: dict) -> "_PredictCall":
+        """Raises ProtocolError for a request without a field or with features of another kind."""
+        try:
+            x = arrays["x"]
+            if x.ndim != 2 or x.dtype != np.float32:
+                raise ProtocolError(f"predict request with features {x.dtype} {x.shape}")
+            spec = models.ModelSpec.parse(header["architecture"], x.shape[1], header["n_outputs"], header["task"])
+            return cls(x, spec, int(header["model_id"]), str(header["model_version"]), str(header["model_name"]),
+                       int(header.get("database", 0)), header["window"], header["batch_size"],
+                       bool(header.get("cache", True)))
+        except KeyError as exc:
+            raise ProtocolError(f"predict request without {exc}") from None

@@ -12,6 +12,10 @@
   stream, and a :class:`~.device.Transfer` completes when its event has. A disk thread does the
   spill files' I/O from and to a page-locked staging buffer that the copy streams fill and drain.
 - Dropout draws come from a counter-based hash in one kernel (:data:`UNIFORM_KERNEL`).
+- Several GPUs (``tensile.devices = 'cuda:0, cuda:1'``): each :class:`CudaDevice` has its GPU's
+  index, and every thread that works on it does so inside :meth:`CudaDevice.using` (CuPy's
+  current device is per thread). CuPy's allocator is one per process: with several devices routed
+  it dispatches each allocation to the arena of the calling thread's current device.
 
 Everything here needs a GPU and CuPy; ``TENSILE_TEST_DEVICE=cuda`` runs the runtime's tests on it.
 """
@@ -19,6 +23,7 @@ Everything here needs a GPU and CuPy; ``TENSILE_TEST_DEVICE=cuda`` runs the runt
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import weakref
 
 import numpy as np
@@ -29,6 +34,10 @@ from .program import Kind, Slot
 
 #: Job id under which the array library's temporaries are counted.
 WORKSPACE_JOB = 0
+
+#: GPU index -> the allocation function into that device's arena (:meth:`CudaDevice.route_allocations`).
+_ROUTES: dict = {}
+_ROUTES_LOCK = threading.Lock()
 
 #: The body of the CuPy kernel of :meth:`CudaDevice.uniform`: SplitMix64's finaliser (Steele, Lea
 #: and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014) of the seed's stream
@@ -74,17 +83,26 @@ def is_pinned(host: np.ndarray) -> bool:  # pragma: no cover - cuda only
 
 
 class CudaDevice(Device):  # pragma: no cover - cuda only
-    """``cuda``: the current GPU through CuPy (see the module docstring).
+    """``cuda``: GPU ``index`` (default 0) through CuPy (see the module docstring).
 
     Raises:
-        InvalidArgument: CuPy is not installed.
+        InvalidArgument: CuPy is not installed, or no GPU has that index.
     """
 
     name = "cuda"
 
-    def __init__(self):
+    def __init__(self, index: int = 0):
         self.xp = _cupy()
+        count = self.xp.cuda.runtime.getDeviceCount()
+        if not 0 <= index < count:
+            raise InvalidArgument(f"device cuda:{index} does not exist: this machine has {count} GPUs "
+                                  f"(cuda:0 to cuda:{count - 1}); fix tensile.devices")
+        self.index = index
+        self._gpu = self.xp.cuda.Device(index)
         self._uniform = None     # the kernel of uniform(), compiled at its first use
+
+    def using(self):
+        return self._gpu
 
     def copy_engine(self) -> "CudaCopyEngine":
         return CudaCopyEngine(self.xp)
@@ -103,7 +121,9 @@ class CudaDevice(Device):  # pragma: no cover - cuda only
             weakref.finalize(owner, _release, manager, t)
             return cupy.cuda.MemoryPointer(mem, 0)
 
-        cupy.cuda.set_allocator(malloc)
+        with _ROUTES_LOCK:
+            _ROUTES[self.index] = malloc
+            cupy.cuda.set_allocator(malloc if len(_ROUTES) == 1 else _routed)
 
     def arena_buffer(self, nbytes: int):
         return self.xp.empty(nbytes, dtype=self.xp.uint8)
@@ -224,6 +244,11 @@ class CudaCopyEngine(CopyEngine):  # pragma: no cover - cuda only
 
 class _Owner:
     """Lives as long as CuPy holds the memory of a routed allocation."""
+
+
+def _routed(nbytes: int):  # pragma: no cover - cuda only
+    """CuPy's allocator with several devices routed: the arena of the current device's."""
+    return _ROUTES[_cupy().cuda.runtime.getDevice()](nbytes)
 
 
 def _release(manager, t) -> None:  # pragma: no cover - cuda only

@@ -193,6 +193,13 @@ class Device:
         the device queues kernels itself."""
         return contextlib.nullcontext()
 
+    def using(self):
+        """A context manager that makes this device the calling thread's current one, for every
+        thread that allocates on it or runs its ops (the executor's, a predict call's, the one
+        that builds its manager); a no-op where the device is not one of several of a library's
+        (:class:`~.cuda.CudaDevice` with an index)."""
+        return contextlib.nullcontext()
+
     def arena_buffer(self, nbytes: int):
         """One contiguous uint8 buffer of ``nbytes`` bytes on the device."""
         raise NotImplementedError

@@ -12,14 +12,15 @@ from .simulated import SimDevice
 DEVICE_NAMES = ("cpu", "cuda", "sim")
 
 
-def make_device(name: str, **sim_options) -> Device:
+def make_device(name: str, index: int = 0, **sim_options) -> Device:
     """The device named ``name``: ``cpu`` (:class:`~.device.CpuDevice`), ``cuda``
-    (:class:`~.cuda.CudaDevice`), or ``sim`` (:class:`~.simulated.SimDevice`, whose keyword
-    arguments ``sim_options`` are: profile, seed, jitter, first_run_error, contention).
+    (:class:`~.cuda.CudaDevice` of GPU ``index``), or ``sim`` (:class:`~.simulated.SimDevice`,
+    whose keyword arguments ``sim_options`` are: profile, seed, jitter, first_run_error,
+    contention). ``index`` tells one ``cpu`` or ``sim`` device from another only by name.
 
     Raises:
         InvalidArgument: an unknown name, a simulator option for another device, or ``cuda``
-            without CuPy.
+            without CuPy or without a GPU of that index.
     """
     if name == "sim":
         return SimDevice(**sim_options)
@@ -28,21 +29,13 @@ def make_device(name: str, **sim_options) -> Device:
     if name == "cpu":
         return CpuDevice()
     if name == "cuda":
-        return CudaDevice()
+        return CudaDevice(index)
     raise InvalidArgument(f"unknown device {name!r}; use {', '.join(map(repr, DEVICE_NAMES))}")
 
 
-def device_kind(name: str, count: int) -> str:
-    """The kind (a name for :func:`make_device`) of the device named ``name`` (``cpu``, or
-    ``cpu:1`` from :func:`tensile_db.settings.parse_devices`) among ``count`` devices of one
-    coordinator.
-
-    Raises:
-        InvalidArgument: a CUDA device other than the one current device: each CuPy allocator
-            and stream is bound to one GPU, and this coordinator routes CuPy into one arena.
-    """
+def kind_and_index(name: str) -> tuple[str, int]:
+    """(kind, index) of the device named ``name``, for :func:`make_device`: ``cpu`` or ``cuda``
+    alone (``tensile.device``: index 0), or ``cuda:1`` (from
+    :func:`tensile_db.settings.parse_devices`)."""
     kind, _, index = name.partition(":")
-    if kind == "cuda" and (count > 1 or index not in ("", "0")):
-        raise InvalidArgument(f"device {name!r}: one coordinator drives one CUDA device (cuda:0) so far; "
-                              "list several cpu devices, or run one cuda device")
-    return kind
+    return kind, int(index or 0)
