@@ -7,10 +7,13 @@ runs ``WARMUP`` iterations and then about ``MEASURED`` iterations of the slowest
 time (so each takes about the same device time). They run on 1, 2 and 4 simulated GPUs of one
 profile, each with a budget of ``FRACTION`` of the four models' unscheduled peaks together (each
 device holds what ``bench/paper.py``'s mixed arrival holds at that fraction), under the
-``tensile`` policy, ``max_active_jobs`` 8 per device. Placements:
+``tensile`` policy, ``max_active_jobs`` 8 per device and the default ``tensile.max_pressure``
+(Note [Admission by memory pressure]). Placements:
 
 - ``placement``: the coordinator's rule (:class:`~tensile_db.coordinator.training.TrainingService`
   places each job as it arrives);
+- ``placement, no pressure bound``: the same with every job admitted at once (``max_pressure``
+  none), as before the bound existed;
 - ``round robin``: job ``k`` on device ``k mod D``;
 - ``static split``: each device's memory split into ``SLOTS`` fixed parts, each running one job at a
   time in its part (Apache MADlib gives each database segment a fixed share of a GPU, 0.9 /
@@ -23,11 +26,14 @@ earliest, so that a job is placed when every device's clock has reached its arri
 Measures: makespan (virtual seconds until the last job ends) and its ratio to the ideal, the
 jobs' vanilla work over the devices: the seconds one device computed and waited for copies (the
 jobs' first loads of their weights and optimizer state) in the vanilla run of all of them on
-one device, over the number of devices; each job's
-EOR, its seconds per iteration from its ``WARMUP``-th iteration on over the same job's in a run
-of the same jobs on the same devices with unlimited memory (vanilla), minus 1; each device's peak
-over its budget. Every figure is **simulated** and deterministic: two runs with the same
-arguments print the same tables.
+one device, over the number of devices; the mean of the jobs' seconds from arrival to end
+(waiting included); each job's EOR: the device's seconds in the job's own
+ops (from each op's ``before`` hook to its ``after`` hook: its stalls, recomputes and evictions
+included, the other jobs' ops not) per iteration from its ``WARMUP``-th on, over the same in a run
+of the same jobs on the same devices with unlimited memory (vanilla), minus 1, so that the share
+of the device a job gets beside others does not count; each device's peak over its budget.
+Every figure is **simulated** and deterministic: two runs with the same arguments print the same
+tables.
 
 Targets (on the most devices): makespan at most ``MAKESPAN_TARGET`` x the ideal, no job's EOR above
 its EOR on one device, every peak within its device's budget, and a shorter makespan than both
@@ -61,12 +67,15 @@ from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import model as models
 from tensile_db.runtime.gpus import PROFILES
 from tensile_db.runtime.simulated import SimDevice
+from tensile_db.settings import DEFAULT_MAX_PRESSURE
 
 N_JOBS = 16
 FRACTION = 0.5
 SLOTS = 2
 MAX_ACTIVE_JOBS = 8
-PLACEMENTS = ("placement", "round robin", "static split")
+#: The coordinator's placement, then the same without the executors' pressure bound (every job
+#: admitted at once up to MAX_ACTIVE_JOBS), then what users would otherwise get.
+PLACEMENTS = ("placement", "placement, no pressure bound", "round robin", "static split")
 MAKESPAN_TARGET = 1.15
 VANILLA_HEADROOM = 8            # vanilla: a budget of this many times the unscheduled peaks on a device
 GiB = 1 << 30
@@ -82,7 +91,10 @@ class Run:
     assignment: dict = field(default_factory=dict)      # job label -> device index
     executor_of: dict = field(default_factory=dict)     # job label -> executor index (static split: a part)
     finish_s: dict = field(default_factory=dict)        # job label -> virtual s it ended
-    iteration_s: dict = field(default_factory=dict)     # job label -> steady seconds per iteration
+    arrival_s: dict = field(default_factory=dict)       # job label -> virtual s it arrived
+    #: job label -> device seconds in its own ops (its stalls, recomputes and evictions included)
+    #: per iteration, from its WARMUP-th to its last
+    iteration_s: dict = field(default_factory=dict)
     peaks: list = field(default_factory=list)           # per device: (peak bytes, budget bytes)
     errors: list = field(default_factory=list)
     device_s: float = 0.0                               # the devices' seconds computing or waiting for copies
@@ -122,18 +134,16 @@ def run(n_devices: int, placement: str, args, assignment: dict | None = None) ->
     slots = SLOTS if placement == "static split" else 1
     budget = (VANILLA_HEADROOM * sum(j.vanilla_peak_nbytes for j in jobs) if vanilla
               else device_budget(devices[0])) // slots
+    max_pressure = None if placement.endswith("no pressure bound") else DEFAULT_MAX_PRESSURE
     executors = [Executor(MemoryManager(device, budget), MAX_ACTIVE_JOBS if slots == 1 else 1,
-                          policy="reactive" if vanilla else "tensile", name=f"sim:{d}" + (f".{s}" if slots > 1 else ""))
+                          policy="reactive" if vanilla else "tensile", name=f"sim:{d}" + (f".{s}" if slots > 1 else ""),
+                          max_pressure=max_pressure)
                  for d, device in enumerate(devices) for s in range(slots)]
-    result = Run(n_devices, placement, vanilla)
-    done: dict[int, list] = {j.id: [] for j in jobs}     # job id -> (virtual s, iterations done) per iteration
+    result = Run(n_devices, placement, vanilla, arrival_s={j.info.model_name: j.arrival_s for j in jobs})
+    own_s = {j.id: 0.0 for j in jobs}                   # job id -> device seconds in its own ops so far
+    done: dict[int, list] = {j.id: [] for j in jobs}     # job id -> (own_s, iterations done) per iteration
     for e in executors:
-        hook = e.scheduler.iteration_done
-
-        def on_iteration(job, hook=hook, device=e.manager.device) -> bool:
-            done[job.id].append((device.now(), job.iterations))
-            return hook(job)
-        e.scheduler.iteration_done = on_iteration
+        _measure_own_time(e, own_s, done)
     service = TrainingService(executors, models.Limits(), "tensile")
     _drive(executors, jobs, lambda k, job: _place(placement, service, executors, k, job, assignment), result)
     for e in executors:
@@ -142,7 +152,7 @@ def run(n_devices: int, placement: str, args, assignment: dict | None = None) ->
     result.peaks = [(sum(e.manager.peak_nbytes for e in executors[d * slots:(d + 1) * slots]), budget * slots)
                     for d in range(n_devices)]
     for job in jobs:
-        mine = dict((n, t) for t, n in done[job.id])
+        mine = {n: t for t, n in done[job.id]}
         if job.state is JobState.DONE and WARMUP in mine:
             last = max(mine)
             result.iteration_s[job.info.model_name] = (mine[last] - mine[WARMUP]) / (last - WARMUP)
@@ -150,12 +160,34 @@ def run(n_devices: int, placement: str, args, assignment: dict | None = None) ->
     return result
 
 
+def _measure_own_time(executor: Executor, own_s: dict, done: dict) -> None:
+    """Count, per job of ``executor``, the virtual seconds from the start of each of its ops'
+    ``before`` hook to the end of its ``after`` hook (its stalls, recomputes and evictions
+    included, the other jobs' ops not), and record the sum at each of its iterations' ends."""
+    scheduler, device = executor.scheduler, executor.manager.device
+    before, after, iteration_done = scheduler.before, scheduler.after, scheduler.iteration_done
+    began = {}
+
+    def on_before(job, position) -> None:
+        began[job.id] = device.now()
+        before(job, position)
+
+    def on_after(job, position, seconds) -> None:
+        after(job, position, seconds)
+        own_s[job.id] += device.now() - began[job.id]
+
+    def on_iteration(job) -> bool:
+        done[job.id].append((own_s[job.id], job.iterations))
+        return iteration_done(job)
+    scheduler.before, scheduler.after, scheduler.iteration_done = on_before, on_after, on_iteration
+
+
 def _place(placement: str, service: TrainingService, executors: list, k: int, job: TrainingJob,
            assignment: dict | None) -> int:
     """Submit the ``k``-th job to its executor under ``placement``; returns the executor's index."""
     if assignment is not None:
         i = assignment[job.info.model_name]
-    elif placement == "placement":
+    elif placement.startswith("placement"):
         i = executors.index(service.submit(job))
         return i
     elif placement == "round robin":
@@ -252,7 +284,8 @@ def report(runs: dict, counts: list[int], configs: list[tuple], args) -> None:
           f"{args.jitter}, first-run error +{args.first_run_error})\n")
     print(f"{N_JOBS} jobs ({', '.join(MODELS)} in turn, batch {BATCH}, Adam), one every solo ResNet-50 iteration; "
           f"each device's budget {budget / GiB:.3f} GiB ({FRACTION:.0%} of the four models' unscheduled peaks "
-          f"together), policy tensile, {MAX_ACTIVE_JOBS} jobs at once per device (static split: {SLOTS} parts of "
+          f"together), policy tensile, {MAX_ACTIVE_JOBS} jobs at once per device, admitted while the running jobs' "
+          f"unscheduled peaks stay within {DEFAULT_MAX_PRESSURE:g} x the budget (static split: {SLOTS} parts of "
           f"one job each).\n")
     one = runs.get((1, "placement", False)), runs.get((1, "placement", True))
     one_eor = eors(*one) if all(one) else {}
@@ -262,16 +295,17 @@ def report(runs: dict, counts: list[int], configs: list[tuple], args) -> None:
         r, v = runs[(d, p, False)], runs[(d, p, True)]
         e = eors(r, v)
         makespan = max(r.finish_s.values(), default=math.nan)
+        in_system = statistics.mean(r.finish_s[n] - r.arrival_s[n] for n in r.finish_s) if r.finish_s else math.nan
         ideal = work_s / d
         worse = [n for n, x in e.items() if n in one_eor and x > one_eor[n] + 1e-9]
         peak = max(pk / b for pk, b in r.peaks)
-        rows.append([d, p, f"{makespan:.3f}", f"{ideal:.3f}", f"{makespan / ideal:.3f}",
+        rows.append([d, p, f"{makespan:.3f}", f"{ideal:.3f}", f"{makespan / ideal:.3f}", f"{in_system:.3f}",
                      f"{statistics.median(e.values()):+.3f}" if e else "-", f"{max(e.values()):+.3f}" if e else "-",
                      len(worse) if one_eor else "-", f"{peak:.3f}",
                      " ".join(str(sum(1 for a in r.assignment.values() if a == i)) for i in range(d)),
                      "yes" if not r.errors else "; ".join(r.errors)])
         verdicts[(d, p)] = (makespan, ideal, worse, peak, not r.errors)
-    print(tabulate(rows, headers=["devices", "placement", "makespan s", "ideal s", "/ ideal", "median job EOR",
+    print(tabulate(rows, headers=["devices", "placement", "makespan s", "ideal s", "/ ideal", "mean job s", "median job EOR",
                                   "max job EOR", "jobs above their 1-device EOR", "max peak / budget",
                                   "jobs per device", "completed"], disable_numparse=True))
     top = counts[-1]
@@ -282,7 +316,7 @@ def report(runs: dict, counts: list[int], configs: list[tuple], args) -> None:
                          runs[(top, "placement", False)].assignment.get(n, "-")] for n in e_top],
                        headers=["job", "EOR on 1 device", f"EOR on {top}", "device"], disable_numparse=True))
         makespan, ideal, worse, peak, complete = verdicts[(top, "placement")]
-        others = {p: verdicts[(top, p)][0] for p in PLACEMENTS if p != "placement" and (top, p) in verdicts}
+        others = {p: verdicts[(top, p)][0] for p in PLACEMENTS if not p.startswith("placement") and (top, p) in verdicts}
         print("\n## Targets\n")
         print(f"{'PASS' if makespan <= MAKESPAN_TARGET * ideal else 'FAIL'}: on {top} devices the makespan is at most "
               f"{MAKESPAN_TARGET} x the ideal (got {makespan / ideal:.3f})")

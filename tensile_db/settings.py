@@ -13,6 +13,8 @@ scheduler or the memory manager.
 - ``UNPLANNED_POLICIES``: the policies of ``POLICIES`` that make no plan: they decide only when
   an allocation does not fit.
 - ``DEVICES``: ``tensile.device``: ``cpu`` (NumPy) or ``cuda`` (CuPy).
+- ``tensile.max_pressure``: how far the unscheduled peaks of a device's running jobs may exceed its
+  budget before the next queued job waits (:func:`parse_max_pressure`).
 - ``tensile.devices``: the devices one coordinator drives, each with its own budget, arena,
   memory manager, executor and plans (:func:`parse_devices`); empty: ``tensile.device`` alone.
 - ``POOLS``: ``tensile.pool``: ``planned`` (recurring allocations at lifetime-planned offsets) or
@@ -33,6 +35,10 @@ DEFAULT_HOST_BUDGET_NBYTES = 1 << 30   # tensile.host_budget, bytes: swapped-out
 #: directory in the cluster's data directory.
 DEFAULT_SPILL_SUBDIR = "spill"
 DEFAULT_MAX_ACTIVE_JOBS = 8            # tensile.max_active_jobs
+#: tensile.max_pressure: a device admits a queued job while the unscheduled peaks of its running
+#: jobs and that one stay within this many times its budget (Note [Admission by memory pressure]
+#: in :mod:`tensile_db.coordinator.executor`); ``none`` for no bound.
+DEFAULT_MAX_PRESSURE = 2.0
 DEFAULT_POLICY = POLICIES[0]           # tensile.policy: tensile
 DEFAULT_POOL = POOLS[0]                # tensile.pool: planned
 #: Rows per batch a predict_batch call streams through the layers, at most.
@@ -68,3 +74,22 @@ def parse_devices(text: str) -> list[str]:
     if len(names) > MAX_DEVICES:
         raise InvalidArgument(f"tensile.devices {text!r} lists {len(names)} devices; at most {MAX_DEVICES}")
     return names
+
+
+def parse_max_pressure(text: str) -> float | None:
+    """``tensile.max_pressure``: a number at least 1, or ``none`` (no bound: None).
+
+    Raises:
+        InvalidArgument: naming the value, for anything else.
+    """
+    value = text.strip().lower()
+    if value == "none":
+        return None
+    try:
+        pressure = float(value)
+    except ValueError:
+        pressure = 0.0
+    if not 1.0 <= pressure < 1e6:
+        raise InvalidArgument(f"tensile.max_pressure is {text!r}; it must be a number at least 1 (the unscheduled peaks "
+                              "of a device's running jobs over its budget) or 'none'")
+    return pressure

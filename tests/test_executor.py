@@ -1,4 +1,5 @@
-"""The executor's admission control: queueing beyond ``max_active_jobs`` with a visible state,
+"""The executor's admission control: queueing beyond ``max_active_jobs`` and beyond its memory pressure
+bound (Note [Admission by memory pressure]) with a visible state,
 cancellation of queued and running jobs, refusal of a job that can never fit, and stop()."""
 
 from __future__ import annotations
@@ -86,3 +87,26 @@ def test_stop_cancels_running_jobs():
     ex.submit(job)
     ex.stop()
     assert job.state is JobState.CANCELLED and ex.manager.in_use_nbytes == 0
+
+
+@pytest.mark.parametrize("max_pressure, together", [(None, True), (8.0, True), (1.5, False)])
+def test_a_job_waits_while_the_running_jobs_peaks_leave_no_room(max_pressure, together):
+    first, second = make_job("first", epochs=500, width=512), make_job("second", width=512)
+    budget = first.vanilla_peak_nbytes
+    assert 1.5 * budget < first.vanilla_peak_nbytes + second.vanilla_peak_nbytes <= 8.0 * budget
+    ex = Executor(MemoryManager(make_device(TEST_DEVICE), budget), max_pressure=max_pressure)
+    ex.start()
+    try:
+        ex.submit(first)
+        wait_running(first)
+        ex.submit(second)
+        if together:
+            wait_running(second)
+        else:
+            time.sleep(0.2)
+            assert second.state is JobState.QUEUED and first.state is JobState.RUNNING
+        ex.cancel(first)
+        assert wait_done(second) == "done"
+        assert (second.started_at < first.finished_at) == together
+    finally:
+        ex.stop()

@@ -15,7 +15,7 @@ from tensile_db.errors import DeviceOutOfMemory, InvalidArgument
 from tensile_db.runtime import model as models
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.devices import kind_and_index
-from tensile_db.settings import MAX_DEVICES, parse_devices
+from tensile_db.settings import MAX_DEVICES, parse_devices, parse_max_pressure
 
 MIB = 1 << 20
 
@@ -48,6 +48,31 @@ def test_memory_pressure_stretches_the_finish_and_breaks_ties():
     assert choose([tight, roomy], 4 * MIB, MIB, 1.0) == 1
     # an over-budget device still wins when the wait elsewhere costs more than its scheduling
     assert choose([Load(4 * MIB, (4 * MIB,), (0.1,)), Load(16 * MIB, (MIB,) * 4, (50.0,) * 4)], 4 * MIB, MIB, 1.0) == 0
+
+
+def test_a_device_where_the_job_starts_at_once_comes_first():
+    # equal finishes; the first device's admission would hold the job back
+    held, free = Load(4 * MIB, (4 * MIB,), (5.0,), max_pressure=1.5), Load(4 * MIB, (4 * MIB,), (5.0,))
+    assert not held.starts_now(3 * MIB) and held.starts_now(2 * MIB) and free.starts_now(3 * MIB)
+    assert choose([held, free], 3 * MIB, MIB, 1.0) == 1
+    # a queue on a device holds a job back whatever its pressure; an idle device always admits
+    assert not Load(64 * MIB, (MIB, MIB), (5.0, 5.0), waiting=1).starts_now(MIB)
+    assert Load(MIB, max_pressure=1.0).starts_now(8 * MIB)
+    # a slower finish where it starts at once beats a quicker one behind a queue
+    queue = Load(64 * MIB, (MIB, MIB), (0.1, 0.1), waiting=1, max_pressure=2.0)
+    busy = Load(64 * MIB, (MIB,) * 3, (50.0,) * 3, max_pressure=2.0)
+    assert queue.finish_s(MIB, 1.0) < busy.finish_s(MIB, 1.0) and choose([queue, busy], MIB, MIB, 1.0) == 1
+
+
+@pytest.mark.parametrize("text, value", [("2", 2.0), (" 1.25 ", 1.25), ("None", None), ("1", 1.0)])
+def test_the_pressure_bound_is_a_number_of_budgets_or_none(text, value):
+    assert parse_max_pressure(text) == value
+
+
+@pytest.mark.parametrize("text", ["0.5", "", "two", "-3", "inf", "nan"])
+def test_a_pressure_bound_below_one_budget_is_refused(text):
+    with pytest.raises(InvalidArgument, match="tensile.max_pressure is"):
+        parse_max_pressure(text)
 
 
 def _job(epochs: int = 2, rows: int = 64, width: int = 32) -> TrainingJob:

@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spill-dir", help="directory of the spill files (default: <socket-dir>/spill)")
     parser.add_argument("--max-active-jobs", type=int, default=settings.DEFAULT_MAX_ACTIVE_JOBS,
                         help="jobs run at once; more wait queued")
+    parser.add_argument("--max-pressure", default=str(settings.DEFAULT_MAX_PRESSURE),
+                        help="admit a queued job while the running jobs' unscheduled peaks and its own stay within "
+                             "this many times the budget; 'none': no bound")
     parser.add_argument("--policy", choices=settings.POLICIES, default=settings.DEFAULT_POLICY,
                         help="the scheduler policy")
     parser.add_argument("--pool", choices=settings.POOLS, default=settings.DEFAULT_POOL,
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         devices = settings.parse_devices(args.devices)
+        max_pressure = settings.parse_max_pressure(args.max_pressure)
         budgets = [int(b) for b in args.budget.split(",")]
     except (TensileError, ValueError) as exc:
         parser.error(str(exc))
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     coordinator = Coordinator(args.socket_dir, args.device, budgets, args.max_active_jobs,
                               args.postmaster_pid_file, policy=args.policy, pool=args.pool,
                               limits=Limits(args.max_layers, args.max_parameters, args.max_job_bytes),
-                              host_budget_nbytes=args.host_budget, spill_dir=args.spill_dir, devices=devices)
+                              host_budget_nbytes=args.host_budget, spill_dir=args.spill_dir, devices=devices,
+                              max_pressure=max_pressure)
     try:
         listener = coordinator.start()
     except Exception as exc:          # the backend that started it reads the cause from this line

@@ -54,6 +54,7 @@ class StartSpec:
     python_path: str | None = None      # prepended to PYTHONPATH, so the interpreter finds this package
     limits: Limits = Limits()
     devices: tuple[str, ...] = ()
+    max_pressure: float | None = settings.DEFAULT_MAX_PRESSURE
 
 
 def command(socket_dir: str, spec: StartSpec) -> list[str]:
@@ -62,6 +63,7 @@ def command(socket_dir: str, spec: StartSpec) -> list[str]:
             "--budget", ",".join(map(str, (spec.budget_nbytes,) if isinstance(spec.budget_nbytes, int)
                                      else spec.budget_nbytes)), "--host-budget", str(spec.host_budget_nbytes),
             "--max-active-jobs", str(spec.max_active_jobs),
+            "--max-pressure", "none" if spec.max_pressure is None else repr(spec.max_pressure),
             "--policy", spec.policy, "--pool", spec.pool, "--max-layers", str(spec.limits.max_layers),
             "--max-parameters", str(spec.limits.max_parameters),
             "--max-job-bytes", str(spec.limits.max_job_nbytes)]

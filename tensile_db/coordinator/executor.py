@@ -17,6 +17,23 @@ due at once (no stall, no burst), the memory manager is told that the schedule c
 scheduler re-plans for the new timeline. A job whose smallest possible working set exceeds the
 budget is refused at submission with the bytes it needs; a cancelled job is removed between two
 ops and its device memory freed at once.
+
+Note [Admission by memory pressure]
+-----------------------------------
+Rationale: the scheduler fits any set of jobs into the budget, but what it costs grows fast with
+how far their unscheduled peaks exceed it. Sixteen jobs of the four seed models on four simulated
+H100s, at half the four models' peaks per device (``bench/placement.py``), ran 28% over the ideal
+makespan with every job admitted at once (eight per device), and 12% over it when each device
+admitted a job only while its running jobs' peaks stayed within twice its budget (7% within 1.25
+times): a queued job waits a little, every running one runs with fewer swaps and recomputes, and
+the device is never idle while a job waits.
+
+Approach: a queued job is admitted, in arrival order, when fewer than ``max_active_jobs`` run and
+either none runs or the unscheduled peaks of the running jobs and its own are at most
+``max_pressure`` times the budget (``tensile.max_pressure``, default 2: where the planners still
+do well; ``bench/paper.py``'s jobs at 50% of their peak). A job above that alone runs alone.
+Limitation: the queue is first come, first served, so a large job at its head holds smaller ones
+behind it until it can start.
 """
 
 from __future__ import annotations
@@ -59,13 +76,17 @@ class Executor:
 
     ``policy`` is the scheduler policy (:data:`tensile_db.scheduler.POLICIES`); ``cost`` the cost
     model (measured when None); ``name`` the device's name in the views (``cpu:1``; by default
-    the device's kind). Raises InvalidArgument for an unknown policy.
+    the device's kind); ``max_pressure`` the bound of Note [Admission by memory pressure] (None:
+    none, every job admitted up to ``max_active_jobs``). Raises InvalidArgument for an unknown
+    policy.
     """
 
     def __init__(self, manager: MemoryManager, max_active_jobs: int = DEFAULT_MAX_ACTIVE_JOBS,
-                 policy: str = DEFAULT_POLICY, cost: CostModel | None = None, name: str | None = None):
+                 policy: str = DEFAULT_POLICY, cost: CostModel | None = None, name: str | None = None,
+                 max_pressure: float | None = None):
         self.manager = manager
         self.name = name or manager.device.name
+        self.max_pressure = max_pressure
         self.scheduler = Scheduler(manager, policy, cost)
         self.max_active_jobs = max_active_jobs
         # ``_cond`` guards ``queued``, ``running``, ``_stopping`` and which jobs ``_pace`` holds;
@@ -158,7 +179,8 @@ class Executor:
         with self._cond:
             if self._stopping and not self.running:
                 return None
-            while self.queued and len(self.running) < self.max_active_jobs and self._due(self.queued[0]):
+            while (self.queued and len(self.running) < self.max_active_jobs and self._due(self.queued[0])
+                   and self._room_for(self.queued[0])):
                 self._admit(self.queued.popleft())
             if not self.running:
                 if self.queued and self.manager.device.virtual_time:    # idle until it arrives
@@ -214,6 +236,13 @@ class Executor:
                     pace.start, pace.iteration = pace.start + period, 0
                 self._repace |= self.scheduler.iteration_done(job)
                 self.scheduler.at_iteration(job, pace.iteration)
+
+    def _room_for(self, job: TrainingJob) -> bool:
+        """Whether the running jobs leave room for ``job`` (Note [Admission by memory pressure])."""
+        if self.max_pressure is None or not self.running:
+            return True
+        peaks = job.vanilla_peak_nbytes + sum(j.vanilla_peak_nbytes for j, _ in self.running.values())
+        return peaks <= self.max_pressure * self.manager.budget_nbytes
 
     def _due(self, job: TrainingJob) -> bool:
         """Whether the device clock has reached the job's arrival time (if it has one)."""

@@ -68,7 +68,8 @@ class Coordinator:
 
     ``device`` is the one device it drives unless ``devices`` lists several (names of
     :func:`tensile_db.settings.parse_devices`: ``cpu:0``). ``budget_nbytes`` is every device's
-    budget, or a sequence of one per device; ``max_active_jobs`` holds per device; the host
+    budget, or a sequence of one per device; ``max_active_jobs`` and ``max_pressure`` (Note
+    [Admission by memory pressure]; None: no bound) hold per device; the host
     budget is shared, an equal part to each device's manager. ``policy`` is the scheduler policy,
     one of ``tensile_db.settings.POLICIES``; the executor raises InvalidArgument for another when
     the server starts. ``pool`` is one of ``tensile_db.settings.POOLS``.
@@ -83,7 +84,7 @@ class Coordinator:
                  policy: str = settings.DEFAULT_POLICY, pool: str = settings.DEFAULT_POOL,
                  limits: models.Limits = models.Limits(),
                  host_budget_nbytes: int | None = settings.DEFAULT_HOST_BUDGET_NBYTES, spill_dir: str | None = None,
-                 devices: Sequence[str] = ()):
+                 devices: Sequence[str] = (), max_pressure: float | None = settings.DEFAULT_MAX_PRESSURE):
         self.device_names = list(devices) or [device]
         budgets = [budget_nbytes] if isinstance(budget_nbytes, int) else list(budget_nbytes)
         if len(budgets) not in (1, len(self.device_names)):
@@ -97,6 +98,7 @@ class Coordinator:
         self.spill: SpillDir | None = None
         self.limits = limits
         self.max_active_jobs = max_active_jobs
+        self.max_pressure = max_pressure
         self.policy = policy
         self.pool = pool
         self.postmaster_pid_file = postmaster_pid_file
@@ -145,7 +147,8 @@ class Coordinator:
                 manager = MemoryManager(device, budget, pool=self.pool, host_budget_nbytes=host_share,
                                         spill=self.spill)
                 device.route_allocations(manager)
-                self.executors.append(Executor(manager, self.max_active_jobs, policy=self.policy, name=name))
+                self.executors.append(Executor(manager, self.max_active_jobs, policy=self.policy, name=name,
+                                               max_pressure=self.max_pressure))
         for executor in self.executors:
             executor.start()
         for directory, executor in zip(self._model_dirs(), self.executors):

@@ -22,7 +22,10 @@ the budget every job shares, so no session may change them with ``SET``, ``ALTER
 - ``tensile.spill_dir``: an absolute directory for the spill files, which the server's OS user can
   write (default: ``tensile_coordinator/spill`` in the data directory). Files of a job are removed
   when it ends, and those of a coordinator that died when the next one starts.
-- ``tensile.max_active_jobs``: jobs trained at once; more wait queued (default 8).
+- ``tensile.max_active_jobs``: jobs trained at once per device; more wait queued (default 8).
+- ``tensile.max_pressure``: a device admits a queued job while the unscheduled peaks of its running
+  jobs and that one stay within this many times its budget (default 2; ``none``: no bound; Note
+  [Admission by memory pressure] in :mod:`tensile_db.coordinator.executor`).
 - ``tensile.policy``: the scheduler policy, one of :data:`tensile_db.settings.POLICIES`
   (default ``tensile``).
 - ``tensile.pool``: ``planned`` (default: recurring allocations at lifetime-planned offsets once
@@ -79,6 +82,7 @@ from ..runtime.model import Limits
 
 #: The tensile.* settings of the configuration files, by name, with their defaults.
 SERVER_SETTINGS = {"device": server_settings.DEFAULT_DEVICE, "devices": "",
+                   "max_pressure": str(server_settings.DEFAULT_MAX_PRESSURE),
                    "device_budget": str(server_settings.DEFAULT_BUDGET_NBYTES),
                    "host_budget": str(server_settings.DEFAULT_HOST_BUDGET_NBYTES), "spill_dir": "",
                    "max_active_jobs": str(server_settings.DEFAULT_MAX_ACTIVE_JOBS),
@@ -163,6 +167,7 @@ def _start_spec(plpy, GD, s: dict) -> coordinator_client.StartSpec:
                               "tensile.devices, and reload the configuration (SELECT pg_reload_conf())")
     return coordinator_client.StartSpec(
         python=s["python"] or _default_python(), device=s["device"], devices=devices,
+        max_pressure=server_settings.parse_max_pressure(s["max_pressure"]),
         budget_nbytes=budgets[0] if len(budgets) == 1 else budgets,
         host_budget_nbytes=size_bytes(plpy, GD, s, "host_budget"), spill_dir=_spill_dir(s),
         max_active_jobs=_positive_int(s, "max_active_jobs"), policy=s["policy"], pool=s["pool"],
