@@ -50,20 +50,6 @@ def test_memory_pressure_stretches_the_finish_and_breaks_ties():
     assert choose([Load(4 * MIB, (4 * MIB,), (0.1,)), Load(16 * MIB, (MIB,) * 4, (50.0,) * 4)], 4 * MIB, MIB, 1.0) == 0
 
 
-def test_a_device_where_the_job_starts_at_once_comes_first():
-    # equal finishes; the first device's admission would hold the job back
-    held, free = Load(4 * MIB, (4 * MIB,), (5.0,), max_pressure=1.5), Load(4 * MIB, (4 * MIB,), (5.0,))
-    assert not held.starts_now(3 * MIB) and held.starts_now(2 * MIB) and free.starts_now(3 * MIB)
-    assert choose([held, free], 3 * MIB, MIB, 1.0) == 1
-    # a queue on a device holds a job back whatever its pressure; an idle device always admits
-    assert not Load(64 * MIB, (MIB, MIB), (5.0, 5.0), waiting=1).starts_now(MIB)
-    assert Load(MIB, max_pressure=1.0).starts_now(8 * MIB)
-    # a slower finish where it starts at once beats a quicker one behind a queue
-    queue = Load(64 * MIB, (MIB, MIB), (0.1, 0.1), waiting=1, max_pressure=2.0)
-    busy = Load(64 * MIB, (MIB,) * 3, (50.0,) * 3, max_pressure=2.0)
-    assert queue.finish_s(MIB, 1.0) < busy.finish_s(MIB, 1.0) and choose([queue, busy], MIB, MIB, 1.0) == 1
-
-
 @pytest.mark.parametrize("text, value", [("2", 2.0), (" 1.25 ", 1.25), ("None", None), ("1", 1.0)])
 def test_the_pressure_bound_is_a_number_of_budgets_or_none(text, value):
     assert parse_max_pressure(text) == value
