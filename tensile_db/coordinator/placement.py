@@ -26,8 +26,7 @@ work ``w`` seconds (its iterations times the device's estimate of its ops,
    memory pressure] in :mod:`.executor`) holds it back waits there: ``F`` counts the jobs running
    and waiting alike. Preferring the devices where a job would start at once was tried and
    dropped: on ``bench/placement.py``'s sixteen jobs it balanced the devices' work worse (four
-   simulated H100s: makespan 1.179 x the ideal against 1.117 without it; two: 1.141 against
-   1.143).
+   simulated H100s: makespan 1.179 x the ideal against 1.117 without it; two: 1.143 either way).
 
 So jobs spread while there is room, and a device already over its budget takes a job only when
 the wait elsewhere costs more than its scheduling would. A search's trials are placed one by one
