@@ -60,6 +60,7 @@ from tabulate import tabulate
 
 from common import POLICIES, RIVALS
 from cupy_pool import replay_cupy_pool
+from tensile_db.coordinator import placement
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.lifetimes import max_live_nbytes, replay_general_pool
@@ -136,15 +137,14 @@ def spec_of(model: str) -> models.ModelSpec:
 
 def iteration_s(device: SimDevice, job: TrainingJob) -> float:
     """Roofline seconds of one iteration of ``job`` alone, without jitter."""
-    return sum(device.op_seconds(op) for op in job.program.ops)
+    return placement.iteration_s(job.program, device)
 
 
-def make_jobs(workload: str, device: SimDevice) -> list[TrainingJob]:
-    """Fresh jobs of ``workload``: every job runs WARMUP iterations plus enough to take about the
-    device time of MEASURED iterations of the slowest; staggered jobs arrive ARRIVAL_ITERATIONS
-    solo iterations of the first apart."""
+def jobs_of(names: list[str], device: SimDevice) -> list[TrainingJob]:
+    """Fresh jobs of the models ``names``, in order: every job runs WARMUP iterations plus enough
+    to take about the device time of MEASURED iterations of the slowest."""
     jobs = []
-    for i, model in enumerate(WORKLOADS[workload]):
+    for i, model in enumerate(names):
         options = models.parse_options({"epochs": 1, "batch_size": BATCH, "seed": i, "standardize": False})
         x = np.zeros((BATCH, math.prod(IMAGE)), np.float32)
         jobs.append(TrainingJob(JobInfo(0, "bench", f"{model} #{i + 1}"), spec_of(model), options, x,
@@ -152,8 +152,17 @@ def make_jobs(workload: str, device: SimDevice) -> list[TrainingJob]:
     solo = [iteration_s(device, j) for j in jobs]
     for i, job in enumerate(jobs):
         job.options = dataclasses.replace(job.options, epochs=WARMUP + math.ceil(MEASURED * max(solo) / solo[i]))
-        if workload in STAGGERED:
-            job.arrival_s = i * ARRIVAL_ITERATIONS * solo[0]
+    return jobs
+
+
+def make_jobs(workload: str, device: SimDevice) -> list[TrainingJob]:
+    """Fresh jobs of ``workload`` (:func:`jobs_of`); staggered jobs arrive ARRIVAL_ITERATIONS solo
+    iterations of the first apart."""
+    jobs = jobs_of(WORKLOADS[workload], device)
+    if workload in STAGGERED:
+        first_s = iteration_s(device, jobs[0])
+        for i, job in enumerate(jobs):
+            job.arrival_s = i * ARRIVAL_ITERATIONS * first_s
     return jobs
 
 

@@ -57,13 +57,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 from tabulate import tabulate
 
-from paper import BATCH, IMAGE, MEASURED, MODELS, WARMUP, iteration_s, spec_of
+from paper import BATCH, MODELS, WARMUP, iteration_s, jobs_of
 from tensile_db.coordinator import jobs as jobs_module
 from tensile_db.coordinator.executor import Executor
-from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
+from tensile_db.coordinator.jobs import JobState, TrainingJob
 from tensile_db.coordinator.training import TrainingService
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import model as models
@@ -104,17 +103,11 @@ class Run:
 
 
 def make_jobs(device: SimDevice) -> list[TrainingJob]:
-    """The sixteen jobs, fresh, with their iterations and arrivals (see the module docstring)."""
-    jobs = []
-    for i in range(N_JOBS):
-        model = MODELS[i % len(MODELS)]
-        options = models.parse_options({"epochs": 1, "batch_size": BATCH, "seed": i, "standardize": False})
-        jobs.append(TrainingJob(JobInfo(0, "bench", f"{model} #{i + 1}"), spec_of(model), options,
-                                np.zeros((BATCH, math.prod(IMAGE)), np.float32), np.zeros(BATCH, np.int32)))
-    solo = [iteration_s(device, j) for j in jobs]
-    arrival_s = solo[MODELS.index("resnet50")]
+    """The sixteen jobs, fresh, with their iterations (:func:`paper.jobs_of`) and arrivals (see
+    the module docstring)."""
+    jobs = jobs_of([MODELS[i % len(MODELS)] for i in range(N_JOBS)], device)
+    arrival_s = iteration_s(device, jobs[MODELS.index("resnet50")])
     for i, job in enumerate(jobs):
-        job.options = dataclasses.replace(job.options, epochs=WARMUP + math.ceil(MEASURED * max(solo) / solo[i]))
         job.arrival_s = i * arrival_s
     return jobs
 

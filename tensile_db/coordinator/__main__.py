@@ -71,8 +71,6 @@ def main(argv: list[str] | None = None) -> int:
         budgets = [int(b) for b in args.budget.split(",")]
     except (TensileError, ValueError) as exc:
         parser.error(str(exc))
-    if len(budgets) not in (1, len(devices) or 1):
-        parser.error(f"--budget gives {len(budgets)} budgets for {len(devices) or 1} devices")
     if min(budgets) < UNIT_NBYTES:
         parser.error(f"--budget must be at least {UNIT_NBYTES} bytes, got {args.budget}")
     if args.host_budget < 0:
@@ -85,11 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     fix_mmap_threshold()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s tensile-coordinator[%(process)d] %(levelname)s %(message)s")
-    coordinator = Coordinator(args.socket_dir, args.device, budgets, args.max_active_jobs,
-                              args.postmaster_pid_file, policy=args.policy, pool=args.pool,
-                              limits=Limits(args.max_layers, args.max_parameters, args.max_job_bytes),
-                              host_budget_nbytes=args.host_budget, spill_dir=args.spill_dir, devices=devices,
-                              max_pressure=max_pressure)
+    try:                              # a budget count that is not one or one per device
+        coordinator = Coordinator(args.socket_dir, args.device, budgets, args.max_active_jobs,
+                                  args.postmaster_pid_file, policy=args.policy, pool=args.pool,
+                                  limits=Limits(args.max_layers, args.max_parameters, args.max_job_bytes),
+                                  host_budget_nbytes=args.host_budget, spill_dir=args.spill_dir, devices=devices,
+                                  max_pressure=max_pressure)
+    except TensileError as exc:
+        parser.error(str(exc))
     try:
         listener = coordinator.start()
     except Exception as exc:          # the backend that started it reads the cause from this line

@@ -118,9 +118,6 @@ def choose_for_predict(executors: list, services: list, model_id: int, version: 
     """The index of the device a predict call of the registry row ``model_id`` at ``version``
     goes to (Note [Placement]); ``executors`` and ``services`` (their
     :class:`~tensile_db.inference.service.InferenceService`) one per device, in order."""
-    if len(services) == 1:
-        return 0
-
     def rank(i: int) -> tuple:
         store = services[i].store
         held = 0 if store.get(model_id, version) is not None else 1 if store.has_file(model_id, version) else 2

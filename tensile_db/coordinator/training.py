@@ -105,15 +105,12 @@ class TrainingService:
         device's executor. Raises DeviceOutOfMemory when no device's budget holds the job's
         smallest working set."""
         with self._placing:
-            if len(self.executors) == 1:
-                executor = self.executors[0]
-            else:
-                device = self.executors[0].manager.device          # one kind: one estimate for all
-                chosen = placement.choose([placement.load_of(e) for e in self.executors], job.vanilla_peak_nbytes,
-                                          job.min_working_set_nbytes, placement.remaining_s(job, device))
-                if chosen is None:
-                    self.check_fits(job)
-                executor = self.executors[chosen]
+            device = self.executors[0].manager.device          # one kind: one estimate for all
+            chosen = placement.choose([placement.load_of(e) for e in self.executors], job.vanilla_peak_nbytes,
+                                      job.min_working_set_nbytes, placement.remaining_s(job, device))
+            if chosen is None:
+                self.check_fits(job)                           # raises, naming the largest budget
+            executor = self.executors[chosen]
             job.device = executor.name
             executor.submit(job)
         log.info("job %d (%r) placed on %s", job.id, job.info.model_name, executor.name)

@@ -125,8 +125,13 @@ def _positive_int(s: dict, key: str) -> int:
 
 def size_bytes(plpy, GD, s: dict, key: str) -> int:
     """The setting ``tensile.<key>`` of ``s`` in bytes, with units as ``pg_size_bytes`` reads them."""
+    return _pg_size_bytes(plpy, GD, s[key])
+
+
+def _pg_size_bytes(plpy, GD, text: str) -> int:
+    """``text`` in bytes, with units as ``pg_size_bytes`` reads them."""
     return int(plpy.execute(plan(plpy, GD, "SELECT pg_catalog.pg_size_bytes($1) AS b", ["pg_catalog.text"]),
-                            [s[key]])[0]["b"])
+                            [text])[0]["b"])
 
 
 def limits(plpy, GD, s: dict) -> Limits:
@@ -160,7 +165,7 @@ def _start_spec(plpy, GD, s: dict) -> coordinator_client.StartSpec:
         raise InvalidArgument(f"tensile.host_budget is {s['host_budget']!r}; it must not be negative: set it in the "
                               "server's configuration files and reload them (SELECT pg_reload_conf())")
     devices = tuple(server_settings.parse_devices(s["devices"]))
-    budgets = tuple(size_bytes(plpy, GD, {"device_budget": b.strip()}, "device_budget") for b in s["device_budget"].split(","))
+    budgets = tuple(_pg_size_bytes(plpy, GD, b) for b in s["device_budget"].split(","))
     if len(budgets) not in (1, len(devices) or 1):
         raise InvalidArgument(f"tensile.device_budget is {s['device_budget']!r}: {len(budgets)} budgets for "
                               f"{len(devices) or 1} devices; give one for every device or one per device of "
