@@ -14,7 +14,7 @@ scheduler or the memory manager.
   an allocation does not fit.
 - ``DEVICES``: ``tensile.device``: ``cpu`` (NumPy) or ``cuda`` (CuPy).
 - ``tensile.max_pressure``: how far the unscheduled peaks of a device's running jobs may exceed its
-  budget before the next queued job waits (:func:`parse_max_pressure`).
+  budget before the next queued job waits whatever it would gain (:func:`parse_max_pressure`).
 - ``tensile.devices``: the devices one coordinator drives, each with its own budget, arena,
   memory manager, executor and plans (:func:`parse_devices`); empty: ``tensile.device`` alone.
 - ``POOLS``: ``tensile.pool``: ``planned`` (recurring allocations at lifetime-planned offsets) or
@@ -35,9 +35,10 @@ DEFAULT_HOST_BUDGET_NBYTES = 1 << 30   # tensile.host_budget, bytes: swapped-out
 #: directory in the cluster's data directory.
 DEFAULT_SPILL_SUBDIR = "spill"
 DEFAULT_MAX_ACTIVE_JOBS = 8            # tensile.max_active_jobs
-#: tensile.max_pressure: a device admits a queued job while the unscheduled peaks of its running
-#: jobs and that one stay within this many times its budget (Note [Admission by memory pressure]
-#: in :mod:`tensile_db.coordinator.executor`); ``none`` for no bound.
+#: tensile.max_pressure: beyond its budget, a device admits a queued job only while the unscheduled
+#: peaks of its running jobs and that one stay within this many times the budget, and only when the
+#: job is predicted to end sooner so than by waiting (Note [Admission by memory pressure] in
+#: :mod:`tensile_db.coordinator.executor`); ``none``: every job admitted at once.
 DEFAULT_MAX_PRESSURE = 2.0
 DEFAULT_POLICY = POLICIES[0]           # tensile.policy: tensile
 DEFAULT_POOL = POOLS[0]                # tensile.pool: planned

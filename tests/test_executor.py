@@ -89,6 +89,29 @@ def test_stop_cancels_running_jobs():
     assert job.state is JobState.CANCELLED and ex.manager.in_use_nbytes == 0
 
 
+def test_beyond_the_budget_a_job_joins_only_when_it_is_predicted_to_end_sooner_that_way():
+    # Two equal long jobs: sharing would end the second later than waiting for the first, so it
+    # waits although the bound would let it in; a short job beside a long one joins at once (the
+    # test above, at 8 budgets).
+    first, second = make_job("first", epochs=500, width=512), make_job("second", epochs=500, width=512)
+    budget = first.vanilla_peak_nbytes
+    assert budget < first.vanilla_peak_nbytes + second.vanilla_peak_nbytes <= 8.0 * budget
+    ex = Executor(MemoryManager(make_device(TEST_DEVICE), budget), max_pressure=8.0)
+    ex.start()
+    try:
+        ex.submit(first)
+        wait_running(first)
+        ex.submit(second)
+        time.sleep(0.2)
+        assert second.state is JobState.QUEUED and first.state is JobState.RUNNING
+        ex.cancel(first)
+        wait_running(second)
+        ex.cancel(second)
+        assert wait_done(second) == "error"
+    finally:
+        ex.stop()
+
+
 @pytest.mark.parametrize("max_pressure, together", [(None, True), (8.0, True), (1.5, False)])
 def test_a_job_waits_while_the_running_jobs_peaks_leave_no_room(max_pressure, together):
     first, second = make_job("first", epochs=500, width=512), make_job("second", width=512)

@@ -50,6 +50,22 @@ def test_memory_pressure_stretches_the_finish_and_breaks_ties():
     assert choose([Load(4 * MIB, (4 * MIB,), (0.1,)), Load(16 * MIB, (MIB,) * 4, (50.0,) * 4)], 4 * MIB, MIB, 1.0) == 0
 
 
+def test_the_finish_after_room_waits_for_the_jobs_that_must_end_first():
+    one = Load(8 * MIB, (6 * MIB,), (10.0,))
+    # beside it at 10/8 of the budget a 1 s job ends after 2 * 1.025 s; after the wait, after 11 s
+    assert one.finish_s(4 * MIB, 1.0) == pytest.approx(2.0 * (1.0 + PRESSURE_EXTRA * 0.25))
+    assert one.finish_after_room_s(4 * MIB, 1.0) == pytest.approx(11.0)
+    assert one.finish_after_room_s(4 * MIB, 10.0) == pytest.approx(20.0)
+    assert one.finish_s(4 * MIB, 10.0) == pytest.approx(20.5)
+    # three running at 12/8: two must end (after 1 + 2 + 2 s, stretched) before a 4 MiB job fits
+    # beside the last, which has 1 s left then
+    three = Load(8 * MIB, (4 * MIB,) * 3, (1.0, 2.0, 3.0))
+    assert three.finish_after_room_s(4 * MIB, 1.0) == pytest.approx(5.0 * (1.0 + PRESSURE_EXTRA * 0.5) + 2.0)
+    # larger than the budget alone: it starts once every job has ended, and runs alone
+    assert three.finish_after_room_s(16 * MIB, 1.0) == pytest.approx(6.0 * 1.05 + 1.0 * (1.0 + PRESSURE_EXTRA))
+    assert Load(8 * MIB).finish_after_room_s(MIB, 1.0) == Load(8 * MIB).finish_s(MIB, 1.0) == 1.0
+
+
 @pytest.mark.parametrize("text, value", [("2", 2.0), (" 1.25 ", 1.25), ("None", None), ("1", 1.0)])
 def test_the_pressure_bound_is_a_number_of_budgets_or_none(text, value):
     assert parse_max_pressure(text) == value

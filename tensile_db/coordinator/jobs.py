@@ -133,6 +133,7 @@ class TrainingJob:
         self.schedule = "cold start"             # 'cold start' | 'planned' | 'reactive'
         self.policy = ""
         self.device: str | None = None           # the device placement chose (Note [Placement]), once submitted
+        self.iteration_estimate_s: float | None = None  # the device's estimate of one iteration (placement.remaining_s)
 
     @cached_property
     def vanilla_peak_nbytes(self) -> int:

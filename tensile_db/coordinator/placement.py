@@ -26,7 +26,8 @@ work ``w`` seconds (its iterations times the device's estimate of its ops,
    memory pressure] in :mod:`.executor`) holds it back waits there: ``F`` counts the jobs running
    and waiting alike. Preferring the devices where a job would start at once was tried and
    dropped: on ``bench/placement.py``'s sixteen jobs it balanced the devices' work worse (four
-   simulated H100s: makespan 1.179 x the ideal against 1.117 without it; two: 1.143 either way).
+   simulated H100s: makespan 1.179 x the ideal against 1.117 without it; two: 1.143 either way;
+   measured when the devices admitted jobs by the pressure bound alone).
 
 So jobs spread while there is room, and a device already over its budget takes a job only when
 the wait elsewhere costs more than its scheduling would. A search's trials are placed one by one
@@ -81,6 +82,24 @@ class Load:
         shared_s = work_s + sum(min(r, work_s) for r in self.remaining_s)
         return shared_s * (1.0 + max(PRESSURE_EXTRA * max(0.0, self.pressure(peak_nbytes) - 1.0), self.planned_extra))
 
+    def finish_after_room_s(self, peak_nbytes: int, work_s: float) -> float:
+        """The predicted seconds until a job of ``peak_nbytes`` and ``work_s`` ends if it starts
+        only once the jobs here leave room for it within the budget (or, larger than the budget,
+        once none is left): under processor sharing the job with the ``k``-th least work left,
+        ``r_k``, ends after ``sum_j min(r_j, r_k)``, stretched by the jobs' own predicted extra
+        time; the job then runs beside those left, with ``r_j - r_k`` each (Note [Admission by
+        memory pressure] in :mod:`.executor`)."""
+        jobs = sorted(zip(self.remaining_s, self.peaks_nbytes))
+        stretch = 1.0 + max(PRESSURE_EXTRA * max(0.0, self.pressure(0) - 1.0), self.planned_extra)
+        for k, (r_k, _) in enumerate(jobs):
+            left = jobs[k + 1:]
+            if left and peak_nbytes + sum(p for _, p in left) > self.budget_nbytes:
+                continue
+            waited_s = sum(min(r, r_k) for r, _ in jobs) * stretch
+            after = Load(self.budget_nbytes, tuple(p for _, p in left), tuple(r - r_k for r, _ in left))
+            return waited_s + after.finish_s(peak_nbytes, work_s)
+        return self.finish_s(peak_nbytes, work_s)         # no job here
+
 
 def choose(loads: list[Load], peak_nbytes: int, min_working_set_nbytes: int, work_s: float) -> int | None:
     """The index into ``loads`` of the device a job goes to (Note [Placement]), or None when no
@@ -98,14 +117,18 @@ def iteration_s(program, device) -> float:
 
 
 def remaining_s(job, device) -> float:
-    """The estimated seconds of the iterations ``job`` (a :class:`~.jobs.TrainingJob`) has left."""
+    """The estimated seconds of the iterations ``job`` (a :class:`~.jobs.TrainingJob`) has left;
+    its iteration's estimate is made once, on the first device asked (one kind for all)."""
+    if job.iteration_estimate_s is None:
+        job.iteration_estimate_s = iteration_s(job.program, device)
     left = max(job.options.epochs * job.steps_per_epoch - job.iterations, 0)
-    return left * iteration_s(job.program, device)
+    return left * job.iteration_estimate_s
 
 
-def load_of(executor) -> Load:
-    """What an :class:`~.executor.Executor`'s device holds now, for :func:`choose`."""
-    jobs = executor.jobs()
+def load_of(executor, jobs: list | None = None) -> Load:
+    """What an :class:`~.executor.Executor`'s device holds now, for :func:`choose`: its jobs,
+    running and queued, or only ``jobs``."""
+    jobs = executor.jobs() if jobs is None else jobs
     device = executor.manager.device
     plan = executor.scheduler.plan
     simulation = plan.simulation if plan is not None and jobs else None

@@ -23,9 +23,10 @@ the budget every job shares, so no session may change them with ``SET``, ``ALTER
   write (default: ``tensile_coordinator/spill`` in the data directory). Files of a job are removed
   when it ends, and those of a coordinator that died when the next one starts.
 - ``tensile.max_active_jobs``: jobs trained at once per device; more wait queued (default 8).
-- ``tensile.max_pressure``: a device admits a queued job while the unscheduled peaks of its running
-  jobs and that one stay within this many times its budget (default 2; ``none``: no bound; Note
-  [Admission by memory pressure] in :mod:`tensile_db.coordinator.executor`).
+- ``tensile.max_pressure``: beyond its budget, a device admits a queued job only while the
+  unscheduled peaks of its running jobs and that one stay within this many times the budget, and
+  when the job is predicted to end sooner so than by waiting (default 2; ``none``: every job
+  admitted at once; Note [Admission by memory pressure] in :mod:`tensile_db.coordinator.executor`).
 - ``tensile.policy``: the scheduler policy, one of :data:`tensile_db.settings.POLICIES`
   (default ``tensile``).
 - ``tensile.pool``: ``planned`` (default: recurring allocations at lifetime-planned offsets once
