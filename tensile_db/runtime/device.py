@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import math
 import mmap
 import threading
 import time
@@ -207,7 +208,7 @@ class Device:
     def view(self, buffer, offset: int, shape: tuple[int, ...], dtype) -> object:
         """An array of ``shape`` and ``dtype`` over ``buffer[offset:]``; no copy."""
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize      # Python ints: exact, and no NumPy call per op
         return buffer[offset:offset + nbytes].view(dtype).reshape(shape)
 
     def host_empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
