@@ -12,7 +12,11 @@ arrays over the coordinator socket until the job is accepted, the coordinator's 
 included). Rows per second count every row of the table. Then the table's size on disk and the
 peak resident memory of the CALL's backend and of a coordinator started for the CALL
 (``VmHWM``), against it. The CALL's scan is the table's first (it sets the rows' hint bits).
-Runs in the embedded cluster of ``--home``, for each of ``--rows``.
+Runs in the embedded cluster of ``--home``, for each of ``--rows``. Before the tables, the
+shipping alone: the same number of rows of 16 float32 columns and an int32 label sent with the
+coordinator's protocol over a Unix socket, in a shared memory file (Note [Shared arrays] in
+:mod:`tensile_db.coordinator.protocol`) and in frames, interleaved repeats, until the receiver
+holds the arrays.
 
     python bench/ingest.py --home .tensile [--rows 1000000 10000000]
 """
@@ -20,21 +24,30 @@ Runs in the embedded cluster of ``--home``, for each of ``--rows``.
 from __future__ import annotations
 
 import argparse
+import os
 import site
+import statistics
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
+import numpy as np
 import psycopg
 from tabulate import tabulate
 
 import cnn
+from common import median_and_range
 from tensile_db.cluster import EmbeddedCluster
+from tensile_db.coordinator import protocol
 
 COLUMNS = 16
 #: The mixed table: real columns, text columns and categories per text column.
 MIXED_REAL, MIXED_TEXT, CATEGORIES = 12, 4, 10
 NULL_EVERY = 50
+SHIP_REPEATS = 5
 
 
 @dataclass
@@ -80,6 +93,48 @@ def fill_and_train(dsn: str, table: str, select: str, options: str) -> Run:
     return Run(fill_s, call_s, metrics, table_nbytes, *peaks)
 
 
+def ship_s(rows: int, shared: bool) -> float:
+    """Seconds from the start of sending ``rows`` x COLUMNS float32 rows and their int32 labels
+    over a Unix socket with the coordinator's protocol until the receiver holds them as arrays:
+    in a shared memory file (Note [Shared arrays]) or, with ``shared`` False, in frames."""
+    rng = np.random.default_rng(0)
+    arrays = {"x": rng.random((rows, COLUMNS), dtype=np.float32), "y": rng.integers(0, 2, rows, dtype=np.int32)}
+    with tempfile.TemporaryDirectory() as home:
+        address = os.path.join(home, "socket")
+        with Listener(address, family="AF_UNIX") as listener:
+            got = {}
+
+            def receive() -> None:
+                with listener.accept() as conn:
+                    got.update(protocol.recv(conn)[1])
+                    got["at"] = time.perf_counter()
+            receiver = threading.Thread(target=receive)
+            receiver.start()
+            limit = protocol.SHARED_MIN_NBYTES
+            protocol.SHARED_MIN_NBYTES = limit if shared else 1 << 62
+            try:
+                with Client(address, family="AF_UNIX") as conn:
+                    started = time.perf_counter()
+                    protocol.send(conn, {"type": "train"}, arrays)
+                    receiver.join()
+            finally:
+                protocol.SHARED_MIN_NBYTES = limit
+    assert np.array_equal(got["x"], arrays["x"]) and np.array_equal(got["y"], arrays["y"])
+    return got["at"] - started
+
+
+def shipping(rows: int, repeats: int) -> list[list]:
+    """The two ways of :func:`ship_s`, interleaved ``repeats`` times: median [min, max] seconds and
+    MB/s of the median."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for k in range(repeats):
+        for shared in ((True, False) if k % 2 else (False, True)):
+            times[shared].append(ship_s(rows, shared))
+    nbytes = rows * (COLUMNS + 1) * 4
+    return [[what, *median_and_range(times[shared], ".3f"), f"{nbytes / statistics.median(times[shared]) / 1e6:,.0f}"]
+            for what, shared in (("frames over the socket", False), ("shared memory file", True))]
+
+
 def phases(rows: int, run: Run) -> list[list]:
     m, call_s = run.metrics, run.call_s
     both = m["read_s"] + m["prepare_s"] + m["transfer_s"]
@@ -111,6 +166,11 @@ def main() -> None:
     mixed = ", ".join([f"{gap} (random() * 10)::real END AS f{i}" for i in range(MIXED_REAL)]
                       + [f"{gap} 'c' || (random() * {CATEGORIES - 1})::int END AS t{i}" for i in range(MIXED_TEXT)])
     for rows in args.rows:
+        print(f"\nshipping {rows:,} rows x {COLUMNS} real columns + label ({rows * (COLUMNS + 1) * 4 / 1e6:,.0f} MB) "
+              f"with the coordinator's protocol over a Unix socket, until the receiver holds the arrays "
+              f"({SHIP_REPEATS} interleaved repeats)")
+        print(tabulate(shipping(rows, SHIP_REPEATS), headers=["arrays", "seconds (median)", "[min, max]", "MB/s"],
+                       disable_numparse=True))
         runs = {
             f"{COLUMNS} real columns": fill_and_train(
                 dsn, "ingest", f"SELECT {numeric}, (g % 2) AS label FROM generate_series(1, {rows}) g", options),

@@ -380,6 +380,9 @@ def test_train_with_patience_returns_the_best_epoch(executor):
     predicted = host_outputs(weights, arrays["x_test"]).argmax(axis=1)
     assert m["accuracy"] == pytest.approx(float((predicted == arrays["y_test"]).mean()))
     assert m["log_loss"] == pytest.approx(val[m["best_epoch"] - 1], rel=1e-3)
+    # and the fit on the training rows too, on the rows as sent
+    fitted = host_outputs(weights, arrays["x"]).argmax(axis=1)
+    assert m["train_accuracy"] == pytest.approx(float((fitted == arrays["y"]).mean()))
     assert_nothing_left(executor)
 
 

@@ -8,8 +8,11 @@ with: what ``StartSpec`` holds reaches the ``Coordinator``, and a bad value is r
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import mmap
+import os
 from multiprocessing.connection import Pipe
 
 import numpy as np
@@ -235,3 +238,66 @@ def test_unknown_policy_on_the_command_line_is_refused(monkeypatch, tmp_path, ca
     err = capsys.readouterr().err
     assert "--policy: invalid choice: 'belady'" in err
     assert all(repr(p) in err for p in POLICIES)
+
+
+# --- shared arrays (Note [Shared arrays]) ----------------------------------------------------------
+
+
+def _mapped(array: np.ndarray) -> bool:
+    """Whether ``array`` views a memory mapping (a shared memory file) rather than bytes received."""
+    while isinstance(array, np.ndarray):
+        array = array.base
+    return isinstance(array.obj if isinstance(array, memoryview) else array, mmap.mmap)
+
+
+def test_large_arrays_arrive_in_a_shared_memory_file_exactly_and_read_only(pipe):
+    a, b = pipe
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((70_000, 5)).astype(np.float32)      # 1.4 MB: over the threshold
+    x[0, :3] = [np.nan, -0.0, np.inf]
+    arrays = {"x": x, "y": rng.integers(0, 3, size=70_001).astype(np.int8), "none": np.zeros((0, 2)),
+              "flags": np.array([True, False, True]), "be": np.arange(5, dtype=">i4")}
+    protocol.send(a, {"type": "train"}, arrays)
+    protocol.send(a, {"type": "next"}, {"small": np.arange(3)})   # the connection stays in step
+    header, got = protocol.recv(b)
+    assert header == {"type": "train"} and list(got) == list(arrays)
+    for name, want in arrays.items():
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape
+        assert got[name].tobytes() == np.asarray(want, order="C").tobytes()
+        assert _mapped(got[name]) and not got[name].flags.writeable
+        assert got[name].ctypes.data % protocol.SHARED_ALIGN == 0 or got[name].size == 0
+    header, small = protocol.recv(b)
+    assert header == {"type": "next"} and small["small"].tolist() == [0, 1, 2] and not _mapped(small["small"])
+
+
+def test_small_arrays_and_lazy_mappings_go_in_frames(pipe):
+    a, b = pipe
+    protocol.send(a, {"type": "t"}, {"x": np.ones(1000, np.float32)})
+    _, got = protocol.recv(b)
+    assert got["x"].sum() == 1000 and not _mapped(got["x"])
+
+
+def _send_unsealed(conn, nbytes: int, declared_nbytes: int, seal: bool) -> None:
+    fd = os.memfd_create("test", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        if seal:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                        | fcntl.F_SEAL_WRITE)
+        conn.send_bytes(json.dumps({"type": "t", "arrays": [{"name": "x", "dtype": "<f4", "shape": [4]}],
+                                    "shared": {"nbytes": declared_nbytes, "offsets": [0]}}).encode())
+        protocol.reduction.send_handle(conn, fd, None)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("nbytes, declared, seal, message", [
+    (16, 16, False, "not sealed"),              # the sender could still shrink it under our views
+    (16, 4096, True, "not of 4096 bytes"),
+    (8, 8, True, "outside the shared arrays"),  # 4 float32 do not fit 8 bytes
+])
+def test_a_shared_file_that_could_change_or_does_not_hold_the_arrays_is_refused(pipe, nbytes, declared, seal, message):
+    a, b = pipe
+    _send_unsealed(a, nbytes, declared, seal)
+    with pytest.raises(ProtocolError, match=message):
+        protocol.recv(b)

@@ -244,7 +244,7 @@ class TrainingService:
         """The metrics a trained model is stored with: held-out metrics when there are held-out
         rows (:mod:`tensile_db.runtime.metrics`; ``score`` and ``score_name``), the fit on the
         training rows, the per-epoch ``history``, and the job's memory and scheduling figures."""
-        fit = _fit(job, data.x, data.y)
+        fit = _fit(job, data.y)
         test = {}
         if data.x_test is not None and len(data.x_test):
             out = models.forward(job.spec, job.result, data.x_test, chunk_rows(job.spec, job.result))
@@ -268,10 +268,14 @@ class TrainingService:
                     recomputes=m.recomputes, n_parameters=job.spec.n_parameters())
 
 
-def _fit(job: TrainingJob, x: np.ndarray, y: np.ndarray) -> dict:
-    """Accuracy (classification) or RMSE (regression) on the training rows."""
-    out = models.forward(job.spec, job.result, x, chunk_rows(job.spec, job.result))
+def _fit(job: TrainingJob, y: np.ndarray) -> dict:
+    """Accuracy (classification) or RMSE (regression) on the training rows ``y``, the labels as
+    sent: the network runs on the job's rows as it trained on them (already scaled with the
+    result's scaling, the same values :func:`.models.forward` would compute from the rows as
+    sent, without a scaled copy of them); a class is the largest output (the softmax keeps it)."""
+    h = job.spec.network.forward(job.result, job.x, chunk_rows(job.spec, job.result))
     if job.spec.task == "classification":
-        return {"train_accuracy": float((out.argmax(axis=1) == y.reshape(-1)).mean())}
+        return {"train_accuracy": float((h.argmax(axis=1) == y.reshape(-1)).mean())}
+    out = models.finish(job.spec, job.result, h)
     error = out.reshape(-1).astype(np.float64) - y.reshape(-1).astype(np.float64)   # float64: labels near float32's limit
     return {"train_rmse": float(np.sqrt(np.mean(error ** 2)))}
