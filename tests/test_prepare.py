@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tensile_db.errors import InvalidArgument
-from tensile_db.pg.data import TrainingData
+from tensile_db.pg.data import TrainingData, encode_labels
 from tensile_db.pg.prepare import prepare
 from tensile_db.pg.train import _check_inputs
 from tensile_db.runtime import model as models
@@ -76,3 +76,25 @@ def test_stratified_sampling_of_an_inferred_regression_is_refused_by_option_name
         prepare(numeric, models.parse_options({"impute": "mean", "test_sampling": "stratified"}))
     assert str(info.value) == ('options.test_sampling "stratified" needs classes, but label column "price" is a '
                                'regression target; use "random" or "last", or options.task "classification"')
+
+
+@pytest.mark.parametrize("y", [
+    np.array([3.0, 1.0, 3.0, -2.0, 1.0]),                     # integers close together: counted
+    np.array([7, 7, 2, 9], dtype=np.int64),
+    np.array([0.0, 1e9, 0.0]),                                # far apart: sorted
+    np.array([2 ** 60 + 1, 2 ** 60, 2 ** 60 + 1], dtype=np.int64),   # beyond float64's integers: sorted
+])
+def test_numeric_class_labels_are_indexed_as_sorted_classes(y):
+    d = data(len(y))
+    labels = TrainingData(d.raw, d.kinds, y, d.feature_names, "label", "numeric", False, len(y), 0)
+    index, classes, names = encode_labels(labels, "classification")
+    want, want_index = np.unique(y, return_inverse=True)
+    assert classes == [float(c) for c in want] and index.tolist() == want_index.tolist() and names is None
+
+
+@pytest.mark.parametrize("y", [np.array([0.5, 1.0, 0.5]), np.array([np.nan, 1.0, 2.0])])
+def test_numeric_class_labels_that_are_not_integers_are_refused(y):
+    d = data(len(y))
+    labels = TrainingData(d.raw, d.kinds, y, d.feature_names, "label", "numeric", False, len(y), 0)
+    with pytest.raises(InvalidArgument, match="non-integer values"):
+        encode_labels(labels, "classification")

@@ -677,12 +677,30 @@ def encode_labels(data: TrainingData, task: str) -> tuple[np.ndarray, list[float
             raise InvalidArgument(f'label column "{data.label}" has {beyond:,} values beyond the range of real '
                                   f"(float32, about 3.4e38), where the device computes; scale the label in the source")
         return data.y.astype(np.float32).reshape(-1, 1), None, None
-    classes, index = np.unique(data.y, return_inverse=True)
+    classes, index = _integer_classes(data.y) or np.unique(data.y, return_inverse=True)
     if not np.all(classes == np.round(classes)):
         raise InvalidArgument(f'label column "{data.label}" has non-integer values; classification needs '
                               f'integer class labels, or use options => \'{{"task": "regression"}}\'')
     _check_classes(data.label, len(classes), f"{classes[0]:g}")
     return index.astype(np.int32), [float(c) for c in classes], None
+
+
+def _integer_classes(y: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """What ``np.unique(y, return_inverse=True)`` gives (the classes ascending, float64; each
+    row's index into them) for labels that are integers within :data:`MAX_CLASSES` of each
+    other, by counting instead of sorting (a million labels: about 0.08 s sorted); None for any
+    other labels, which go to np.unique."""
+    if not len(y):
+        return None
+    low, high = float(y.min()), float(y.max())
+    if not (-2.0 ** 53 < low <= high < 2.0 ** 53) or high - low > MAX_CLASSES:     # exact in float64; no NaN
+        return None
+    shifted = np.subtract(y, low, dtype=np.float64)
+    codes = shifted.astype(np.intp)
+    if not np.array_equal(codes, shifted):
+        return None
+    present = np.bincount(codes) > 0
+    return np.flatnonzero(present) + low, (np.cumsum(present) - 1)[codes]
 
 
 def _check_classes(label: str, count: int, first) -> None:
