@@ -11,14 +11,16 @@ fitted on the training rows and the network's inputs built) and ``transfer_s`` (
 arrays over the coordinator socket until the job is accepted, the coordinator's scaling of them
 included). Rows per second count every row of the table. Then the table's size on disk and the
 peak resident memory of the CALL's backend and of a coordinator started for the CALL
-(``VmHWM``), against it. The CALL's scan is the table's first (it sets the rows' hint bits).
+(``VmHWM``, the most over the repeats), against it. Each table is trained on ``--repeats`` times,
+each CALL in a new session with a new coordinator; each phase is given as the median over them
+with its range. The first CALL's scan is the table's first (it sets the rows' hint bits).
 Runs in the embedded cluster of ``--home``, for each of ``--rows``. Before the tables, the
 shipping alone: the same number of rows of 16 float32 columns and an int32 label sent with the
 coordinator's protocol over a Unix socket, in a shared memory file (Note [Shared arrays] in
 :mod:`tensile_db.coordinator.protocol`) and in frames, interleaved repeats, until the receiver
 holds the arrays.
 
-    python bench/ingest.py --home .tensile [--rows 1000000 10000000]
+    python bench/ingest.py --home .tensile [--rows 1000000 10000000] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -52,14 +54,14 @@ SHIP_REPEATS = 5
 
 @dataclass
 class Run:
-    """One table's CALL: seconds, the stored metrics, and sizes in bytes."""
+    """One table's CALLs, one a repeat: seconds, the stored metrics, and sizes in bytes."""
 
     fill_s: float
-    call_s: float
-    metrics: dict
+    call_s: list[float]
+    metrics: list[dict]
     table_nbytes: int           # the table on disk (pg_total_relation_size)
-    backend_peak_nbytes: int    # the CALL's backend process, peak resident (VmHWM)
-    coordinator_peak_nbytes: int    # a coordinator started for this CALL, peak resident (VmHWM)
+    backend_peak_nbytes: int    # the CALL's backend process, peak resident (VmHWM), the most of the repeats
+    coordinator_peak_nbytes: int    # a coordinator started for the CALL, peak resident (VmHWM), the most
 
 
 def peak_resident_nbytes(pid: int) -> int:
@@ -70,27 +72,31 @@ def peak_resident_nbytes(pid: int) -> int:
     raise RuntimeError(f"/proc/{pid}/status has no VmHWM")
 
 
-def fill_and_train(dsn: str, table: str, select: str, options: str) -> Run:
-    """Fill ``table`` from ``select``, then train on it from a new session with a coordinator
-    started for it, so that both processes' peaks are this CALL's."""
+def fill_and_train(dsn: str, table: str, select: str, options: str, repeats: int) -> Run:
+    """Fill ``table`` from ``select``, then train on it ``repeats`` times, each from a new session
+    with a coordinator started for it, so that both processes' peaks are that CALL's."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         t0 = time.perf_counter()
         conn.execute(f"DROP TABLE IF EXISTS {table}")
         conn.execute(f"CREATE TABLE {table} AS {select}")
         fill_s = time.perf_counter() - t0
         table_nbytes = conn.execute("SELECT pg_total_relation_size(%s)", (table,)).fetchone()[0]
-        conn.execute("SELECT tensile.stop_coordinator()")
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        coordinator = conn.execute("SELECT tensile.start_coordinator()").fetchone()[0]
-        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
-        t0 = time.perf_counter()
-        _, metrics, _, _ = conn.execute(
-            "CALL tensile.train_model(%s, %s, 'label', NULL, '{\"layers\": [{\"dense\": 8}]}', %s::jsonb)",
-            (f"{table}_bench", table, options)).fetchone()
-        call_s = time.perf_counter() - t0
-        peaks = peak_resident_nbytes(backend), peak_resident_nbytes(coordinator)
-        conn.execute("SELECT tensile.drop_model(%s)", (f"{table}_bench",))
-    return Run(fill_s, call_s, metrics, table_nbytes, *peaks)
+    run = Run(fill_s, [], [], table_nbytes, 0, 0)
+    for _ in range(repeats):
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT tensile.stop_coordinator()")
+            coordinator = conn.execute("SELECT tensile.start_coordinator()").fetchone()[0]
+            backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+            t0 = time.perf_counter()
+            _, metrics, _, _ = conn.execute(
+                "CALL tensile.train_model(%s, %s, 'label', NULL, '{\"layers\": [{\"dense\": 8}]}', %s::jsonb)",
+                (f"{table}_bench", table, options)).fetchone()
+            run.call_s.append(time.perf_counter() - t0)
+            run.metrics.append(metrics)
+            run.backend_peak_nbytes = max(run.backend_peak_nbytes, peak_resident_nbytes(backend))
+            run.coordinator_peak_nbytes = max(run.coordinator_peak_nbytes, peak_resident_nbytes(coordinator))
+            conn.execute("SELECT tensile.drop_model(%s)", (f"{table}_bench",))
+    return run
 
 
 def ship_s(rows: int, shared: bool) -> float:
@@ -136,13 +142,14 @@ def shipping(rows: int, repeats: int) -> list[list]:
 
 
 def phases(rows: int, run: Run) -> list[list]:
-    m, call_s = run.metrics, run.call_s
-    both = m["read_s"] + m["prepare_s"] + m["transfer_s"]
-    return [["read (SPI, one scan)", m["read_s"], rows / m["read_s"]],
-            ["prepare (split, preprocessing)", m["prepare_s"], rows / m["prepare_s"]],
-            ["transfer to coordinator", m["transfer_s"], rows / m["transfer_s"]],
-            ["read + prepare + transfer", both, rows / both],
-            ["whole CALL (1 epoch, tiny model)", call_s, rows / call_s]]
+    """Each phase's seconds over the repeats, median [min, max], and rows/s of the median."""
+    got = {"read (SPI, one scan)": [m["read_s"] for m in run.metrics],
+           "prepare (split, preprocessing)": [m["prepare_s"] for m in run.metrics],
+           "transfer to coordinator (until the job is accepted)": [m["transfer_s"] for m in run.metrics],
+           "read + prepare + transfer": [m["read_s"] + m["prepare_s"] + m["transfer_s"] for m in run.metrics],
+           "whole CALL (1 epoch, tiny model)": run.call_s}
+    return [[what, *median_and_range(seconds, ".2f"), f"{rows / statistics.median(seconds):,.0f}"]
+            for what, seconds in got.items()]
 
 
 def memory(run: Run) -> list[list]:
@@ -155,6 +162,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--home", default=".tensile")
     parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    parser.add_argument("--repeats", type=int, default=3, help="CALLs on each table")
     args = parser.parse_args()
     cluster = EmbeddedCluster(Path(args.home) / "cluster", python_paths=[site.getsitepackages()[0]])
     cluster.start()
@@ -173,19 +181,20 @@ def main() -> None:
                        disable_numparse=True))
         runs = {
             f"{COLUMNS} real columns": fill_and_train(
-                dsn, "ingest", f"SELECT {numeric}, (g % 2) AS label FROM generate_series(1, {rows}) g", options),
+                dsn, "ingest", f"SELECT {numeric}, (g % 2) AS label FROM generate_series(1, {rows}) g", options,
+                args.repeats),
             f"{MIXED_REAL} real + {MIXED_TEXT} text columns, gaps imputed": fill_and_train(
                 dsn, "ingest_mixed", f"SELECT {mixed}, (g % 2) AS label FROM generate_series(1, {rows}) g",
-                '{"epochs": 1, "batch_size": 4096, "impute": "mean"}'),
+                '{"epochs": 1, "batch_size": 4096, "impute": "mean"}', args.repeats),
         }
         for what, run in runs.items():
-            m = run.metrics
+            m = run.metrics[0]
             print(f"\n{rows:,} rows x {what} + label; {m['samples']:,} trained on, {m['test_samples']:,} "
-                  f"held out; table filled in {run.fill_s:.1f} s")
-            print(tabulate(phases(rows, run), headers=["phase", "seconds", "rows/s"],
-                           floatfmt=(".0f", ".2f", ",.0f")))
+                  f"held out; table filled in {run.fill_s:.1f} s; {args.repeats} CALLs")
+            print(tabulate(phases(rows, run), headers=["phase", "seconds (median)", "[min, max]", "rows/s"],
+                           disable_numparse=True))
             print(tabulate(memory(run), headers=["memory", "MB", "x the table"], colalign=("left", "right", "right")))
-    print(f"\none run each; measured on this machine: {cnn.machine()}")
+    print(f"\nmeasured on this machine: {cnn.machine()}")
 
 
 if __name__ == "__main__":
