@@ -191,6 +191,21 @@ def test_a_null_that_is_not_imputed_is_refused_with_the_count():
         pre.transform({"n": num(1, 1), "c": cat("a", None)})
 
 
+def test_the_inputs_of_some_rows_are_those_of_the_rows_indexed_first(monkeypatch):
+    monkeypatch.setattr(preprocess, "TRANSFORM_BLOCK_ROWS", 4)          # several blocks
+    rng = np.random.default_rng(0)
+    raw = {"full": rng.normal(size=11).astype(np.float32), "gaps": num(*([1, None, 3] * 3 + [4, 5])),
+           "c": cat(*(["a", "b", None] * 3 + ["a", "c"])), "v": rng.normal(size=(11, 2)).astype(np.float32)}
+    pre = fitted(raw, array_width=2, preprocess={"gaps": {"impute": "mean"}, "c": {"impute": "mode"}})
+    rows = np.array([10, 0, 3, 3, 7, 2, 9, 1, 5])
+    want = pre.transform({name: v[rows] for name, v in raw.items()})
+    assert np.array_equal(pre.transform(raw, rows), want) and want.shape == (9, pre.width)
+    # the checks count the rows chosen only
+    strict = fitted(raw, array_width=2, preprocess={"gaps": {"impute": "mean"}})
+    with pytest.raises(InvalidArgument, match=r'^column "c" has 2 missing values \(NULL or NaN, of 9 rows\)'):
+        strict.transform(raw, rows)
+
+
 # --- per-column rules and scaling ---------------------------------------------------------------
 
 

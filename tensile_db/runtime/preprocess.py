@@ -310,17 +310,25 @@ class Preprocessor:
             raise InvalidArgument("the model's preprocessing record does not match its feature columns; train it again")
         return pre
 
-    def transform(self, raw: dict[str, np.ndarray]) -> np.ndarray:
-        """Raw columns -> network inputs (N, width) float32, before scaling.
+    def transform(self, raw: dict[str, np.ndarray], rows: np.ndarray | None = None) -> np.ndarray:
+        """Raw columns -> network inputs (N, width) float32, before scaling; with ``rows`` (indices
+        into the raw rows), the inputs of those rows only (N = len(rows)), as if the raw columns
+        had been indexed by them first.
 
         ``raw[name]``: numeric (N,) float32 with NaN for missing; categorical :class:`Categories`
         (or a sequence of str or None); array (N, width) float32. Raises InvalidArgument naming the column for a
         missing value the model does not impute (with the count), and for an unseen category when
         ``unseen`` is ``error`` (with the value and the count)."""
-        n = len(next(iter(raw.values()))) if raw else 0
-        sources = []            # per column: what its inputs are made from, all rows
+        n = len(rows) if rows is not None else len(next(iter(raw.values()))) if raw else 0
+        sources = []            # per column: what its inputs are made from, all (selected) rows
+        gathered = []           # per column: whether its source holds every raw row, to be indexed by ``rows``
         for c in self.columns:
             values = raw[c.name]
+            # A numeric column with nothing missing is read through ``rows`` block by block (no
+            # copy of the column); any other is indexed first, so that its checks count its rows.
+            gathered.append(rows is not None and c.kind == "numeric" and not np.isnan(values).any())
+            if rows is not None and not gathered[-1]:
+                values = values[rows]
             if c.kind == "array":
                 sources.append(np.asarray(values, np.float32).reshape(n, c.width))
                 continue
@@ -338,8 +346,9 @@ class Preprocessor:
                 sources.append(self._positions(c, values))
         out = np.empty((n, self.width), np.float32)
         for start in range(0, n, TRANSFORM_BLOCK_ROWS):     # a block of rows stays in the cache over its columns
-            self._write_block(out[start:start + TRANSFORM_BLOCK_ROWS],
-                              [source[start:start + TRANSFORM_BLOCK_ROWS] for source in sources])
+            block = slice(start, start + TRANSFORM_BLOCK_ROWS)
+            self._write_block(out[block], [source[rows[block]] if gather else source[block]
+                                           for source, gather in zip(sources, gathered)])
         return out
 
     def _write_block(self, out: np.ndarray, sources: list[np.ndarray]) -> None:
