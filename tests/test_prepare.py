@@ -83,6 +83,7 @@ def test_stratified_sampling_of_an_inferred_regression_is_refused_by_option_name
     np.array([7, 7, 2, 9], dtype=np.int64),
     np.array([0.0, 1e9, 0.0]),                                # far apart: sorted
     np.array([2 ** 60 + 1, 2 ** 60, 2 ** 60 + 1], dtype=np.int64),   # beyond float64's integers: sorted
+    np.array([-0.0, 1.0, 0.0]), np.array([True, False, True]), np.array([-3, 4], dtype=np.float32),
 ])
 def test_numeric_class_labels_are_indexed_as_sorted_classes(y):
     d = data(len(y))
@@ -92,7 +93,8 @@ def test_numeric_class_labels_are_indexed_as_sorted_classes(y):
     assert classes == [float(c) for c in want] and index.tolist() == want_index.tolist() and names is None
 
 
-@pytest.mark.parametrize("y", [np.array([0.5, 1.0, 0.5]), np.array([np.nan, 1.0, 2.0])])
+@pytest.mark.parametrize("y", [np.array([0.5, 1.0, 0.5]), np.array([np.nan, 1.0, 2.0]),
+                               np.array([-5000, 1e-20, 0]), np.array([-1, 0.9999999999999999])])  # near integers
 def test_numeric_class_labels_that_are_not_integers_are_refused(y):
     d = data(len(y))
     labels = TrainingData(d.raw, d.kinds, y, d.feature_names, "label", "numeric", False, len(y), 0)

@@ -13,6 +13,8 @@ import json
 import logging
 import mmap
 import os
+import socket
+import threading
 from multiprocessing.connection import Pipe
 
 import numpy as np
@@ -250,13 +252,23 @@ def _mapped(array: np.ndarray) -> bool:
     return isinstance(array.obj if isinstance(array, memoryview) else array, mmap.mmap)
 
 
-def test_large_arrays_arrive_in_a_shared_memory_file_exactly_and_read_only(pipe):
-    a, b = pipe
-    rng = np.random.default_rng(1)
+def _large(seed: int = 1) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
     x = rng.standard_normal((70_000, 5)).astype(np.float32)      # 1.4 MB: over the threshold
     x[0, :3] = [np.nan, -0.0, np.inf]
-    arrays = {"x": x, "y": rng.integers(0, 3, size=70_001).astype(np.int8), "none": np.zeros((0, 2)),
-              "flags": np.array([True, False, True]), "be": np.arange(5, dtype=">i4")}
+    return {"x": x, "y": rng.integers(0, 3, size=70_001).astype(np.int8), "none": np.zeros((0, 2)),
+            "flags": np.array([True, False, True]), "be": np.arange(5, dtype=">i4")}
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_large_arrays_arrive_in_a_shared_memory_file_exactly_and_read_only(pipe):
+    a, b = pipe
+    protocol.accept_shared(a)
+    arrays = _large()
+    before = _open_fds()
     protocol.send(a, {"type": "train"}, arrays)
     protocol.send(a, {"type": "next"}, {"small": np.arange(3)})   # the connection stays in step
     header, got = protocol.recv(b)
@@ -268,36 +280,102 @@ def test_large_arrays_arrive_in_a_shared_memory_file_exactly_and_read_only(pipe)
         assert got[name].ctypes.data % protocol.SHARED_ALIGN == 0 or got[name].size == 0
     header, small = protocol.recv(b)
     assert header == {"type": "next"} and small["small"].tolist() == [0, 1, 2] and not _mapped(small["small"])
+    del got                                      # the mapping (and Python's handle on it) goes with the views
+    assert _open_fds() == before
 
 
-def test_small_arrays_and_lazy_mappings_go_in_frames(pipe):
+def test_arrays_go_in_frames_to_an_end_that_has_not_said_it_takes_them(pipe):
     a, b = pipe
-    protocol.send(a, {"type": "t"}, {"x": np.ones(1000, np.float32)})
+    arrays = _large()
+    sender = threading.Thread(target=protocol.send, args=(a, {"type": "train"}, arrays))
+    sender.start()
+    _, got = protocol.recv(b)
+    sender.join()
+    assert not any(_mapped(v) for v in got.values()) and got["x"].tobytes() == arrays["x"].tobytes()
+    protocol.accept_shared(a)
+    protocol.send(a, {"type": "t"}, {"x": np.ones(1000, np.float32)})          # small: frames still
     _, got = protocol.recv(b)
     assert got["x"].sum() == 1000 and not _mapped(got["x"])
 
 
-def _send_unsealed(conn, nbytes: int, declared_nbytes: int, seal: bool) -> None:
+def _send_file(conn, header: dict, fds: list[int]) -> None:
+    conn.send_bytes(json.dumps(header).encode())
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno())) as sock:
+        socket.send_fds(sock, [b"F"], fds)
+
+
+def _memfd(nbytes: int, seal: bool = True) -> int:
     fd = os.memfd_create("test", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, nbytes)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                    | fcntl.F_SEAL_WRITE)
+    return fd
+
+
+X4 = [{"name": "x", "dtype": "<f4", "shape": [4]}]
+
+
+@pytest.mark.parametrize("arrays, nbytes, declared, seal, message", [
+    (X4, 16, 16, False, "not a sealed memory file"),       # the sender could still shrink it under our views
+    (X4, 16, 4096, True, "not a sealed memory file of 4096 bytes"),
+    (X4, 8, 8, True, "outside the shared arrays"),         # 4 float32 do not fit 8 bytes
+    ([{"name": "x", "dtype": "<f4", "shape": [2 ** 32, 2 ** 32]}], 16, 16, True, "outside the shared arrays"),
+    ([{"name": "x", "dtype": "|O", "shape": [4]}], 16, 16, True, "unsupported dtype"),
+])
+def test_a_shared_file_that_could_change_or_does_not_hold_the_arrays_is_refused_in_step(
+        pipe, arrays, nbytes, declared, seal, message):
+    a, b = pipe
+    before = _open_fds()
+    fd = _memfd(nbytes, seal)
     try:
-        os.ftruncate(fd, nbytes)
-        if seal:
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-                        | fcntl.F_SEAL_WRITE)
-        conn.send_bytes(json.dumps({"type": "t", "arrays": [{"name": "x", "dtype": "<f4", "shape": [4]}],
-                                    "shared": {"nbytes": declared_nbytes, "offsets": [0]}}).encode())
-        protocol.reduction.send_handle(conn, fd, None)
+        _send_file(a, {"type": "t", "arrays": arrays, "shared": {"nbytes": declared, "offsets": [0]}}, [fd])
     finally:
         os.close(fd)
-
-
-@pytest.mark.parametrize("nbytes, declared, seal, message", [
-    (16, 16, False, "not sealed"),              # the sender could still shrink it under our views
-    (16, 4096, True, "not of 4096 bytes"),
-    (8, 8, True, "outside the shared arrays"),  # 4 float32 do not fit 8 bytes
-])
-def test_a_shared_file_that_could_change_or_does_not_hold_the_arrays_is_refused(pipe, nbytes, declared, seal, message):
-    a, b = pipe
-    _send_unsealed(a, nbytes, declared, seal)
+    protocol.send(a, {"type": "next"})
     with pytest.raises(ProtocolError, match=message):
         protocol.recv(b)
+    assert protocol.recv(b)[0] == {"type": "next"} and _open_fds() == before
+
+
+def test_a_shared_message_with_other_than_one_memory_file_is_refused_and_closes_them(pipe):
+    a, b = pipe
+    before = _open_fds()
+    read, write = os.pipe()
+    try:
+        for fds in ([_memfd(16), _memfd(16)], [read]):
+            try:
+                _send_file(a, {"type": "t", "arrays": X4, "shared": {"nbytes": 16, "offsets": [0]}}, fds)
+            finally:
+                for fd in fds:
+                    if fd != read:
+                        os.close(fd)
+            with pytest.raises(ProtocolError, match="descriptors, not one|not a sealed memory file"):
+                protocol.recv(b)
+    finally:
+        os.close(read)
+        os.close(write)
+    assert _open_fds() == before
+
+
+@pytest.mark.parametrize("pong, shared", [({"type": "pong", "accepts_shared": True}, True), ({"type": "pong"}, False)])
+def test_a_client_asks_once_whether_the_coordinator_takes_shared_arrays(pipe, pong, shared):
+    a, b = pipe
+    client = coordinator_client.CoordinatorClient(a, "unused")
+    seen = []
+
+    def coordinator() -> None:
+        for _ in range(2):                        # two requests, one ping before the first only
+            header, arrays = protocol.recv(b)
+            if header["type"] == "ping":
+                assert header["accepts_shared"] is True
+                protocol.send(b, pong)
+                header, arrays = protocol.recv(b)
+            seen.append((header["type"], header.get("accepts_shared"), _mapped(arrays["x"])))
+            protocol.send(b, {"type": "ok"})
+    server = threading.Thread(target=coordinator)
+    server.start()
+    for _ in range(2):
+        assert client.request({"type": "train"}, _large())[0] == {"type": "ok"}
+    server.join()
+    assert seen == [("train", True, shared)] * 2

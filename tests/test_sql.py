@@ -501,3 +501,20 @@ def test_coordinator_exits_with_the_postmaster():
     finally:
         c.destroy()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_rows_of_a_megabyte_or_more_travel_in_shared_memory_files(conn):
+    # 20,000 rows x 16 real columns (1.3 MB) to the coordinator, for training and again for
+    # predict_batch: each message large enough for Note [Shared arrays]
+    conn.execute("CREATE TABLE t_large AS SELECT " + ", ".join(f"(random() * 10)::real AS f{i}" for i in range(16))
+                 + ", ((g * 7919) % 3) AS label, g AS id FROM generate_series(1, 20000) g")
+    features = ", ".join(f"f{i}" for i in range(16))
+    _, metrics, _, _ = train(conn, "t_large", source=f"SELECT {features}, label FROM t_large",
+                             architecture='{"layers": [{"dense": 16}]}', options='{"epochs": 1, "batch_size": 2000}')
+    assert metrics["samples"] + metrics["test_samples"] == 20000
+    counts = conn.execute("SELECT count(*), count(DISTINCT id) FROM tensile.predict_batch(model_name => 't_large', "
+                          "source => %s, key => 'id')", (f"SELECT id, {features} FROM t_large",)).fetchone()
+    assert counts == (20000, 20000)
+    conn.execute("SELECT tensile.drop_model('t_large')")
+    conn.execute("DROP TABLE t_large")
+    assert_nothing_left(conn)

@@ -95,6 +95,7 @@ class CoordinatorClient:
         self.conn = conn
         self.socket_dir = socket_dir
         self._leave_open = False
+        self._asked_shared = False       # whether the coordinator was asked if it takes shared arrays
 
     def state(self) -> str:
         """The coordinator's process state in words (see :func:`.address.coordinator_state`)."""
@@ -111,8 +112,17 @@ class CoordinatorClient:
             pass
 
     def request(self, header: dict, arrays: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
-        """Send one request and return the reply; raises the error the coordinator sent."""
-        protocol.send(self.conn, header, arrays)
+        """Send one request and return the reply; raises the error the coordinator sent. Before
+        the connection's first request with arrays of :data:`.protocol.SHARED_MIN_NBYTES` or
+        more, a ``ping`` asks whether the coordinator takes them in a shared memory file (Note
+        [Shared arrays]); every request says that this end takes them."""
+        if (not self._asked_shared and isinstance(arrays, dict)
+                and sum(np.asarray(a).nbytes for a in arrays.values()) >= protocol.SHARED_MIN_NBYTES):
+            self._asked_shared = True
+            protocol.send(self.conn, {"type": "ping", "accepts_shared": True})
+            if self.receive()[0].get("accepts_shared") is True:
+                protocol.accept_shared(self.conn)
+        protocol.send(self.conn, dict(header, accepts_shared=True), arrays)
         return self.receive()
 
     def receive(self) -> tuple[dict, dict]:

@@ -46,8 +46,11 @@ and one of these holds:
 
 A job above the budget alone runs alone. ``max_pressure`` None (the executors that
 ``bench/paper.py`` builds to measure the scheduler under many jobs at once) admits every job up
-to ``max_active_jobs``. Limitations: the queue is first come, first served, so a large job at
-its head holds smaller ones behind it until it can start; the work of every job is estimated
+to ``max_active_jobs``. Limitations: the rule weighs the new job's own finish only, not the
+time it adds to the running jobs (SRPT's argument is over all jobs' completions; here, a job
+much shorter than the others adds little); the wait is stretched by the pressure of all the
+running jobs, also after some have ended; the queue is first come, first served, so a large job
+at its head holds smaller ones behind it until it can start; the work of every job is estimated
 from its ops' FLOPs and bytes (:meth:`~tensile_db.runtime.device.Device.op_seconds`), not from
 its measured times.
 """

@@ -1,40 +1,51 @@
 """The coordinator wire protocol.
 
-Transport: ``multiprocessing.connection`` over a Unix socket in a 0700 directory, using only
+Transport: ``multiprocessing.connection`` over a Unix socket in a 0700 directory, using its
 ``send_bytes`` / ``recv_bytes`` (its ``send`` / ``recv`` would pickle; nothing here unpickles).
 A message is one frame holding a UTF-8 JSON header, followed by one frame of raw bytes for each
-array the header lists under ``"arrays"`` as ``{"name", "dtype", "shape"}``. Only boolean,
-integer and floating dtypes are accepted. A receiver may take a message's arrays one frame at a
-time (:func:`recv_stream`), so that a large message (a model's weights) never sits whole in its
-memory. Errors travel as ``{"type": "error", "error": <class
-name>, "message": ...}`` and are raised again on the other side as the same
-:mod:`tensile_db.errors` class.
+array the header lists under ``"arrays"`` as ``{"name", "dtype", "shape"}``, or by one shared
+memory file holding them all (Note [Shared arrays]). Only boolean, integer and floating dtypes are
+accepted. A receiver may take a message's arrays one frame at a time (:func:`recv_stream`), so
+that a large message (a model's weights) never sits whole in its memory. Errors travel as
+``{"type": "error", "error": <class name>, "message": ...}`` and are raised again on the other
+side as the same :mod:`tensile_db.errors` class.
 
 Note [Shared arrays]
 --------------------
-Rationale: a training call's rows (64 MB for a million rows of 16 real columns) went through the
-socket in frames: copied into the kernel by the sender, out of it in chunks by the receiver and
-once more into one ``bytes`` (0.1 s and more for 64 MB here), the wait the backend's analyst sees
-before training starts. Approach: where the arrays of a message (held in memory) come to
-:data:`SHARED_MIN_NBYTES` or more and the connection is a Unix socket on Linux, the sender writes
-them, each at an offset aligned to :data:`SHARED_ALIGN` bytes, into an anonymous memory file
-(``memfd_create``), seals it against writes, shrinking and growing (``F_ADD_SEALS``), and passes
-its descriptor after the header (``SCM_RIGHTS``, :func:`multiprocessing.reduction.send_handle`);
-the header's ``"shared"`` gives the offsets and the file's bytes. The receiver checks the seals
-and the size, maps the file read-only and views each array in the mapping: one copy in all,
-the sender's, and the pages are freed when the last view goes. A sealed file cannot change under
-the receiver's views nor shrink under them (which would fault its process). Otherwise, and for a
-mapping read lazily (:func:`send`), arrays go in frames.
+Rationale: a training call's rows (68 MB for a million rows of 16 real columns and a label) went
+through the socket in frames: copied into the kernel by the sender, out of it in chunks by the
+receiver and once more into one ``bytes`` (0.08 s for 68 MB here), a wait before training starts.
+
+Approach: where the arrays of a message (held in memory) come to :data:`SHARED_MIN_NBYTES` or
+more, the connection is a Unix socket on Linux and the other end has said that it takes them
+(:func:`accept_shared`), the sender writes them, each at an offset aligned to
+:data:`SHARED_ALIGN` bytes, into an anonymous memory file (``memfd_create``), seals it against
+writes, shrinking and growing (``F_ADD_SEALS``), sends the header with the offsets and the file's
+bytes under ``"shared"``, and then the file's descriptor (``SCM_RIGHTS``). The receiver takes
+exactly one descriptor, checks the seals and the size, maps the file read-only and views each
+array in the mapping. A sealed file cannot change under the receiver's views nor shrink under them
+(which would fault its process). A sender that cannot make the file (no memory for it) sends
+frames. Which ends take shared arrays: a backend says so in every request
+(``"accepts_shared": true``), and before its first large request asks the coordinator with a
+``ping``, whose ``pong`` says so; so a coordinator or a backend of an earlier version, which
+would wait for frames, only ever gets frames.
+
+Limitations: Linux only (elsewhere, frames); the sender holds its arrays and the file's copy of
+them until it has sent the message (68 MB more for a million rows; the file's pages do not count
+in the sender's ``VmHWM``); the receiver's mapping lives as long as any of its arrays.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
+import math
 import mmap
 import os
+import socket
 import stat
-from multiprocessing import reduction
+import weakref
 
 import numpy as np
 
@@ -49,14 +60,30 @@ SHARED_MIN_NBYTES = 1 << 20
 SHARED_ALIGN = 64
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE if hasattr(
     fcntl, "F_SEAL_WRITE") else 0
+#: The connections whose other end takes shared arrays (Note [Shared arrays]).
+_SHARING: weakref.WeakSet = weakref.WeakSet()
+
+log = logging.getLogger(__name__)
+
+
+def accept_shared(conn) -> None:
+    """Record that the other end of ``conn`` takes shared arrays (Note [Shared arrays])."""
+    _SHARING.add(conn)
+
+
+def shares(conn) -> bool:
+    """Whether :func:`send` may put large arrays for the other end of ``conn`` in a shared file."""
+    return conn in _SHARING
 
 
 def send(conn, header: dict, arrays=None) -> None:
     """Send a header and named arrays (C-contiguous copies are made where needed). ``arrays``
     is a dict, or a mapping with ``meta(name) -> (dtype, shape)`` whose arrays are then read one
     at a time as they are sent (a job's weights in a spill file), so they are never all in
-    memory at once. Raises ProtocolError, before anything is written, for an array of an
-    unsupported dtype."""
+    memory at once. In-memory arrays of :data:`SHARED_MIN_NBYTES` or more go in a shared
+    memory file where the other end takes them (Note [Shared arrays]), else in frames. Raises
+    ProtocolError, before anything is written, for an array of an unsupported dtype; OSError
+    when the connection fails."""
     arrays = arrays or {}
     lazy = hasattr(arrays, "meta")
     if not lazy:
@@ -68,8 +95,16 @@ def send(conn, header: dict, arrays=None) -> None:
     header = dict(header, arrays=[{"name": k, "dtype": np.dtype(dtype).str, "shape": list(shape)}
                                   for k, (dtype, shape) in metas.items()])
     if not lazy and sum(a.nbytes for a in arrays.values()) >= SHARED_MIN_NBYTES and _can_share(conn):
-        _send_shared(conn, header, list(arrays.values()))
-        return
+        shared = _shared_file(list(arrays.values()))
+        if shared is not None:
+            fd, nbytes, offsets = shared
+            try:
+                conn.send_bytes(json.dumps(dict(header, shared={"nbytes": nbytes, "offsets": offsets})).encode())
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno())) as sock:
+                    socket.send_fds(sock, [b"F"], [fd])
+            finally:
+                os.close(fd)
+            return
     conn.send_bytes(json.dumps(header).encode())
     for k in metas:
         a = np.asarray(arrays[k], order="C")
@@ -79,19 +114,25 @@ def send(conn, header: dict, arrays=None) -> None:
 def _can_share(conn) -> bool:
     """Whether arrays may go to the other end of ``conn`` in a shared memory file."""
     try:
-        return bool(_SEALS) and hasattr(os, "memfd_create") and stat.S_ISSOCK(os.fstat(conn.fileno()).st_mode)
+        return (bool(_SEALS) and hasattr(os, "memfd_create") and shares(conn)
+                and stat.S_ISSOCK(os.fstat(conn.fileno()).st_mode))
     except (AttributeError, OSError, ValueError):
         return False
 
 
-def _send_shared(conn, header: dict, arrays: list[np.ndarray]) -> None:
-    """The header with the arrays' offsets, then a sealed memory file holding them (Note [Shared
-    arrays])."""
+def _shared_file(arrays: list[np.ndarray]) -> tuple[int, int, list[int]] | None:
+    """A sealed memory file holding ``arrays`` (Note [Shared arrays]): its descriptor (the
+    caller closes it), its bytes and each array's offset; None, with nothing left open, when it
+    cannot be made (the caller sends frames)."""
     offsets, end = [], 0
     for a in arrays:
         offsets.append(end)
         end = round_up(end + a.nbytes, SHARED_ALIGN)
-    fd = os.memfd_create("tensile-arrays", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        fd = os.memfd_create("tensile-arrays", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        log.warning("arrays go in frames: no shared memory file (%s)", exc)
+        return None
     try:
         os.ftruncate(fd, end)
         for a, offset in zip(arrays, offsets):
@@ -100,10 +141,11 @@ def _send_shared(conn, header: dict, arrays: list[np.ndarray]) -> None:
                 written = os.pwrite(fd, data, offset)
                 data, offset = data[written:], offset + written
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-        conn.send_bytes(json.dumps(dict(header, shared={"nbytes": end, "offsets": offsets})).encode())
-        reduction.send_handle(conn, fd, None)
-    finally:
+    except OSError as exc:
         os.close(fd)
+        log.warning("arrays go in frames: the shared memory file of %d bytes failed (%s)", end, exc)
+        return None
+    return fd, end, offsets
 
 
 def recv(conn) -> tuple[dict, dict[str, np.ndarray]]:
@@ -116,15 +158,30 @@ def recv(conn) -> tuple[dict, dict[str, np.ndarray]]:
 
 def recv_stream(conn) -> tuple[dict, ArrayStream]:
     """Receive one message's header, and its arrays as an :class:`ArrayStream` that receives
-    them one frame at a time: the caller must consume it, or leave its ``with`` block (which
-    receives and drops what is left), before the next message. Raises ProtocolError on a
-    malformed header or array description and EOFError when the peer has closed."""
+    them one frame at a time (or views them in the message's shared memory file, Note [Shared
+    arrays]): the caller must consume it, or leave its ``with`` block (which receives and drops
+    what is left), before the next message. Raises ProtocolError on a malformed header, array
+    description or shared file, and EOFError when the peer has closed."""
     try:
         header = json.loads(conn.recv_bytes())
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"malformed message header: {exc}") from None
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):
         raise ProtocolError("message header must be a JSON object with a string 'type'")
+    shared = header.pop("shared", None)
+    fd = None if shared is None else _receive_fd(conn)       # first: the connection stays in step
+    try:
+        declared = _declared(header)
+        views = None if fd is None else _map_shared(fd, shared, declared)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return header, ArrayStream(conn, declared, views)
+
+
+def _declared(header: dict) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    """The arrays a header lists, as ``(name, dtype, shape)``; raises ProtocolError for a
+    malformed or refused description."""
     declared = []
     for meta in header.pop("arrays", []):
         try:
@@ -134,41 +191,55 @@ def recv_stream(conn) -> tuple[dict, ArrayStream]:
         if dtype.kind not in _ALLOWED_KINDS or any(d < 0 for d in shape):
             raise ProtocolError(f"array {name!r} has unsupported dtype {dtype} or shape {shape}")
         declared.append((name, dtype, shape))
-    shared = header.pop("shared", None)
-    return header, ArrayStream(conn, declared, None if shared is None else _receive_shared(conn, shared, declared))
+    return declared
 
 
-def _receive_shared(conn, shared, declared: list) -> list[np.ndarray]:
-    """The arrays of a shared memory file that follows on ``conn`` (Note [Shared arrays]), as
-    read-only views of its mapping. Raises ProtocolError for a file that is not sealed, not of
-    the bytes declared, or whose arrays do not lie within it."""
-    fd = reduction.recv_handle(conn)
+def _receive_fd(conn) -> int:
+    """The one descriptor that follows on ``conn`` (Note [Shared arrays]); any other passed with
+    it is closed. Raises ProtocolError when there is not exactly one, EOFError when the peer
+    has closed."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno())) as sock:
+        message, fds, _, _ = socket.recv_fds(sock, 1, 4, socket.MSG_CMSG_CLOEXEC)
+    if not message and not fds:
+        raise EOFError
+    if message != b"F" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError(f"a shared arrays' message came with {len(fds)} descriptors, not one")
+    return fds[0]
+
+
+def _map_shared(fd: int, shared, declared: list) -> list[np.ndarray]:
+    """The arrays ``declared`` in the shared memory file ``fd`` (Note [Shared arrays]), as
+    read-only views of its mapping. Raises ProtocolError for a description that is malformed,
+    a file that is not a sealed memory file of the bytes declared, or an array outside it."""
     try:
-        try:
-            nbytes, offsets = int(shared["nbytes"]), [int(o) for o in shared["offsets"]]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"malformed shared arrays {shared!r}: {exc}") from None
-        if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS or os.fstat(fd).st_size != nbytes:
-            raise ProtocolError(f"the shared arrays' file is not sealed or not of {nbytes} bytes")
-        if len(offsets) != len(declared):
-            raise ProtocolError(f"{len(offsets)} offsets for {len(declared)} shared arrays")
-        mapping = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ) if nbytes else b""
-    finally:
-        os.close(fd)
-    views = []
-    for (name, dtype, shape), offset in zip(declared, offsets):
-        count = int(np.prod(shape, dtype=np.int64))
-        if not 0 <= offset <= nbytes - count * dtype.itemsize:
+        nbytes, offsets = int(shared["nbytes"]), [int(o) for o in shared["offsets"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"malformed shared arrays {shared!r}: {exc}") from None
+    try:
+        sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS == _SEALS and os.fstat(fd).st_size == nbytes
+    except OSError:                                  # not a memory file
+        sealed = False
+    if not sealed:
+        raise ProtocolError(f"the shared arrays' file is not a sealed memory file of {nbytes} bytes")
+    if len(offsets) != len(declared):
+        raise ProtocolError(f"{len(offsets)} offsets for {len(declared)} shared arrays")
+    extents = [(math.prod(shape) * dtype.itemsize, offset) for (_, dtype, shape), offset in zip(declared, offsets)]
+    for (name, _, _), (size, offset) in zip(declared, extents):
+        if not 0 <= offset <= offset + size <= nbytes:
             raise ProtocolError(f"array {name!r} lies outside the shared arrays' {nbytes} bytes")
-        views.append(np.frombuffer(mapping, dtype=dtype, count=count, offset=offset).reshape(shape))
-    return views
+    mapping = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ) if nbytes else b""
+    return [np.frombuffer(mapping, dtype=dtype, count=size // dtype.itemsize, offset=offset).reshape(shape)
+            for (_, dtype, shape), (size, offset) in zip(declared, extents)]
 
 
 class ArrayStream:
     """The arrays of a message, received one frame at a time as ``(name, array)`` pairs in the
     order the header lists them (iterate once); ``declared`` is that list as ``(name, dtype,
     shape)``, known before any array arrives. Only the array being received is held here, so the
-    largest array bounds the memory a message takes. Each array's byte count is checked against
+    largest array bounds the memory a message takes (arrays in a shared memory file, ``shared``:
+    views of its one mapping, held by the sender's file already). Each array's byte count is checked against
     its description (ProtocolError). Leaving a ``with`` block receives and drops the arrays not
     yet received, so the connection stays in step whatever the consumer did."""
 
@@ -189,7 +260,7 @@ class ArrayStream:
             name, dtype, shape = self.declared[self._received]
             data = self.conn.recv_bytes()
             self._received += 1
-            if len(data) != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            if len(data) != math.prod(shape) * dtype.itemsize:
                 raise ProtocolError(f"array {name!r}: {len(data)} bytes do not match shape {shape} {dtype}")
             yield name, np.frombuffer(data, dtype=dtype).reshape(shape)
             del data

@@ -207,6 +207,8 @@ class Coordinator:
             while True:
                 header, arrays = protocol.recv(conn)
                 kind = header["type"]
+                if header.get("accepts_shared") is True:       # Note [Shared arrays]
+                    protocol.accept_shared(conn)
                 try:
                     if kind == "train":
                         self.training.train(conn, header, arrays)
@@ -215,7 +217,7 @@ class Coordinator:
                     elif kind == "predict":
                         self._predict(conn, header, arrays)
                     elif kind == "ping":
-                        protocol.send(conn, {"type": "pong", "pid": os.getpid(), "devices": {
+                        protocol.send(conn, {"type": "pong", "pid": os.getpid(), "accepts_shared": True, "devices": {
                             e.name: e.manager.budget_nbytes for e in self.executors}})
                     elif kind == "jobs":
                         protocol.send(conn, {"type": "jobs", "jobs": [reports.as_dict(j.describe(e.manager, e.name))

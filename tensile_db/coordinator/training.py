@@ -271,8 +271,10 @@ class TrainingService:
 def _fit(job: TrainingJob, y: np.ndarray) -> dict:
     """Accuracy (classification) or RMSE (regression) on the training rows ``y``, the labels as
     sent: the network runs on the job's rows as it trained on them (already scaled with the
-    result's scaling, the same values :func:`.models.forward` would compute from the rows as
-    sent, without a scaled copy of them); a class is the largest output (the softmax keeps it)."""
+    result's scaling: the outputs :func:`.models.forward` would compute from the rows as sent,
+    without a scaled copy of them). A row's class is its largest output, before the softmax,
+    which keeps the order; where two outputs are within rounding of each other, the softmax's
+    largest (what predict returns) may be the other one."""
     h = job.spec.network.forward(job.result, job.x, chunk_rows(job.spec, job.result))
     if job.spec.task == "classification":
         return {"train_accuracy": float((h.argmax(axis=1) == y.reshape(-1)).mean())}

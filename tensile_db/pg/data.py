@@ -693,11 +693,10 @@ def _integer_classes(y: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     if not len(y):
         return None
     low, high = float(y.min()), float(y.max())
-    if not (-2.0 ** 53 < low <= high < 2.0 ** 53) or high - low > MAX_CLASSES:     # exact in float64; no NaN
-        return None
-    shifted = np.subtract(y, low, dtype=np.float64)
-    codes = shifted.astype(np.intp)
-    if not np.array_equal(codes, shifted):
+    if not (-2.0 ** 53 < low <= high < 2.0 ** 53) or high - low > MAX_CLASSES or low != math.floor(low):
+        return None                                     # beyond float64's exact integers, NaN, or not an integer
+    codes = np.subtract(y, low, dtype=np.float64).astype(np.intp)
+    if not np.array_equal(codes + low, y):              # every label an integer (a difference may round to one)
         return None
     present = np.bincount(codes) > 0
     return np.flatnonzero(present) + low, (np.cumsum(present) - 1)[codes]

@@ -324,16 +324,20 @@ class Preprocessor:
         gathered = []           # per column: whether its source holds every raw row, to be indexed by ``rows``
         for c in self.columns:
             values = raw[c.name]
+            if c.kind == "categorical":
+                values = as_categories(values)
             # A numeric column with nothing missing is read through ``rows`` block by block (no
             # copy of the column); any other is indexed first, so that its checks count its rows.
-            gathered.append(rows is not None and c.kind == "numeric" and not np.isnan(values).any())
-            if rows is not None and not gathered[-1]:
+            whole = rows is not None and c.kind == "numeric" and not np.isnan(values).any()
+            gathered.append(whole)
+            if rows is not None and not whole:
                 values = values[rows]
             if c.kind == "array":
                 sources.append(np.asarray(values, np.float32).reshape(n, c.width))
                 continue
-            if c.kind == "categorical":
-                values = as_categories(values)
+            if whole:                                       # checked above: nothing missing
+                sources.append(values)
+                continue
             missing = np.isnan(values) if c.kind == "numeric" else values.codes < 0
             if missing.any() and c.fill is None:
                 count = int(missing.sum())
