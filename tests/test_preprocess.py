@@ -200,6 +200,7 @@ def test_the_inputs_of_some_rows_are_those_of_the_rows_indexed_first(monkeypatch
     rows = np.array([10, 0, 3, 3, 7, 2, 9, 1, 5])
     want = pre.transform({name: v[rows] for name, v in raw.items()})
     assert np.array_equal(pre.transform(raw, rows), want) and want.shape == (9, pre.width)
+    assert np.array_equal(pre.transform(dict(raw, c=list(raw["c"])), rows), want)     # a list of str or None too
     # the checks count the rows chosen only
     strict = fitted(raw, array_width=2, preprocess={"gaps": {"impute": "mean"}})
     with pytest.raises(InvalidArgument, match=r'^column "c" has 2 missing values \(NULL or NaN, of 9 rows\)'):
