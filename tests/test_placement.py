@@ -66,16 +66,6 @@ def test_the_finish_after_room_waits_for_the_jobs_that_must_end_first():
     assert Load(8 * MIB).finish_after_room_s(MIB, 1.0) == Load(8 * MIB).finish_s(MIB, 1.0) == 1.0
 
 
-def test_placement_predicts_the_wait_the_devices_admission_would_choose():
-    # beside an equal job over the budget the device makes it wait (20 s, not 20.5 sharing):
-    # sooner than the roomy device where it shares with two (20.1 s)
-    waits, shares = Load(8 * MIB, (6 * MIB,), (10.0,)), Load(16 * MIB, (MIB, MIB), (5.0, 5.1))
-    assert waits.predicted_s(4 * MIB, 10.0) == pytest.approx(20.0)
-    assert shares.predicted_s(4 * MIB, 10.0) == pytest.approx(20.1)
-    assert waits.finish_s(4 * MIB, 10.0) > shares.finish_s(4 * MIB, 10.0)
-    assert choose([shares, waits], 4 * MIB, MIB, 10.0) == 1
-
-
 @pytest.mark.parametrize("text, value", [("2", 2.0), (" 1.25 ", 1.25), ("None", None), ("1", 1.0)])
 def test_the_pressure_bound_is_a_number_of_budgets_or_none(text, value):
     assert parse_max_pressure(text) == value
