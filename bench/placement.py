@@ -276,7 +276,7 @@ def main() -> None:
     # every configuration with args.seed; the placement on one device and on the most, with the
     # repeats' seeds too (each job's EOR against its EOR on one device, with its spread)
     seeded = [(d, p, args.seed) for d, p in configs] + [
-        (d, "placement", args.seed + k) for k in range(1, args.repeats) for d in sorted({1, counts[-1]})]
+        (d, "placement", s) for s in seeds_of(args)[1:] for d in sorted({1, counts[-1]})]
     runs: dict[tuple, Run] = {}
     with concurrent.futures.ProcessPoolExecutor(args.processes) as pool:
         for key, r in pool.map(_job, [(d, p, args, None, s) for d, p, s in seeded]):
@@ -287,6 +287,11 @@ def main() -> None:
     with open(os.path.join(args.out, "placement_runs.json"), "w") as f:     # the figures, before any is printed
         json.dump([dataclasses.asdict(r) for r in runs.values()], f)
     report(runs, counts, configs, args)
+
+
+def seeds_of(args) -> list[int]:
+    """The seeds of the repeats: ``--seed`` and the next ``--repeats`` - 1."""
+    return [args.seed + k for k in range(args.repeats)]
 
 
 def job_eors(runs: dict, d: int, seeds: list[int]) -> dict[str, list[float]]:
@@ -312,7 +317,7 @@ def report(runs: dict, counts: list[int], configs: list[tuple], args) -> None:
     """Print the tables and the targets of ``runs`` ((devices, placement, vanilla, seed) -> Run)."""
     profile = SimDevice(args.profile)
     budget = device_budget(profile)
-    seeds = [args.seed + k for k in range(args.repeats)]
+    seeds = seeds_of(args)
     print(f"# Placement over several devices ({profile.describe()}; seed {args.seed}, jitter "
           f"{args.jitter}, first-run error +{args.first_run_error})\n")
     print(f"{N_JOBS} jobs ({', '.join(MODELS)} in turn, batch {BATCH}, Adam), one every solo ResNet-50 iteration; "

@@ -116,8 +116,7 @@ class CoordinatorClient:
         the connection's first request with arrays of :data:`.protocol.SHARED_MIN_NBYTES` or
         more, a ``ping`` asks whether the coordinator takes them in a shared memory file (Note
         [Shared arrays]); every request says that this end takes them."""
-        if (not self._asked_shared and isinstance(arrays, dict)
-                and sum(np.asarray(a).nbytes for a in arrays.values()) >= protocol.SHARED_MIN_NBYTES):
+        if not self._asked_shared and protocol.large(arrays):
             self._asked_shared = True
             protocol.send(self.conn, {"type": "ping", "accepts_shared": True})
             if self.receive()[0].get("accepts_shared") is True:

@@ -27,10 +27,11 @@ work ``w`` seconds (its iterations times the device's estimate of its ops,
    and waiting alike. Ranking the devices instead by the sooner of ``F`` and the finish after
    waiting for room (:meth:`Load.finish_after_room_s`), as that admission predicts, was tried and
    dropped: on ``bench/placement.py`` two simulated H100s ran 1.129 x the ideal makespan against
-   1.058 (four: 1.053 either way); on two devices it sent more jobs to wait where one had room. Preferring the devices where a job would start at once was tried and
-   dropped: on ``bench/placement.py``'s sixteen jobs it balanced the devices' work worse (four
-   simulated H100s: makespan 1.179 x the ideal against 1.117 without it; two: 1.143 either way;
-   measured when the devices admitted jobs by the pressure bound alone).
+   1.058 (four: 1.053 either way); on two devices it sent more jobs to wait where one had room.
+   Preferring the devices where a job would start at once was tried and dropped too: on
+   ``bench/placement.py``'s sixteen jobs it balanced the devices' work worse (four simulated
+   H100s: makespan 1.179 x the ideal against 1.117 without it; two: 1.143 either way; measured
+   when the devices admitted jobs by the pressure bound alone).
 
 So jobs spread while there is room, and a device already over its budget takes a job only when
 the wait elsewhere costs more than its scheduling would. A search's trials are placed one by one

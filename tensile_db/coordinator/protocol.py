@@ -71,9 +71,16 @@ def accept_shared(conn) -> None:
     _SHARING.add(conn)
 
 
-def shares(conn) -> bool:
-    """Whether :func:`send` may put large arrays for the other end of ``conn`` in a shared file."""
-    return conn in _SHARING
+def large(arrays) -> bool:
+    """Whether ``arrays`` (a dict of arrays held in memory) together are large enough to go in a
+    shared memory file (:data:`SHARED_MIN_NBYTES`; Note [Shared arrays])."""
+    return isinstance(arrays, dict) and sum(np.asarray(a).nbytes for a in arrays.values()) >= SHARED_MIN_NBYTES
+
+
+def _unix_socket(conn) -> socket.socket:
+    """A socket object on a duplicate of ``conn``'s descriptor, for its ancillary data (closing it
+    leaves ``conn`` open)."""
+    return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno()))
 
 
 def send(conn, header: dict, arrays=None) -> None:
@@ -94,13 +101,13 @@ def send(conn, header: dict, arrays=None) -> None:
             raise ProtocolError(f"array {name!r} has unsupported dtype {dtype}")
     header = dict(header, arrays=[{"name": k, "dtype": np.dtype(dtype).str, "shape": list(shape)}
                                   for k, (dtype, shape) in metas.items()])
-    if not lazy and sum(a.nbytes for a in arrays.values()) >= SHARED_MIN_NBYTES and _can_share(conn):
+    if not lazy and large(arrays) and _can_share(conn):
         shared = _shared_file(list(arrays.values()))
         if shared is not None:
             fd, nbytes, offsets = shared
             try:
                 conn.send_bytes(json.dumps(dict(header, shared={"nbytes": nbytes, "offsets": offsets})).encode())
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno())) as sock:
+                with _unix_socket(conn) as sock:
                     socket.send_fds(sock, [b"F"], [fd])
             finally:
                 os.close(fd)
@@ -114,7 +121,7 @@ def send(conn, header: dict, arrays=None) -> None:
 def _can_share(conn) -> bool:
     """Whether arrays may go to the other end of ``conn`` in a shared memory file."""
     try:
-        return (bool(_SEALS) and hasattr(os, "memfd_create") and shares(conn)
+        return (bool(_SEALS) and hasattr(os, "memfd_create") and conn in _SHARING
                 and stat.S_ISSOCK(os.fstat(conn.fileno()).st_mode))
     except (AttributeError, OSError, ValueError):
         return False
@@ -198,7 +205,7 @@ def _receive_fd(conn) -> int:
     """The one descriptor that follows on ``conn`` (Note [Shared arrays]); any other passed with
     it is closed. Raises ProtocolError when there is not exactly one, EOFError when the peer
     has closed."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno())) as sock:
+    with _unix_socket(conn) as sock:
         message, fds, _, _ = socket.recv_fds(sock, 1, 4, socket.MSG_CMSG_CLOEXEC)
     if not message and not fds:
         raise EOFError
@@ -239,9 +246,9 @@ class ArrayStream:
     order the header lists them (iterate once); ``declared`` is that list as ``(name, dtype,
     shape)``, known before any array arrives. Only the array being received is held here, so the
     largest array bounds the memory a message takes (arrays in a shared memory file, ``shared``:
-    views of its one mapping, held by the sender's file already). Each array's byte count is checked against
-    its description (ProtocolError). Leaving a ``with`` block receives and drops the arrays not
-    yet received, so the connection stays in step whatever the consumer did."""
+    views of its one mapping, held by the sender's file already). Each array's byte count is
+    checked against its description (ProtocolError). Leaving a ``with`` block receives and drops
+    the arrays not yet received, so the connection stays in step whatever the consumer did."""
 
     def __init__(self, conn, declared: list[tuple[str, np.dtype, tuple[int, ...]]], shared: list | None = None):
         self.conn = conn

@@ -320,8 +320,9 @@ class Preprocessor:
         missing value the model does not impute (with the count), and for an unseen category when
         ``unseen`` is ``error`` (with the value and the count)."""
         n = len(rows) if rows is not None else len(next(iter(raw.values()))) if raw else 0
-        sources = []            # per column: what its inputs are made from, all (selected) rows
-        gathered = []           # per column: whether its source holds every raw row, to be indexed by ``rows``
+        # per column: what its inputs are made from, the rows selected, or every raw row when
+        # ``whole`` (then indexed by ``rows`` block by block)
+        sources: list[tuple[np.ndarray, bool]] = []
         for c in self.columns:
             values = raw[c.name]
             if c.kind == "categorical":
@@ -329,14 +330,13 @@ class Preprocessor:
             # A numeric column with nothing missing is read through ``rows`` block by block (no
             # copy of the column); any other is indexed first, so that its checks count its rows.
             whole = rows is not None and c.kind == "numeric" and not np.isnan(values).any()
-            gathered.append(whole)
             if rows is not None and not whole:
                 values = values[rows]
             if c.kind == "array":
-                sources.append(np.asarray(values, np.float32).reshape(n, c.width))
+                sources.append((np.asarray(values, np.float32).reshape(n, c.width), False))
                 continue
             if whole:                                       # checked above: nothing missing
-                sources.append(values)
+                sources.append((values, True))
                 continue
             missing = np.isnan(values) if c.kind == "numeric" else values.codes < 0
             if missing.any() and c.fill is None:
@@ -345,14 +345,14 @@ class Preprocessor:
                                       f"(NULL or NaN, of {n:,} rows) and the model does not impute it; filter them "
                                       "(predict_batch: options.skip_nulls), or train with an impute rule for the column")
             if c.kind == "numeric":
-                sources.append(np.where(missing, np.float32(c.fill or 0), values) if missing.any() else values)
+                sources.append((np.where(missing, np.float32(c.fill or 0), values) if missing.any() else values, False))
             else:
-                sources.append(self._positions(c, values))
+                sources.append((self._positions(c, values), False))
         out = np.empty((n, self.width), np.float32)
         for start in range(0, n, TRANSFORM_BLOCK_ROWS):     # a block of rows stays in the cache over its columns
             block = slice(start, start + TRANSFORM_BLOCK_ROWS)
-            self._write_block(out[block], [source[rows[block]] if gather else source[block]
-                                           for source, gather in zip(sources, gathered)])
+            self._write_block(out[block], [source[rows[block]] if whole else source[block]
+                                           for source, whole in sources])
         return out
 
     def _write_block(self, out: np.ndarray, sources: list[np.ndarray]) -> None:
