@@ -37,8 +37,8 @@ DEFAULT_SPILL_SUBDIR = "spill"
 DEFAULT_MAX_ACTIVE_JOBS = 8            # tensile.max_active_jobs
 #: tensile.max_pressure: beyond its budget, a device admits a queued job only while the unscheduled
 #: peaks of its running jobs and that one stay within this many times the budget, and only when the
-#: job is predicted to end sooner so than by waiting (Note [Admission by memory pressure] in
-#: :mod:`tensile_db.coordinator.executor`); ``none``: every job admitted at once.
+#: device's jobs are predicted to end sooner, summed, so than with it waiting (Note [Admission by
+#: memory pressure] in :mod:`tensile_db.coordinator.executor`); ``none``: every job admitted at once.
 DEFAULT_MAX_PRESSURE = 2.0
 DEFAULT_POLICY = POLICIES[0]           # tensile.policy: tensile
 DEFAULT_POOL = POOLS[0]                # tensile.pool: planned

@@ -278,7 +278,7 @@ def test_a_search_reports_every_trial_then_the_result(executor):
         predicted = host_outputs(weights, arrays["x_test"]).argmax(axis=1)
         assert m["accuracy"] == pytest.approx(float((predicted == arrays["y_test"]).mean()))
         assert m["accuracy"] > 0.8 and set(m["per_class"]) == {"no", "yes"}
-        assert m["device"] == "cpu" and m["samples"] == 240
+        assert m["device"] == executor.name and m["samples"] == 240
     assert_nothing_left(executor)
 
 

@@ -50,20 +50,29 @@ def test_memory_pressure_stretches_the_finish_and_breaks_ties():
     assert choose([Load(4 * MIB, (4 * MIB,), (0.1,)), Load(16 * MIB, (MIB,) * 4, (50.0,) * 4)], 4 * MIB, MIB, 1.0) == 0
 
 
-def test_the_finish_after_room_waits_for_the_jobs_that_must_end_first():
+def test_the_flow_is_the_sum_of_every_jobs_finish_under_processor_sharing():
     one = Load(8 * MIB, (6 * MIB,), (10.0,))
-    # beside it at 10/8 of the budget a 1 s job ends after 2 * 1.025 s; after the wait, after 11 s
+    # a 1 s job beside it at 10/8 of the budget ends after 2 s, the running one after 11 s, both
+    # stretched by 1.025; waiting, the running one ends after 10 s and the new one after 11 s
     assert one.finish_s(4 * MIB, 1.0) == pytest.approx(2.0 * (1.0 + PRESSURE_EXTRA * 0.25))
-    assert one.finish_after_room_s(4 * MIB, 1.0) == pytest.approx(11.0)
-    assert one.finish_after_room_s(4 * MIB, 10.0) == pytest.approx(20.0)
-    assert one.finish_s(4 * MIB, 10.0) == pytest.approx(20.5)
-    # three running at 12/8: two must end (after 1 + 2 + 2 s, stretched) before a 4 MiB job fits
-    # beside the last, which has 1 s left then
+    assert one.flow_s(4 * MIB, 1.0) == pytest.approx(13.0 * (1.0 + PRESSURE_EXTRA * 0.25))
+    assert one.flow_after_room_s(4 * MIB, 1.0) == pytest.approx(21.0)
+    # an equal job: 20 s each sharing, stretched, against 10 s and 20 s waiting
+    assert one.flow_s(4 * MIB, 10.0) == pytest.approx(40.0 * 1.025)
+    assert one.flow_after_room_s(4 * MIB, 10.0) == pytest.approx(30.0)
+    # a 6 s job would itself end sooner sharing (after 12 s, stretched, against 16 s), but it
+    # would end the running one 6 s later: together they end sooner when it waits
+    assert one.finish_s(4 * MIB, 6.0) == pytest.approx(12.0 * 1.025)
+    assert one.flow_s(4 * MIB, 6.0) == pytest.approx(28.0 * 1.025)
+    assert one.flow_after_room_s(4 * MIB, 6.0) == pytest.approx(26.0)
+    # three running at 12/8: the two that must end first end after 3 and 5 s (stretched by 1.05),
+    # then a 4 MiB job fits beside the last, which has 1 s left: both end 2 s later
     three = Load(8 * MIB, (4 * MIB,) * 3, (1.0, 2.0, 3.0))
-    assert three.finish_after_room_s(4 * MIB, 1.0) == pytest.approx(5.0 * (1.0 + PRESSURE_EXTRA * 0.5) + 2.0)
+    assert three.flow_after_room_s(4 * MIB, 1.0) == pytest.approx((3.0 + 5.0) * 1.05 + 2 * (5.0 * 1.05 + 2.0))
     # larger than the budget alone: it starts once every job has ended, and runs alone
-    assert three.finish_after_room_s(16 * MIB, 1.0) == pytest.approx(6.0 * 1.05 + 1.0 * (1.0 + PRESSURE_EXTRA))
-    assert Load(8 * MIB).finish_after_room_s(MIB, 1.0) == Load(8 * MIB).finish_s(MIB, 1.0) == 1.0
+    ended = 3.0 + 5.0 + 6.0
+    assert three.flow_after_room_s(16 * MIB, 1.0) == pytest.approx(ended * 1.05 + 6.0 * 1.05 + 1.0 * (1.0 + PRESSURE_EXTRA))
+    assert Load(8 * MIB).flow_after_room_s(MIB, 1.0) == Load(8 * MIB).flow_s(MIB, 1.0) == 1.0
 
 
 @pytest.mark.parametrize("text, value", [("2", 2.0), (" 1.25 ", 1.25), ("None", None), ("1", 1.0)])

@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="jobs run at once; more wait queued")
     parser.add_argument("--max-pressure", default=str(settings.DEFAULT_MAX_PRESSURE),
                         help="beyond the budget, admit a queued job only while the running jobs' unscheduled peaks "
-                             "and its own stay within this many times the budget and it is predicted to end sooner "
-                             "so than by waiting; 'none': every job at once")
+                             "and its own stay within this many times the budget and the device's jobs are predicted "
+                             "to end sooner, summed, so than with it waiting; 'none': every job at once")
     parser.add_argument("--policy", choices=settings.POLICIES, default=settings.DEFAULT_POLICY,
                         help="the scheduler policy")
     parser.add_argument("--pool", choices=settings.POOLS, default=settings.DEFAULT_POOL,

@@ -24,9 +24,9 @@ work ``w`` seconds (its iterations times the device's estimate of its ops,
 3. The least ``F``; among equal ones the least memory pressure ``(P + sum_j P_j) / budget``;
    then the first device listed. A job placed where the device's admission (Note [Admission by
    memory pressure] in :mod:`.executor`) holds it back waits there: ``F`` counts the jobs running
-   and waiting alike. Ranking the devices instead by the sooner of ``F`` and the finish after
-   waiting for room (:meth:`Load.finish_after_room_s`), as that admission predicts, was tried and
-   dropped: on ``bench/placement.py`` two simulated H100s ran 1.129 x the ideal makespan against
+   and waiting alike. Ranking the devices instead by the sooner of ``F`` and the job's finish
+   after waiting for room there was tried and dropped (measured when the admission weighed that
+   finish): on ``bench/placement.py`` two simulated H100s ran 1.129 x the ideal makespan against
    1.058 (four: 1.053 either way); on two devices it sent more jobs to wait where one had room.
    Preferring the devices where a job would start at once was tried and dropped too: on
    ``bench/placement.py``'s sixteen jobs it balanced the devices' work worse (four simulated
@@ -80,29 +80,40 @@ class Load:
         """The unscheduled peaks of its jobs and one more of ``peak_nbytes``, over the budget."""
         return (peak_nbytes + sum(self.peaks_nbytes)) / self.budget_nbytes
 
+    def stretch(self, peak_nbytes: int) -> float:
+        """1 + the extra time per second of compute predicted here with one more job of
+        ``peak_nbytes`` (0: none), Note [Placement], step 2."""
+        return 1.0 + max(PRESSURE_EXTRA * max(0.0, self.pressure(peak_nbytes) - 1.0), self.planned_extra)
+
     def finish_s(self, peak_nbytes: int, work_s: float) -> float:
         """The predicted seconds until a job of ``peak_nbytes`` and ``work_s`` placed here ends
         (Note [Placement], step 2)."""
-        shared_s = work_s + sum(min(r, work_s) for r in self.remaining_s)
-        return shared_s * (1.0 + max(PRESSURE_EXTRA * max(0.0, self.pressure(peak_nbytes) - 1.0), self.planned_extra))
+        return (work_s + sum(min(r, work_s) for r in self.remaining_s)) * self.stretch(peak_nbytes)
 
-    def finish_after_room_s(self, peak_nbytes: int, work_s: float) -> float:
-        """The predicted seconds until a job of ``peak_nbytes`` and ``work_s`` ends if it starts
-        only once the jobs here leave room for it within the budget (or, larger than the budget,
-        once none is left): under processor sharing the job with the ``k``-th least work left,
-        ``r_k``, ends after ``sum_j min(r_j, r_k)``, stretched by the jobs' own predicted extra
-        time; the job then runs beside those left, with ``r_j - r_k`` each (Note [Admission by
-        memory pressure] in :mod:`.executor`)."""
+    def flow_s(self, peak_nbytes: int, work_s: float) -> float:
+        """The predicted seconds until each job here and one more of ``peak_nbytes`` and
+        ``work_s``, starting now, ends, summed: under processor sharing the job with ``r_k`` left
+        ends after ``sum_j min(r_j, r_k)``, stretched (Note [Admission by memory pressure] in
+        :mod:`.executor`)."""
+        works = (*self.remaining_s, work_s)
+        return sum(sum(min(r, r_k) for r in works) for r_k in works) * self.stretch(peak_nbytes)
+
+    def flow_after_room_s(self, peak_nbytes: int, work_s: float) -> float:
+        """:meth:`flow_s` if the job starts only once the jobs here leave room for it within the
+        budget (or, larger than the budget, once none is left): the jobs that end first end as
+        without it, stretched by their own predicted extra time; it then runs beside those left,
+        with ``r_j - r_k`` each."""
         jobs = sorted(zip(self.remaining_s, self.peaks_nbytes))
-        stretch = 1.0 + max(PRESSURE_EXTRA * max(0.0, self.pressure(0) - 1.0), self.planned_extra)
+        stretch = self.stretch(0)
         for k, (r_k, _) in enumerate(jobs):
             left = jobs[k + 1:]
             if left and peak_nbytes + sum(p for _, p in left) > self.budget_nbytes:
                 continue
+            ended_s = sum(sum(min(r, r_i) for r, _ in jobs) for r_i, _ in jobs[:k + 1]) * stretch
             waited_s = sum(min(r, r_k) for r, _ in jobs) * stretch
             after = Load(self.budget_nbytes, tuple(p for _, p in left), tuple(r - r_k for r, _ in left))
-            return waited_s + after.finish_s(peak_nbytes, work_s)
-        return self.finish_s(peak_nbytes, work_s)         # no job here
+            return ended_s + (len(left) + 1) * waited_s + after.flow_s(peak_nbytes, work_s)
+        return self.flow_s(peak_nbytes, work_s)          # no job here
 
 
 def choose(loads: list[Load], peak_nbytes: int, min_working_set_nbytes: int, work_s: float) -> int | None:

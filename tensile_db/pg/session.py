@@ -25,8 +25,9 @@ the budget every job shares, so no session may change them with ``SET``, ``ALTER
 - ``tensile.max_active_jobs``: jobs trained at once per device; more wait queued (default 8).
 - ``tensile.max_pressure``: beyond its budget, a device admits a queued job only while the
   unscheduled peaks of its running jobs and that one stay within this many times the budget, and
-  when the job is predicted to end sooner so than by waiting (default 2; ``none``: every job
-  admitted at once; Note [Admission by memory pressure] in :mod:`tensile_db.coordinator.executor`).
+  when the device's jobs are predicted to end sooner, summed, so than with it waiting (default 2;
+  ``none``: every job admitted at once; Note [Admission by memory pressure] in
+  :mod:`tensile_db.coordinator.executor`).
 - ``tensile.policy``: the scheduler policy, one of :data:`tensile_db.settings.POLICIES`
   (default ``tensile``).
 - ``tensile.pool``: ``planned`` (default: recurring allocations at lifetime-planned offsets once

@@ -1,9 +1,9 @@
 """The simulated device ``sim``: the project's own executor, memory manager, pools, swap engine
 and planners, run on a GPU that exists only as a virtual clock.
 
-No GPU is ever lent to this project's machines, and on ``cpu`` "device" and "host" are the same
-RAM, copies compete with the arithmetic for the same cores, and short runs are dominated by noise.
-``sim`` measures what the scheduler does at GPU scale, deterministically:
+A GPU is lent to this project's machines only now and then, and on ``cpu`` "device" and "host"
+are the same RAM, copies compete with the arithmetic for the same cores, and short runs are
+dominated by noise. ``sim`` measures what the scheduler does at GPU scale, deterministically:
 
 - Tensors have shapes, dtypes and arena offsets but no values (:class:`SimArray`): the arena is
   offsets and bytes only, so four ResNet-50 jobs at batch 16 take no gigabytes of RAM. Everything
