@@ -30,9 +30,12 @@ def median_and_range(values, fmt: str = ".3f") -> list[str]:
     return [f"{statistics.median(values):{fmt}}", f"[{min(values):{fmt}}, {max(values):{fmt}}]"]
 
 
-def decided(low: float, high: float, target: float) -> str:
-    """PASS when the whole spread ``[low, high]`` is at or above ``target``, FAIL when all of it
-    is below, else not decided."""
+def decided(low: float, high: float, target: float, higher_is_better: bool = True) -> str:
+    """PASS when the whole spread ``[low, high]`` is at or above ``target`` (with
+    ``higher_is_better`` False: at or below it), FAIL when all of it is on the other side, else
+    not decided."""
+    if not higher_is_better:
+        return decided(-high, -low, -target)
     return "PASS" if low >= target else "FAIL" if high < target else "not decided"
 
 

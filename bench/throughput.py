@@ -230,7 +230,7 @@ def targets(w: Workload, runs: dict, base: list[float]) -> None:
               f"{decided(min(ratios), max(ratios), target)}")
     if ("ours", BUDGET_FRACTION) in runs:
         slow = [b.wall_s_per_it / u.wall_s_per_it for b, u in zip(runs[("ours", BUDGET_FRACTION)], runs[("ours", None)])]
-        verdict = "PASS" if max(slow) <= BUDGET_SLOWDOWN else "FAIL" if min(slow) > BUDGET_SLOWDOWN else "not decided"
+        verdict = decided(min(slow), max(slow), BUDGET_SLOWDOWN, higher_is_better=False)
         print(f"Target: {w.name} at {BUDGET_FRACTION:.0%} of the peak (at least its largest working set) at most "
               f"{BUDGET_SLOWDOWN}x the unlimited time per iteration: {statistics.median(slow):.2f}x (spread {min(slow):.2f} to {max(slow):.2f}): {verdict}")
 
