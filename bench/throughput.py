@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -48,6 +49,7 @@ from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import model as models
+from tensile_db.runtime import workers
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.scheduler.cost import CostModel, measure_bandwidth
 
@@ -266,6 +268,7 @@ def profile(w: Workload, runs: dict) -> None:
 
 
 def main() -> None:
+    workers.with_blas_environment(sys.argv)                   # as the coordinator runs its kernels
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="runs of every configuration, interleaved")
     parser.add_argument("--quick", action="store_true", help="a quarter of the iterations per run")
@@ -290,7 +293,9 @@ def main() -> None:
                 runs[w.name][(kind, fraction)].append(m)
     print(f"# Training throughput on {cnn.machine()}\n")
     print(f"PyTorch runs with torch.set_num_threads({threads}), the threads of the BLAS behind our matrix "
-          "products (our elementwise kernels run on one thread). Our runs: the coordinator's executor, "
+          "products (our convolutions run their batch chunks on that many threads, each product on one; our "
+          "other elementwise kernels run on one thread). Our runs: the coordinator's executor, with its BLAS "
+          "environment, "
           f"policy {POLICY}, swaps to host memory at {cost.d2h_bytes_per_s / 1e9:.1f} GB/s out and "
           f"{cost.h2d_bytes_per_s / 1e9:.1f} GB/s in (measured once). Wall-clock times: noisy where other "
           "work shares the machine; hence medians and spreads over interleaved repeats.")

@@ -38,7 +38,8 @@ def assert_close(actual, expected):
 
 
 def workspaces(g: ConvGeometry):
-    return empty(g.padded_shape), empty(g.cols_shape), empty(g.product_shape)
+    """The forward and the backward workspace of ``g``."""
+    return empty(g.forward_workspace_nelems), empty(g.backward_workspace_nelems)
 
 
 @pytest.mark.parametrize("b, c, h, w, o, k, stride, padding, dilation, groups, bias", [
@@ -53,8 +54,8 @@ def test_conv2d_matches_torch(rng, b, c, h, w, o, k, stride, padding, dilation, 
     x, wt = rng.normal(size=(b, c, h, w)), rng.normal(size=g.weight_shape)
     bv = rng.normal(size=o) if bias else None
     out = empty(g.out_shape)
-    padded, cols, product = workspaces(g)
-    K.conv2d_forward(x, wt, bv, out, g, padded, cols, product)
+    forward, backward = workspaces(g)
+    K.conv2d_forward(x, wt, bv, out, g, forward)
     tx, tw, tb = tt(x, True), tt(wt, True), (tt(bv, True) if bias else None)
     ref = F.conv2d(tx, tw, tb, stride=stride, padding=padding, dilation=dilation, groups=groups)
     assert_close(out, ref)
@@ -63,7 +64,7 @@ def test_conv2d_matches_torch(rng, b, c, h, w, o, k, stride, padding, dilation, 
     ref.backward(tt(dy))
     dx, dw = empty(x.shape), empty(wt.shape)
     db = empty(o) if bias else None
-    K.conv2d_backward(x, wt, dy, dx, dw, db, g, padded, cols, product)
+    K.conv2d_backward(x, wt, dy, dx, dw, db, g, backward)
     assert_close(dx, tx.grad)
     assert_close(dw, tw.grad)
     if bias:
@@ -193,14 +194,14 @@ def test_a_small_network_of_these_kernels_matches_torch_end_to_end(rng):
 
     ws1, wsp, ws2 = workspaces(g1), empty(gp.padded_shape), workspaces(g2)
     c1 = empty(g1.out_shape)
-    K.conv2d_forward(x, w1, b1, c1, g1, *ws1)
+    K.conv2d_forward(x, w1, b1, c1, g1, ws1[0])
     bn, mean, invstd = empty(c1.shape), empty(3), empty(3)
     K.batch_norm_forward(c1, gamma, beta, bn, mean, invstd)
     r = np.maximum(bn, 0)
     p, argmax = empty(gp.out_shape), np.empty(gp.out_shape, np.int64)
     K.max_pool_forward(r, p, argmax, gp, wsp)
     c2 = empty(g2.out_shape)
-    K.conv2d_forward(p, w2, None, c2, g2, *ws2)
+    K.conv2d_forward(p, w2, None, c2, g2, ws2[0])
     s = empty(p.shape)
     K.add_forward(c2, p, s)
     y = empty((4, 3))
@@ -218,7 +219,7 @@ def test_a_small_network_of_these_kernels_matches_torch_end_to_end(rng):
     ds = empty(s.shape)
     K.global_avg_pool_backward(dy, ds)
     dp, dw2 = empty(p.shape), empty(w2.shape)
-    K.conv2d_backward(p, w2, ds, dp, dw2, None, g2, *ws2)
+    K.conv2d_backward(p, w2, ds, dp, dw2, None, g2, ws2[1])
     dp += ds                                                   # the residual branch
     dr = empty(r.shape)
     K.max_pool_backward(dp, argmax, dr, gp, wsp)
@@ -226,34 +227,59 @@ def test_a_small_network_of_these_kernels_matches_torch_end_to_end(rng):
     dc1, dgamma, dbeta = empty(c1.shape), empty(3), empty(3)
     K.batch_norm_backward(c1, gamma, mean, invstd, dbn, dc1, dgamma, dbeta)
     dx, dw1, db1 = empty(x.shape), empty(w1.shape), empty(3)
-    K.conv2d_backward(x, w1, dc1, dx, dw1, db1, g1, *ws1)
+    K.conv2d_backward(x, w1, dc1, dx, dw1, db1, g1, ws1[1])
     for name, grad in dict(x=dx, w1=dw1, b1=db1, gamma=dgamma, beta=dbeta, w2=dw2).items():
         assert_close(grad, t[name].grad)
 
 
-@pytest.mark.parametrize("groups, bias", [(1, True), (2, False)])
-def test_chunked_convolution_matches_torch_with_bounded_workspace(rng, groups, bias, monkeypatch):
-    g = ConvGeometry.of((7, 2, 6, 6), 16, 3, 1, 1, 1, groups)
-    assert g.rows_per_chunk == 7                        # a small workspace is not worth chunking
-    monkeypatch.setattr(K, "UNCHUNKED_NELEMS", 0)       # here it is bounded by input and output
-    assert 1 < g.rows_per_chunk < g.batch and g.batch % g.rows_per_chunk       # a short last chunk
-    rows = [stop - start for start, stop, _ in g.chunks()]
-    assert sum(rows) == 7 and set(rows[:-1]) == {g.rows_per_chunk} and rows[-1] < g.rows_per_chunk
-    assert g.chunked_workspace_nelems < g.workspace_nelems
-    x, wt = rng.normal(size=(7, 2, 6, 6)), rng.normal(size=g.weight_shape)
-    bv = rng.normal(size=16) if bias else None
-    flat = empty(g.chunked_workspace_nelems)
+@pytest.mark.parametrize("groups, bias, stride", [(1, True, 1), (2, False, 1), (1, False, 2)])
+def test_chunked_convolution_matches_torch_with_bounded_workspace(rng, groups, bias, stride, monkeypatch):
+    """A bounded workspace holds fewer rows than the batch; the CPU lowers cache-sized chunks of
+    them on two workers (weight gradients added per worker, then over workers), the transposed
+    convolution (stride 1) or col2im (stride 2) giving dx."""
+    g = ConvGeometry.of((20, 2, 6, 6), 4, 3, stride, 1, 1, groups)
+    assert g.rows_per_chunk == 20                       # a small workspace is not worth chunking
+    monkeypatch.setattr(K, "UNCHUNKED_NELEMS", 0)       # bounded by the layer's input and output
+    assert 1 < g.rows_per_chunk < g.batch
+    monkeypatch.setattr(K, "UNCHUNKED_NELEMS", 5 * g.row_nelems(backward=True))
+    assert 5 <= g.rows_per_chunk < g.batch                  # the larger of the two bounds
+    assert g.backward_workspace_nelems == g.rows_per_chunk * g.row_nelems(backward=True) + 3 * g.weight_nelems
+    monkeypatch.setattr(K.workers, "count", lambda: 2)
+    monkeypatch.setattr(K, "CACHE_NELEMS", g.row_nelems(backward=True))      # one row a chunk
+    assert K.chunk_plan(g, g.forward_workspace_nelems, backward=False) == (1, 2)
+    assert K.chunk_plan(g, g.backward_workspace_nelems, backward=True) == (1, 2)
+    assert K.chunk_plan(g, g.forward_workspace_nelems, backward=False, xp=None) == (g.rows_per_chunk, 1)
+    x, wt = rng.normal(size=(20, 2, 6, 6)), rng.normal(size=g.weight_shape)
+    bv = rng.normal(size=4) if bias else None
     out = empty(g.out_shape)
-    K.conv2d_forward_chunked(x, wt, bv, out, g, flat)
+    K.conv2d_forward(x, wt, bv, out, g, empty(g.forward_workspace_nelems))
     tx, tw, tb = tt(x, True), tt(wt, True), (tt(bv, True) if bias else None)
-    ref = F.conv2d(tx, tw, tb, padding=1, groups=groups)
+    ref = F.conv2d(tx, tw, tb, stride=stride, padding=1, groups=groups)
     assert_close(out, ref)
     dy = rng.normal(size=g.out_shape)
     ref.backward(tt(dy))
     dx, dw = empty(x.shape), empty(wt.shape)
-    db = empty(16) if bias else None
-    K.conv2d_backward_chunked(x, wt, dy, dx, dw, db, g, empty(g.chunked_workspace_nelems))
+    db = empty(4) if bias else None
+    K.conv2d_backward(x, wt, dy, dx, dw, db, g, empty(g.backward_workspace_nelems))
     assert_close(dx, tx.grad)
     assert_close(dw, tw.grad)
     if bias:
         assert_close(db, tb.grad)
+
+
+def test_two_workers_give_the_gradients_of_one(rng, monkeypatch):
+    """The same backward pass on one worker and on two (cache-sized chunks of two rows): equal to
+    rounding (the weight gradient's sums are grouped by worker), and the same on every run."""
+    g = ConvGeometry.of((8, 3, 5, 5), 4, 3, padding=1)
+    monkeypatch.setattr(K, "CACHE_NELEMS", 2 * g.row_nelems(backward=True))
+    x, wt, dy = rng.normal(size=(8, 3, 5, 5)), rng.normal(size=g.weight_shape), rng.normal(size=g.out_shape)
+    grads = {}
+    for n in (1, 2, 2):
+        monkeypatch.setattr(K.workers, "count", lambda n=n: n)
+        assert K.chunk_plan(g, g.backward_workspace_nelems, backward=True) == (2, n)
+        dx, dw = empty(x.shape), empty(wt.shape)
+        K.conv2d_backward(x, wt, dy, dx, dw, None, g, empty(g.backward_workspace_nelems))
+        grads.setdefault(n, []).append((dx, dw))
+    np.testing.assert_allclose(grads[1][0][1], grads[2][0][1], rtol=1e-12)
+    np.testing.assert_array_equal(grads[1][0][0], grads[2][0][0])           # dx: no sums across chunks
+    np.testing.assert_array_equal(grads[2][0][1], grads[2][1][1])

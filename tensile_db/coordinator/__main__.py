@@ -14,6 +14,7 @@ import sys
 from .. import settings
 from ..errors import TensileError
 from ..memory.arena import UNIT_NBYTES
+from ..runtime import workers
 from ..runtime.model import Limits
 from .address import START_FAILED
 from .server import Coordinator
@@ -104,4 +105,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    workers.with_blas_environment(["-m", "tensile_db.coordinator", *sys.argv[1:]])
     sys.exit(main())

@@ -4,19 +4,25 @@ concatenation and flatten, on NumPy or CuPy arrays through the same code.
 
 As in :mod:`.kernels`, every kernel writes into arrays its caller passes in, so on the device the
 bytes it touches are tensors the memory manager placed — the convolution's lowering buffers
-included: :class:`ConvGeometry` says the shape of each *workspace* (the padded input, the im2col
-matrix of one group, the matrix product of one group), and the caller allocates them as arena
-tensors. Temporaries are per-channel vectors and, in pooling, masks of the output's size. Layout is NCHW: ``x`` (B, C, H, W). Kernels are dtype-generic (float32 in training,
-float64 in the gradient tests) and array-module generic.
+included: :class:`ConvGeometry` says how many elements its forward and backward workspaces take
+(the weights as a matrix, the padded input, the im2col matrix and the product of a chunk of the
+batch), and the caller allocates them as arena tensors. Temporaries are per-channel vectors and,
+in pooling, masks of the output's size. Layout is NCHW: ``x`` (B, C, H, W). Kernels are
+dtype-generic (float32 in training, float64 in the gradient tests) and array-module generic.
 
 Convolution is lowered to matrix products (im2col; Chellapilla, Puri and Simard, "High
-Performance Convolutional Neural Networks for Document Processing", 2006): the receptive fields
-of one group become the columns of a (C/g·KH·KW, B·OH·OW) matrix, filled by one copy per kernel
-offset whose innermost axis is an image row (a layout with the kernel innermost copied three
-elements at a time and was several times slower), so the forward pass is one product per group,
-the weight gradient another, and the input gradient a product followed by a scatter-add of the
-columns back into the padded input (col2im, one strided add per kernel offset). The backward kernels compute gradients of a scalar
-loss ``L``: given ``dy = dL/dy`` they write ``dx = dL/dx`` and the parameter gradients.
+Performance Convolutional Neural Networks for Document Processing", 2006), channels last: a chunk
+of the batch is padded into (B, HP, WP, C), and each window of one group becomes a row of a
+(B·OH·OW, KH·KW·C/g) matrix in one strided copy whose innermost run is the window's KW·C
+adjacent elements (with the channels first, the copy ran an image row or, with the kernel
+innermost, three elements at a time). The forward pass is one product per group with the weights
+as a (O, KH·KW·C/g) matrix, the weight gradient another; the input gradient is, with stride 1,
+the forward lowering of ``dy`` with the flipped, transposed weights (the rows of the product in
+the order of ``dx``, no scatter), else a product and a scatter-add of the columns back into the
+padded input (col2im, one strided add per kernel offset). On the CPU the chunks are cache-sized
+and run on all cores (Note [Chunk pipelines on the CPU] in :mod:`.workers`). The backward kernels
+compute gradients of a scalar loss ``L``: given ``dy = dL/dy`` they write ``dx = dL/dx`` and the
+parameter gradients.
 """
 
 from __future__ import annotations
@@ -26,11 +32,16 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from . import workers
 from .kernels import array_module
 
 #: Workspace elements a convolution may take without chunking its batch (16 MB of float32): below
 #: it, more and smaller products cost more in kernel calls than the memory they save.
 UNCHUNKED_NELEMS = 1 << 22
+#: Lowering workspace elements of one chunk on the CPU (2 MB of float32, about a core's L2 cache
+#: here): the 16 -> 16 3x3 convolution at 32x32, batch 64, on two workers, ran its forward pass in
+#: 4.7 ms in chunks of 2 rows (this size), 6.9 ms in chunks of 5 and 8.8 ms in chunks of 1.
+CACHE_NELEMS = 1 << 19
 
 
 def _pair(v) -> tuple[int, int]:
@@ -92,56 +103,76 @@ class ConvGeometry:
 
     @property
     def padded_shape(self) -> tuple[int, int, int, int]:
-        """Workspace: the zero-padded input (B, C, H + 2·PH, W + 2·PW); the convolution keeps it
-        channels first, (C, B, H + 2·PH, W + 2·PW), in the same elements."""
+        """The zero-padded input (B, C, H + 2·PH, W + 2·PW): the workspace of a pooling window; a
+        convolution keeps the same elements channels last, (B, H + 2·PH, W + 2·PW, C)."""
         return self.batch, self.channels, self.height + 2 * self.padding[0], self.width + 2 * self.padding[1]
 
     @property
     def cols_shape(self) -> tuple[int, int]:
-        """Workspace: one group's receptive fields as columns (C/g·KH·KW, B·OH·OW)."""
+        """Workspace: one group's receptive fields as rows (B·OH·OW, KH·KW·C/g), a window's elements
+        in the order (i, j, c): kernel offset, then channel."""
         kh, kw = self.kernel
-        return self.channels // self.groups * kh * kw, self.batch * self.out_height * self.out_width
+        return self.batch * self.out_height * self.out_width, kh * kw * (self.channels // self.groups)
 
     @property
     def product_shape(self) -> tuple[int, int]:
-        """Workspace: one group's matrix product (O/g, B·OH·OW)."""
-        return self.out_channels // self.groups, self.batch * self.out_height * self.out_width
+        """Workspace: one group's matrix product (B·OH·OW, O/g), channels last."""
+        return self.batch * self.out_height * self.out_width, self.out_channels // self.groups
 
     @property
     def workspace_nelems(self) -> int:
-        """Elements of the three workspaces (padded input, columns, product) together, for the
-        whole batch at once."""
-        return sum(int(np.prod(s)) for s in (self.padded_shape, self.cols_shape, self.product_shape))
+        """Elements of the three lowering workspaces (padded input, columns, product) together,
+        for the whole batch at once."""
+        return sum(math.prod(s) for s in (self.padded_shape, self.cols_shape, self.product_shape))
+
+    @property
+    def weight_nelems(self) -> int:
+        return math.prod(self.weight_shape)
+
+    @property
+    def transposed(self) -> ConvGeometry | None:
+        """The input gradient as a convolution: with stride 1, ``dx`` is the convolution of ``dy``
+        (channels O, zero-padded by D·(K − 1) − P) with the weights flipped in both kernel axes
+        and their channel axes swapped, to C output channels in the same groups. None where that
+        padding would be negative or the stride is not 1 (the gradient then goes through col2im)."""
+        pad = tuple(d * (k - 1) - p for d, k, p in zip(self.dilation, self.kernel, self.padding))
+        if self.stride != (1, 1) or min(pad) < 0:
+            return None
+        return ConvGeometry(self.batch, self.out_channels, self.out_height, self.out_width, self.channels,
+                            self.kernel, (1, 1), pad, self.dilation, self.groups)
+
+    def row_nelems(self, backward: bool) -> int:
+        """Lowering workspace elements of one row of the batch: the forward pass's, or in the
+        backward pass the larger of those and the transposed convolution's (:attr:`transposed`)."""
+        one = replace(self, batch=1)
+        reverse = one.transposed if backward else None
+        return max(one.workspace_nelems, reverse.workspace_nelems if reverse else 0)
 
     @property
     def rows_per_chunk(self) -> int:
-        """Rows of the batch lowered at once by :func:`conv2d_forward_chunked` and
-        :func:`conv2d_backward_chunked`: the most whose workspaces hold no more elements than the
-        layer's input and output for the whole batch, or than :data:`UNCHUNKED_NELEMS` (at least
-        one row). Lowering a whole batch
-        at once made the columns of a 3x3 convolution nine times its input: VGG-16's first
-        convolutions at 224x224, batch 16, took 2.2 GB of workspace beside 0.2 GB tensors, more
-        than half the network's unscheduled peak, a floor no schedule could go below."""
-        per_row = replace(self, batch=1).workspace_nelems
+        """Rows of the batch a workspace holds lowered at once: the most whose lowering workspaces
+        (backward pass) hold no more elements than the layer's input and output for the whole
+        batch, or than :data:`UNCHUNKED_NELEMS` (at least one row). Lowering a whole batch at once
+        made the columns of a 3x3 convolution nine times its input: VGG-16's first convolutions at
+        224x224, batch 16, took 2.2 GB of workspace beside 0.2 GB tensors, more than half the
+        network's unscheduled peak, a floor no schedule could go below. The CPU lowers fewer rows
+        at a time within that room (:func:`chunk_plan`)."""
         limit = max(self.batch * (self.channels * self.height * self.width
                                   + self.out_channels * self.out_height * self.out_width), UNCHUNKED_NELEMS)
-        return max(1, min(self.batch, limit // per_row))
-
-    def chunks(self) -> list[tuple[int, int, "ConvGeometry"]]:
-        """(first row, end row, geometry of those rows) of each chunk of :attr:`rows_per_chunk`."""
-        step = self.rows_per_chunk
-        return [(start, min(start + step, self.batch), replace(self, batch=min(step, self.batch - start)))
-                for start in range(0, self.batch, step)]
+        return max(1, min(self.batch, limit // self.row_nelems(backward=True)))
 
     @property
-    def chunked_workspace_nelems(self) -> int:
-        """Elements of the workspace of the chunked kernels: one chunk's three workspaces, and,
-        when the batch takes several chunks, room for a chunk's weight and bias gradients, which
-        the backward pass adds up."""
-        nelems = replace(self, batch=self.rows_per_chunk).workspace_nelems
-        if self.rows_per_chunk < self.batch:
-            nelems += math.prod(self.weight_shape) + self.out_channels
-        return nelems
+    def forward_workspace_nelems(self) -> int:
+        """Elements of the forward pass's workspace: the weights as a matrix, then the lowering
+        workspaces of :attr:`rows_per_chunk` rows."""
+        return self.weight_nelems + self.rows_per_chunk * self.row_nelems(backward=False)
+
+    @property
+    def backward_workspace_nelems(self) -> int:
+        """Elements of the backward pass's workspace: the weights as a matrix (plain or
+        transposed), a weight gradient of the chunks so far and one of a chunk, then the lowering
+        workspaces of :attr:`rows_per_chunk` rows."""
+        return 3 * self.weight_nelems + self.rows_per_chunk * self.row_nelems(backward=True)
 
     def tap(self, padded, i: int, j: int):
         """(B, C, OH, OW): the input element under kernel offset (i, j) of every window, as a
@@ -157,126 +188,203 @@ def _pad_into(x, padded, geometry: ConvGeometry, fill=0) -> None:
     padded[:, :, ph:ph + geometry.height, pw:pw + geometry.width] = x
 
 
-def _channels_first(padded, geometry: ConvGeometry):
-    """The convolution's padded-input workspace (B, C, HP, WP) read as (C, B, HP, WP): the
-    convolution keeps its padded input channels first, so that im2col and col2im copy whole
-    image rows in the order of the columns' rows (one transposing copy of the input instead of
-    one per kernel offset)."""
-    b, c, hp, wp = geometry.padded_shape
-    return padded.reshape(c, b, hp, wp)
-
-
 # --- convolution ---------------------------------------------------------------------------------
 
 
-def _im2col(geometry: ConvGeometry, padded_cf, cols, group: int) -> None:
-    """Fill ``cols`` (C/g·KH·KW, B·OH·OW) with one group's receptive fields: row (c, i, j) holds
-    input channel c under kernel offset (i, j) of every window. One copy of a (C/g, B, OH, OW)
-    slab per kernel offset from the channels-first padded input, whose innermost axis is a row of
-    the image."""
-    cg = geometry.channels // geometry.groups
-    kh, kw = geometry.kernel
-    bsz, _, oh, ow = geometry.out_shape
-    rows = cols.reshape(cg, kh, kw, bsz, oh, ow)
-    source = padded_cf[group * cg:(group + 1) * cg]
-    for i in range(kh):
-        for j in range(kw):
-            rows[:, i, j] = geometry.tap(source, i, j)
+def chunk_plan(geometry: ConvGeometry, workspace_nelems: int, backward: bool, xp=np) -> tuple[int, int]:
+    """(rows of a chunk, workers) for lowering ``geometry``'s batch in a workspace of
+    ``workspace_nelems`` elements. On the GPU: :attr:`ConvGeometry.rows_per_chunk` rows, one
+    worker (the largest products). On the CPU: chunks of at most :data:`CACHE_NELEMS` lowering
+    elements, on as many workers (:func:`.workers.count`) as there are chunks and as the workspace
+    holds each a chunk's room (and, backward, two weight gradients) beside the shared weight
+    matrix (Note [Chunk pipelines on the CPU])."""
+    rows = geometry.rows_per_chunk
+    if xp is not np:
+        return rows, 1
+    per_row, available = geometry.row_nelems(backward), workers.count()
+    rows = max(1, min(rows, CACHE_NELEMS // per_row, -(-geometry.batch // available)))
+    n = min(available, -(-geometry.batch // rows))
+    per_worker = rows * per_row + (2 * geometry.weight_nelems if backward else 0)
+    while n > 1 and geometry.weight_nelems + n * per_worker > workspace_nelems:
+        n -= 1
+    return rows, n
 
 
-def _pad_channels_first(x, padded, geometry: ConvGeometry):
-    """Zero-pad ``x`` (B, C, H, W) into the workspace, channels first; returns that view."""
-    ph, pw = geometry.padding
-    padded_cf = _channels_first(padded, geometry)
-    if ph or pw:
-        padded_cf.fill(0)
-    padded_cf[:, :, ph:ph + geometry.height, pw:pw + geometry.width] = x.transpose(1, 0, 2, 3)
-    return padded_cf
-
-
-def conv2d_forward(x, w, b, out, geometry: ConvGeometry, padded, cols, product) -> None:
-    """``out = conv2d(x, w) + b``. x: (B, C, H, W), w: (O, C/g, KH, KW), b: (O,) or None,
-    out: (B, O, OH, OW); ``padded``, ``cols``, ``product``: the workspaces of ``geometry``."""
-    xp = array_module(x)
-    padded_cf = _pad_channels_first(x, padded, geometry)
-    og = geometry.out_channels // geometry.groups
-    bsz, _, oh, ow = geometry.out_shape
-    for g in range(geometry.groups):
-        _im2col(geometry, padded_cf, cols, g)
-        xp.matmul(w[g * og:(g + 1) * og].reshape(og, -1), cols, out=product)
-        out[:, g * og:(g + 1) * og] = product.reshape(og, bsz, oh, ow).transpose(1, 0, 2, 3)
-    if b is not None:
-        xp.add(out, b.reshape(1, -1, 1, 1), out=out)
-
-
-def conv_workspaces(geometry: ConvGeometry, flat):
-    """The convolution workspaces (padded, cols, product) of ``geometry`` as views of the flat
-    array ``flat``, from its start."""
+def _lowering_views(geometry: ConvGeometry, flat):
+    """The lowering workspaces of ``geometry`` as views of the flat array ``flat`` from its start:
+    the padded input channels last (B, HP, WP, C), the columns and the product."""
+    b, c, hp, wp = geometry.padded_shape
     views, start = [], 0
-    for shape in (geometry.padded_shape, geometry.cols_shape, geometry.product_shape):
+    for shape in ((b, hp, wp, c), geometry.cols_shape, geometry.product_shape):
         n = math.prod(shape)
         views.append(flat[start:start + n].reshape(shape))
         start += n
     return views
 
 
-def conv2d_forward_chunked(x, w, b, out, geometry: ConvGeometry, flat) -> None:
-    """:func:`conv2d_forward` over the batch in chunks of ``geometry.rows_per_chunk`` rows;
-    ``flat``: a workspace of ``geometry.chunked_workspace_nelems`` elements."""
-    for start, stop, g in geometry.chunks():
-        conv2d_forward(x[start:stop], w, b, out[start:stop], g, *conv_workspaces(g, flat))
+def _pad_channels_last(x, padded, geometry: ConvGeometry) -> None:
+    """Zero-pad ``x`` (B, C, H, W) into ``padded`` (B, HP, WP, C)."""
+    ph, pw = geometry.padding
+    if ph or pw:
+        padded.fill(0)
+    padded[:, ph:ph + geometry.height, pw:pw + geometry.width] = x.transpose(0, 2, 3, 1)
 
 
-def conv2d_backward_chunked(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) -> None:
-    """:func:`conv2d_backward` over the batch in chunks of ``geometry.rows_per_chunk`` rows, the
-    weight and bias gradients of the chunks added up; ``flat``: a workspace of
-    ``geometry.chunked_workspace_nelems`` elements."""
-    chunks = geometry.chunks()
-    if len(chunks) == 1:
-        conv2d_backward(x, w, dy, dx, dw, db, geometry, *conv_workspaces(geometry, flat))
-        return
-    partial_at = chunks[0][2].workspace_nelems                 # after the first chunk's workspaces
-    partial_dw = flat[partial_at:partial_at + dw.size].reshape(dw.shape)
-    partial_db = None if db is None else flat[partial_at + dw.size:partial_at + dw.size + db.size]
-    xp = array_module(dy)
-    for k, (start, stop, g) in enumerate(chunks):
-        conv2d_backward(x[start:stop], w, dy[start:stop], None if dx is None else dx[start:stop],
-                        dw if k == 0 else partial_dw, db if k == 0 else partial_db, g, *conv_workspaces(g, flat))
-        if k:
-            xp.add(dw, partial_dw, out=dw)
-            if db is not None:
-                xp.add(db, partial_db, out=db)
-
-
-def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, padded, cols, product) -> None:
-    """Gradients of :func:`conv2d_forward` at input ``x``; ``padded``, ``cols`` and ``product`` are
-    scratch (the workspaces of ``geometry``). Writes dw: (O, C/g, KH, KW), db: (O,) unless None,
-    and dx: (B, C, H, W) unless None."""
-    xp = array_module(dy)
-    padded_cf = _pad_channels_first(x, padded, geometry)
-    og = geometry.out_channels // geometry.groups
+def _windows(geometry: ConvGeometry, padded, group: int):
+    """(B, OH, OW, KH, KW, C/g): every window of one group's channels, a strided view of the
+    channels-last ``padded``; its innermost (KW, C/g) elements are adjacent in memory where the
+    group is the whole input and the dilation 1."""
+    xp = array_module(padded)
     cg = geometry.channels // geometry.groups
+    source = padded[..., group * cg:(group + 1) * cg]
+    sb, sh, sw, sc = source.strides
+    (th, tw), (dh, dw) = geometry.stride, geometry.dilation
+    b, _, oh, ow = geometry.out_shape
+    return xp.lib.stride_tricks.as_strided(source, (b, oh, ow, *geometry.kernel, cg),
+                                           (sb, sh * th, sw * tw, sh * dh, sw * dw, sc))
+
+
+def _weight_matrix(w, geometry: ConvGeometry, out) -> None:
+    """``out`` (O, KH·KW·C/g): filter o in the order of the columns' elements (i, j, c)."""
+    o, cg, kh, kw = geometry.weight_shape
+    out.reshape(o, kh, kw, cg)[...] = w.transpose(0, 2, 3, 1)
+
+
+def _transposed_weight_matrix(w, geometry: ConvGeometry, out) -> None:
+    """``out`` (C, KH·KW·O/g): the weight matrix of :attr:`ConvGeometry.transposed`; filter c of
+    group g holds ``w[g·O/g + o, c − g·C/g, KH − 1 − i, KW − 1 − j]`` at (i, j, o)."""
+    o, cg, kh, kw = geometry.weight_shape
+    g = geometry.groups
+    out.reshape(g, cg, kh, kw, o // g)[...] = w.reshape(g, o // g, cg, kh, kw)[:, :, :, ::-1, ::-1].transpose(
+        0, 2, 3, 4, 1)
+
+
+def _forward_rows(x, wmat, b, out, geometry: ConvGeometry, flat) -> None:
+    """``out = conv2d(x, w) + b`` for the rows of ``geometry``, ``wmat`` the weights as a matrix
+    (:func:`_weight_matrix`), ``flat`` room for its lowering workspaces."""
+    xp = array_module(x)
+    padded, cols, product = _lowering_views(geometry, flat)
+    _pad_channels_last(x, padded, geometry)
+    og = geometry.out_channels // geometry.groups
     bsz, _, oh, ow = geometry.out_shape
-    kh, kw = geometry.kernel
+    for g in range(geometry.groups):
+        cols.reshape(bsz, oh, ow, *geometry.kernel, -1)[...] = _windows(geometry, padded, g)
+        xp.matmul(cols, wmat[g * og:(g + 1) * og].T, out=product)
+        out[:, g * og:(g + 1) * og] = product.reshape(bsz, oh, ow, og).transpose(0, 3, 1, 2)
+    if b is not None:
+        xp.add(out, b.reshape(1, -1, 1, 1), out=out)
+
+
+def _dy_channels_last(dy, product, geometry: ConvGeometry, group: int):
+    """One group's output gradient channels last, (B·OH·OW, O/g), in the product workspace."""
+    og = geometry.out_channels // geometry.groups
+    bsz, _, oh, ow = geometry.out_shape
+    product.reshape(bsz, oh, ow, og)[...] = dy[:, group * og:(group + 1) * og].transpose(0, 2, 3, 1)
+    return product
+
+
+def _weight_gradient_rows(x, dy, dwmat, geometry: ConvGeometry, flat) -> None:
+    """``dwmat`` (O, KH·KW·C/g): the weight gradient of the rows of ``geometry`` alone, in the
+    order of :func:`_weight_matrix`."""
+    xp = array_module(dy)
+    padded, cols, product = _lowering_views(geometry, flat)
+    _pad_channels_last(x, padded, geometry)
+    og = geometry.out_channels // geometry.groups
+    bsz, _, oh, ow = geometry.out_shape
+    for g in range(geometry.groups):
+        cols.reshape(bsz, oh, ow, *geometry.kernel, -1)[...] = _windows(geometry, padded, g)
+        xp.matmul(_dy_channels_last(dy, product, geometry, g).T, cols, out=dwmat[g * og:(g + 1) * og])
+
+
+def _input_gradient_col2im(dy, wmat, dx, geometry: ConvGeometry, flat) -> None:
+    """``dx`` of the rows of ``geometry`` by a product with the weights (``wmat``:
+    :func:`_weight_matrix`) and a scatter-add of the columns into the padded input (col2im, one
+    strided add per kernel offset): the path of strided convolutions."""
+    xp = array_module(dy)
+    padded, cols, product = _lowering_views(geometry, flat)
+    padded.fill(0)                                           # the padded input's gradient meanwhile
+    og, cg = geometry.out_channels // geometry.groups, geometry.channels // geometry.groups
+    bsz, _, oh, ow = geometry.out_shape
+    (th, tw), (dh, dw) = geometry.stride, geometry.dilation
+    for g in range(geometry.groups):
+        xp.matmul(_dy_channels_last(dy, product, geometry, g), wmat[g * og:(g + 1) * og], out=cols)
+        windows = cols.reshape(bsz, oh, ow, *geometry.kernel, cg)
+        target = padded[..., g * cg:(g + 1) * cg]
+        for i in range(geometry.kernel[0]):
+            for j in range(geometry.kernel[1]):
+                target[:, i * dh:i * dh + th * (oh - 1) + 1:th, j * dw:j * dw + tw * (ow - 1) + 1:tw] += windows[
+                    :, :, :, i, j]
+    ph, pw = geometry.padding
+    dx[...] = padded[:, ph:ph + geometry.height, pw:pw + geometry.width].transpose(0, 3, 1, 2)
+
+
+def _chunks_of(worker: int, workers_n: int, rows: int, batch: int):
+    """(start, stop) of the chunks of ``rows`` rows that ``worker`` of ``workers_n`` takes."""
+    return [(start, min(start + rows, batch)) for start in range(worker * rows, batch, workers_n * rows)]
+
+
+def conv2d_forward(x, w, b, out, geometry: ConvGeometry, flat) -> None:
+    """``out = conv2d(x, w) + b``, lowered to matrix products chunk by chunk (:func:`chunk_plan`).
+    x: (B, C, H, W), w: (O, C/g, KH, KW), b: (O,) or None, out: (B, O, OH, OW), all of one float
+    dtype; ``flat``: a workspace of :attr:`ConvGeometry.forward_workspace_nelems` elements."""
+    rows, n = chunk_plan(geometry, flat.size, False, array_module(x))
+    wn = geometry.weight_nelems
+    wmat = flat[:wn].reshape(geometry.out_channels, -1)
+    _weight_matrix(w, geometry, wmat)
+    room = rows * geometry.row_nelems(backward=False)
+
+    def work(k: int) -> None:
+        region = flat[wn + k * room:wn + (k + 1) * room]
+        for start, stop in _chunks_of(k, n, rows, geometry.batch):
+            _forward_rows(x[start:stop], wmat, b, out[start:stop], replace(geometry, batch=stop - start), region)
+
+    workers.run(work, n)
+
+
+def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) -> None:
+    """Gradients of :func:`conv2d_forward` at input ``x``: dw (O, C/g, KH, KW), db (O,) unless
+    None, dx (B, C, H, W) unless None (the network's input), from dy (B, O, OH, OW); ``flat``: a
+    workspace of :attr:`ConvGeometry.backward_workspace_nelems` elements. ``dx`` is the
+    convolution of ``dy`` with the transposed weights where the stride is 1
+    (:attr:`ConvGeometry.transposed`), else a product and col2im; each worker adds up its chunks'
+    weight gradients, and the workers' sums are added in worker order."""
+    xp = array_module(dy)
     if db is not None:
         xp.sum(dy, axis=(0, 2, 3), out=db)
-    for g in range(geometry.groups):
-        _im2col(geometry, padded_cf, cols, g)
-        product.reshape(og, bsz, oh, ow)[...] = dy[:, g * og:(g + 1) * og].transpose(1, 0, 2, 3)
-        xp.matmul(product, cols.T, out=dw[g * og:(g + 1) * og].reshape(og, -1))
-    if dx is None:
-        return
-    padded_cf.fill(0)
-    for g in range(geometry.groups):
-        product.reshape(og, bsz, oh, ow)[...] = dy[:, g * og:(g + 1) * og].transpose(1, 0, 2, 3)
-        xp.matmul(w[g * og:(g + 1) * og].reshape(og, -1).T, product, out=cols)
-        rows = cols.reshape(cg, kh, kw, bsz, oh, ow)
-        target = padded_cf[g * cg:(g + 1) * cg]
-        for i in range(kh):                                 # col2im: one strided add per kernel offset
-            for j in range(kw):
-                geometry.tap(target, i, j)[...] += rows[:, i, j]
-    ph, pw = geometry.padding
-    dx[...] = padded_cf[:, :, ph:ph + geometry.height, pw:pw + geometry.width].transpose(1, 0, 2, 3)
+    rows, n = chunk_plan(geometry, flat.size, True, xp)
+    wn, reverse = geometry.weight_nelems, geometry.transposed
+    wmat = flat[:wn]
+    if dx is not None:
+        if reverse is not None:
+            wmat = wmat.reshape(geometry.channels, -1)
+            _transposed_weight_matrix(w, geometry, wmat)
+        else:
+            wmat = wmat.reshape(geometry.out_channels, -1)
+            _weight_matrix(w, geometry, wmat)
+    room = 2 * wn + rows * geometry.row_nelems(backward=True)
+
+    def work(k: int) -> None:
+        at = wn + k * room
+        total, part = (flat[at + i * wn:at + (i + 1) * wn].reshape(geometry.out_channels, -1) for i in (0, 1))
+        region = flat[at + 2 * wn:at + room]
+        for index, (start, stop) in enumerate(_chunks_of(k, n, rows, geometry.batch)):
+            g = replace(geometry, batch=stop - start)
+            _weight_gradient_rows(x[start:stop], dy[start:stop], part if index else total, g, region)
+            if index:
+                xp.add(total, part, out=total)
+            if dx is None:
+                continue
+            if reverse is not None:
+                _forward_rows(dy[start:stop], wmat, None, dx[start:stop], replace(reverse, batch=stop - start), region)
+            else:
+                _input_gradient_col2im(dy[start:stop], wmat, dx[start:stop], g, region)
+
+    workers.run(work, n)
+    total = flat[wn:2 * wn]
+    for k in range(1, n):
+        xp.add(total, flat[wn + k * room:wn + k * room + wn], out=total)
+    o, cg, kh, kw = geometry.weight_shape
+    dw[...] = total.reshape(o, kh, kw, cg).transpose(0, 3, 1, 2)
 
 
 # --- pooling -------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """2-D convolutions: ``{"conv": O}``, NCHW, weight ``W{i}`` (O, C/groups, KH, KW) and, with a bias,
-``b{i}`` (O,); forward and backward by im2col in row chunks (:mod:`..conv_kernels`)."""
+``b{i}`` (O,); forward and backward by im2col in chunks of the batch (:mod:`..conv_kernels`)."""
 
 from __future__ import annotations
 
@@ -72,8 +72,8 @@ class ConvOp(NodeOp):
         return {**shapes, f"b{i}": (l.channels,)} if l.bias else shapes
 
     def workspace_nelems(self, node, batch):
-        """The padded input, im2col matrix and product of one row chunk."""
-        return self.geometry(node, batch).chunked_workspace_nelems
+        """The forward pass's: the weight matrix, the padded input, im2col matrix and product of a chunk."""
+        return self.geometry(node, batch).forward_workspace_nelems
 
     def init_weights(self, node, rng):
         """He-uniform after relu or no activation (a convolution before batch norm), Glorot-uniform
@@ -88,8 +88,8 @@ class ConvOp(NodeOp):
 
     def evaluate(self, node, inputs, weights, out, workspace):
         i = node.index
-        ck.conv2d_forward_chunked(inputs[0], weights[f"W{i}"], weights.get(f"b{i}"), out,
-                                  self.geometry(node, out.shape[0]), workspace)
+        ck.conv2d_forward(inputs[0], weights[f"W{i}"], weights.get(f"b{i}"), out, self.geometry(node, out.shape[0]),
+                          workspace)
 
     def forward(self, tb, node, ins, h):
         i, b, inp = node.index, tb.batch, ins[0]
@@ -98,7 +98,7 @@ class ConvOp(NodeOp):
         w, bias = f"W{i}", f"b{i}" if f"b{i}" in node.params else None
         ws = tb.workspace(f"ws{i}", node.workspace_nelems(b))
         tb.op(f"conv{i}", (inp, w) + ((bias,) if bias else ()), (h, ws),
-              lambda a, ctx: ck.conv2d_forward_chunked(a[inp], a[w], a[bias] if bias else None, a[h], g, a[ws]),
+              lambda a, ctx: ck.conv2d_forward(a[inp], a[w], a[bias] if bias else None, a[h], g, a[ws]),
               flops=conv_flops(tb, h, w), unit="conv")
 
     def backward(self, tb, node, g, inp, dx):
@@ -106,10 +106,10 @@ class ConvOp(NodeOp):
         geo = self.geometry(node, b)
         w = f"W{i}"
         dw, db = (*tb.gradients(node), None)[:2]                # db: None without a bias
-        ws = tb.workspace(f"wsb{i}", node.workspace_nelems(b))
+        ws = tb.workspace(f"wsb{i}", geo.backward_workspace_nelems)
         tb.op(f"conv{i}_backward", (inp, w, g), (dw,) + ((db,) if db else ()) + ((dx,) if dx else ()) + (ws,),
-              lambda a, ctx: ck.conv2d_backward_chunked(a[inp], a[w], a[g], a[dx] if dx else None, a[dw],
-                                                        a[db] if db else None, geo, a[ws]),
+              lambda a, ctx: ck.conv2d_backward(a[inp], a[w], a[g], a[dx] if dx else None, a[dw],
+                                                a[db] if db else None, geo, a[ws]),
               flops=conv_flops(tb, f"h{i}", w) * (1 + bool(dx)), unit="conv")
 
 

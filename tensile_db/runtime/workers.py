@@ -1,0 +1,129 @@
+"""Kernel threads on the CPU: a kernel that lowers its batch in chunks runs the chunks on all the
+cores the BLAS would use, each chunk's matrix products on a single BLAS thread.
+
+Note [Chunk pipelines on the CPU]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A lowered convolution on NumPy is a chain of copies (padding, im2col, transposes) and matrix
+products. The BLAS runs a product on every core, but NumPy runs each copy on one thread, so on a
+two-core machine the copies of a 16 -> 16 3x3 convolution (32x32, batch 64) took half its time
+with the other core idle. Running whole chunks on separate threads instead (NumPy releases the
+GIL in copies and products), each product on one BLAS thread, keeps every core busy through the
+copies too, and two products of cache-sized chunks on one thread each take no longer than the
+two on two threads (and wait at no barrier between the BLAS's threads on a machine shared with
+other work): that convolution's forward pass went from about 7 ms to about 4.5 ms; with its input
+gradient lowered as a convolution too (:mod:`.conv_kernels`), its backward pass went from about
+22 ms to about 9.5 ms (one process, medians of 11 calls; ``bench/throughput.py`` profiles it under
+the executor).
+
+OpenBLAS's own threads spin up to 2^28 cycles after each product before they sleep (its default
+``OPENBLAS_THREAD_TIMEOUT``), so a
+threaded product just before (even a 64x32 by 32x64 one) left a core spinning through the chunks
+that followed: the same convolution took 4 ms more after one, and under the executor, between
+other ops, the small CNN's convolutions ran 1.7 times as long as alone. A kernel process therefore
+runs with :data:`BLAS_ENVIRONMENT` (:func:`with_blas_environment`), which makes them sleep at once.
+
+:func:`run` gives each worker its index; the convolution splits its chunks among them by a fixed
+rule (worker ``k`` takes chunks ``k``, ``k + n``, ...), so the sums it makes (weight gradients over
+chunks) come out the same on every run of a machine.
+
+Limitations: the BLAS reads its environment once, when loaded, so a process that needs
+:data:`BLAS_ENVIRONMENT` starts again with it (the coordinator, the benchmarks); elsewhere (a
+PostgreSQL backend's inference, the tests) the BLAS's threads may spin through the chunks as
+before. A product on several BLAS threads now wakes sleeping threads each time (not measured
+apart; the MLP's figures in ``bench/throughput.py`` include it). The BLAS's thread count is one
+setting of the process: while any kernel runs its chunks, every matrix product of the process,
+another thread's too, runs on one thread (a counter restores the setting when the last such
+kernel ends). The threads run NumPy only, never the
+database's API, so a PostgreSQL backend may run these kernels too.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import sys
+import threading
+
+#: The BLAS settings a process that runs kernels starts with: OpenBLAS's idle threads sleep after
+#: 2^4 cycles of spinning instead of 2^28 (Note [Chunk pipelines on the CPU]). A value the
+#: environment already has is kept.
+BLAS_ENVIRONMENT = {"OPENBLAS_THREAD_TIMEOUT": "4"}
+
+_lock = threading.Lock()
+_state: dict = {"pid": None, "pool": None, "size": 0, "count": None, "controller": None, "inside": 0, "limited": None}
+
+
+def with_blas_environment(argv: list[str]) -> None:
+    """Start this process again, by ``os.execve`` (the same pid), as ``python argv...`` with
+    :data:`BLAS_ENVIRONMENT` added to its environment, unless the environment already names each
+    of its variables; call before anything else happens (the BLAS is loaded with NumPy, and reads
+    the environment then)."""
+    if all(name in os.environ for name in BLAS_ENVIRONMENT):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *argv], {**BLAS_ENVIRONMENT, **os.environ})
+
+
+def _controller():
+    """The process's threadpoolctl controller (made once; it reads the loaded BLAS libraries)."""
+    if _state["controller"] is None:
+        from threadpoolctl import ThreadpoolController
+        _state["controller"] = ThreadpoolController()
+    return _state["controller"]
+
+
+def count() -> int:
+    """Workers a kernel may run its chunks on: the threads of NumPy's BLAS when first asked (so
+    ``OPENBLAS_NUM_THREADS=1`` keeps kernels on one core too), at least 1."""
+    with _lock:
+        if _state["count"] is None:
+            threads = [c.num_threads for c in _controller().select(user_api="blas").lib_controllers]
+            _state["count"] = max(1, min(threads, default=os.cpu_count() or 1))
+        return _state["count"]
+
+
+def _pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's pool of ``n`` kernel threads (made again in a forked child, whose parent's
+    threads do not exist there)."""
+    with _lock:
+        if _state["pid"] != os.getpid() or _state["size"] < n:
+            _state["pool"] = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="tensile-kernel")
+            _state["pid"], _state["size"], _state["inside"], _state["limited"] = os.getpid(), n, 0, None
+        return _state["pool"]
+
+
+@contextlib.contextmanager
+def _single_threaded_blas():
+    with _lock:
+        if _state["inside"] == 0:
+            _state["limited"] = _controller().limit(limits=1, user_api="blas")
+        _state["inside"] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _state["inside"] -= 1
+            if _state["inside"] == 0:
+                _state["limited"].restore_original_limits()
+                _state["limited"] = None
+
+
+def run(work, n: int) -> None:
+    """Call ``work(k)`` for ``k`` in ``range(n)``, at once on ``n`` threads (this one included),
+    the BLAS on one thread meanwhile (Note [Chunk pipelines on the CPU]); returns when all have
+    returned, and raises the first exception any raised. ``n`` 1 calls ``work(0)`` here, the BLAS
+    unchanged."""
+    if n <= 1:
+        work(0)
+        return
+    pool = _pool(n - 1)
+    with _single_threaded_blas():
+        others = [pool.submit(work, k) for k in range(1, n)]
+        try:
+            work(0)
+        finally:
+            concurrent.futures.wait(others)
+        for f in others:
+            f.result()
