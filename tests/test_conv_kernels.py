@@ -80,13 +80,17 @@ def test_conv_geometry_names_what_does_not_fit():
     assert g.workspace_nelems == 2 * 3 * 10 * 10 + 2 * 8 * 8 * 27 + 2 * 8 * 8 * 4
 
 
+@pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("k, stride, padding", [(2, 2, 0), (3, 2, 1), (3, 1, 1), ((2, 3), (2, 1), (1, 1))])
-def test_max_and_average_pooling_match_torch(rng, k, stride, padding):
-    x = rng.normal(size=(2, 3, 7, 8))
+def test_max_and_average_pooling_match_torch(rng, k, stride, padding, ties):
+    """Random values, and small integers (windows with several maxima: the first in the window's
+    order takes the gradient, as in PyTorch) with the uint8 argmax of training."""
+    x = rng.integers(0, 3, size=(2, 3, 7, 8)).astype(np.float64) if ties else rng.normal(size=(2, 3, 7, 8))
     g = ConvGeometry.of(x.shape, 3, k, stride, padding)
     dy = rng.normal(size=g.out_shape)
 
-    out, argmax, padded = empty(g.out_shape), np.empty(g.out_shape, np.int64), empty(g.padded_shape)
+    out, padded = empty(g.out_shape), empty(g.padded_shape)
+    argmax = np.empty(g.out_shape, np.uint8 if ties else np.int64)
     K.max_pool_forward(x, out, argmax, g, padded)
     tx = tt(x, True)
     ref = F.max_pool2d(tx, k, stride, padding)

@@ -408,17 +408,31 @@ def max_pool_forward(x, out, argmax, geometry: ConvGeometry, padded) -> None:
             xp.maximum(out, geometry.tap(padded, offset // kw, offset % kw), out=out)
         return
     argmax.fill(0)
+    step = xp.empty_like(argmax)
     for offset in range(1, kh * kw):                        # the first maximum wins, as in PyTorch
         v = geometry.tap(padded, offset // kw, offset % kw)
         larger = v > out
         xp.maximum(out, v, out=out)
-        argmax[...] = xp.where(larger, offset, argmax)      # a select: masked copies were 10x slower
+        # argmax += (offset - argmax) · larger: integer arithmetic (modular in uint8, which gives the
+        # same result); a select (where) took 0.9 ms of the 1.0 ms per offset at 64x16x32x32
+        xp.subtract(offset, argmax, out=step, dtype=argmax.dtype)
+        xp.multiply(step, larger, out=step)
+        xp.add(argmax, step, out=argmax)
 
 
 def max_pool_backward(dy, argmax, dx, geometry: ConvGeometry, padded) -> None:
     """Gradient of :func:`max_pool_forward`: each output's gradient goes to its window's maximum
-    (summed where windows overlap). ``padded`` is scratch."""
+    (summed where windows overlap). ``padded`` is scratch. Windows that neither overlap nor reach
+    into padding (stride equal to the kernel) write ``dx`` directly, each input element once."""
+    xp = array_module(dy)
     kh, kw = geometry.kernel
+    tiled = geometry.stride == geometry.kernel and not any(geometry.padding)
+    if tiled:
+        if geometry.out_height * kh != geometry.height or geometry.out_width * kw != geometry.width:
+            dx.fill(0)                                      # rows and columns no window covers
+        for offset in range(kh * kw):
+            xp.multiply(dy, argmax == offset, out=geometry.tap(dx, offset // kw, offset % kw))
+        return
     padded.fill(0)
     for offset in range(kh * kw):
         geometry.tap(padded, offset // kw, offset % kw)[...] += dy * (argmax == offset)

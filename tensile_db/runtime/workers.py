@@ -16,11 +16,17 @@ gradient lowered as a convolution too (:mod:`.conv_kernels`), its backward pass 
 the executor).
 
 OpenBLAS's own threads spin up to 2^28 cycles after each product before they sleep (its default
-``OPENBLAS_THREAD_TIMEOUT``), so a
-threaded product just before (even a 64x32 by 32x64 one) left a core spinning through the chunks
-that followed: the same convolution took 4 ms more after one, and under the executor, between
-other ops, the small CNN's convolutions ran 1.7 times as long as alone. A kernel process therefore
-runs with :data:`BLAS_ENVIRONMENT` (:func:`with_blas_environment`), which makes them sleep at once.
+``OPENBLAS_THREAD_TIMEOUT``), so a threaded product just before (even a 64x32 by 32x64 one) left
+a core spinning through the chunks that followed: the same convolution took 4 ms more after one,
+and under the executor, between other ops, the small CNN's convolutions ran 1.7 times as long as
+alone. A kernel process therefore runs with :data:`BLAS_ENVIRONMENT`
+(:func:`with_blas_environment`): its threads sleep after 2^18 cycles (about 0.1 ms). Sleeping at
+once (2^4) cost the MLP, whose products come every few tenths of a millisecond and then wake the
+threads each time (ours / PyTorch in ``bench/throughput.py --quick --repeats 3``: 0.67 and 0.57
+against 0.78 and 0.69 with the default, runs alternated). With ``--repeats 5``, two alternated
+runs of each, the MLP was at 0.69 and 0.71 with 2^16, 0.69 and 0.78 with 2^18, 0.72 and 0.79 with
+the default (all within each other's spread), the small CNN at 0.47 and 0.43, 0.43 and 0.45,
+0.32 and 0.29.
 
 :func:`run` gives each worker its index; the convolution splits its chunks among them by a fixed
 rule (worker ``k`` takes chunks ``k``, ``k + n``, ...), so the sums it makes (weight gradients over
@@ -29,8 +35,8 @@ chunks) come out the same on every run of a machine.
 Limitations: the BLAS reads its environment once, when loaded, so a process that needs
 :data:`BLAS_ENVIRONMENT` starts again with it (the coordinator, the benchmarks); elsewhere (a
 PostgreSQL backend's inference, the tests) the BLAS's threads may spin through the chunks as
-before. A product on several BLAS threads now wakes sleeping threads each time (not measured
-apart; the MLP's figures in ``bench/throughput.py`` include it). The BLAS's thread count is one
+before; and a chunk that starts within 0.1 ms of a threaded product still shares its core with
+a spinning thread for that long. The BLAS's thread count is one
 setting of the process: while any kernel runs its chunks, every matrix product of the process,
 another thread's too, runs on one thread (a counter restores the setting when the last such
 kernel ends). The threads run NumPy only, never the
@@ -46,9 +52,9 @@ import sys
 import threading
 
 #: The BLAS settings a process that runs kernels starts with: OpenBLAS's idle threads sleep after
-#: 2^4 cycles of spinning instead of 2^28 (Note [Chunk pipelines on the CPU]). A value the
+#: 2^18 cycles of spinning instead of 2^28 (Note [Chunk pipelines on the CPU]). A value the
 #: environment already has is kept.
-BLAS_ENVIRONMENT = {"OPENBLAS_THREAD_TIMEOUT": "4"}
+BLAS_ENVIRONMENT = {"OPENBLAS_THREAD_TIMEOUT": "18"}
 
 _lock = threading.Lock()
 _state: dict = {"pid": None, "pool": None, "size": 0, "count": None, "controller": None, "inside": 0, "limited": None}
