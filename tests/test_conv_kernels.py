@@ -287,3 +287,39 @@ def test_two_workers_give_the_gradients_of_one(rng, monkeypatch):
     np.testing.assert_allclose(grads[1][0][1], grads[2][0][1], rtol=1e-12)
     np.testing.assert_array_equal(grads[1][0][0], grads[2][0][0])           # dx: no sums across chunks
     np.testing.assert_array_equal(grads[2][0][1], grads[2][1][1])
+
+
+def test_kernels_split_over_workers_give_the_same_bits(rng, monkeypatch):
+    """Batch norm split by channels and relu by rows, over three workers (parts of uneven size):
+    the values of one call (a part's reductions may add in another order: to rounding), and the
+    recompute of batch norm still gives the forward pass's bits."""
+    from tensile_db.runtime import kernels as E
+
+    x, dy = rng.normal(size=(6, 5, 3, 3)), rng.normal(size=(6, 5, 3, 3))
+    gamma, beta = rng.uniform(0.5, 1.5, size=5), rng.normal(size=5)
+
+    def run_all():
+        out, mean, invstd, rm, rv = empty(x.shape), empty(5), empty(5), np.zeros(5), np.ones(5)
+        K.batch_norm_forward(x, gamma, beta, out, mean, invstd, rm, rv)
+        again = empty(x.shape)
+        K.batch_norm_apply(x, gamma, beta, mean, invstd, again)
+        dx, dgamma, dbeta = empty(x.shape), empty(5), empty(5)
+        K.batch_norm_backward(x, gamma, mean, invstd, dy, dx, dgamma, dbeta)
+        r, dr = empty(x.shape), empty(x.shape)
+        E.relu_forward(x, r)
+        E.relu_backward(r, dy, dr)
+        return [out, mean, invstd, rm, rv, again, dx, dgamma, dbeta, r, dr]
+
+    whole = run_all()
+    monkeypatch.setattr(K.workers, "SPLIT_NELEMS", 0)
+    monkeypatch.setattr(K.workers, "count", lambda: 3)
+    calls = []
+    run = K.workers.run
+    monkeypatch.setattr(K.workers, "run", lambda work, n: (calls.append(n), run(work, n)))
+    parts = run_all()
+    assert set(calls) == {3}
+    for a, b in zip(whole, parts):
+        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-15)
+    np.testing.assert_array_equal(parts[9], whole[9])           # relu: elementwise, the same bits
+    np.testing.assert_array_equal(parts[10], whole[10])
+    np.testing.assert_array_equal(parts[5], parts[0])           # the recompute gives the forward's bits

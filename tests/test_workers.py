@@ -80,3 +80,24 @@ def test_a_process_without_the_blas_environment_starts_again_with_it(tmp_path):
 
 def test_count_is_the_blas_threads_at_first_use():
     assert workers.count() == max(1, min(blas_threads()))
+
+
+def test_a_run_inside_a_workers_share_runs_in_order_there():
+    """A kernel that splits its work, called from a share of another's (a worker waiting on the
+    pool that runs it would wait for ever): its shares run in order on that worker's thread."""
+    seen = []
+
+    def inner(outer: int):
+        return lambda k: seen.append((outer, k, threading.get_ident()))
+
+    def outer(k: int) -> None:
+        workers.run(inner(k), 2)
+
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (workers.run(outer, 2), done.set()), daemon=True)
+    thread.start()
+    assert done.wait(10), "a nested run never returned"
+    assert sorted((o, k) for o, k, _ in seen) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for o in (0, 1):
+        assert [k for oo, k, _ in seen if oo == o] == [0, 1]
+        assert len({ident for oo, _, ident in seen if oo == o}) == 1

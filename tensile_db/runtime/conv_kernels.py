@@ -492,6 +492,17 @@ def _per_channel(v, x):
     return v.reshape(1, -1) if x.ndim == 2 else v.reshape(1, -1, 1, 1)
 
 
+def _by_channels(kernel, x, per_channel: tuple, rest: tuple = ()) -> None:
+    """``kernel(*tensors, *vectors, *rest)`` on channel ranges at once on the CPU's workers
+    (:func:`.workers.split`): the tensors of ``per_channel`` (x's shape, or None) sliced on axis
+    1, its (C,) vectors (or None) on axis 0. Batch normalisation is independent per channel (a
+    channel's sums may add in another order in a range than in the whole: equal to rounding)."""
+    def channels(a: int, b: int) -> None:
+        kernel(*(None if t is None else (t[:, a:b] if t.ndim == x.ndim else t[a:b]) for t in per_channel), *rest)
+
+    workers.split(channels, x.shape[1], x.size, array_module(x))
+
+
 def batch_norm_forward(x, gamma, beta, out, mean, invstd, running_mean=None, running_var=None,
                        momentum: float = 0.1, eps: float = 1e-5) -> None:
     """Training: normalise over the batch (and H, W) per channel, ``out = gamma · (x − mean) ·
@@ -499,7 +510,13 @@ def batch_norm_forward(x, gamma, beta, out, mean, invstd, running_mean=None, run
     invstd: (C,). Writes the batch statistics ``mean`` and ``invstd = 1 / sqrt(var + eps)``
     (biased variance) for the backward pass and for a recompute that must give identical values,
     and, when given, updates ``running_mean`` / ``running_var`` in place with ``momentum`` and the
-    unbiased variance, as PyTorch does."""
+    unbiased variance, as PyTorch does. Channel ranges run at once on the CPU's workers."""
+    _by_channels(_batch_norm_forward, x, (x, gamma, beta, out, mean, invstd, running_mean, running_var),
+                 (momentum, eps))
+
+
+def _batch_norm_forward(x, gamma, beta, out, mean, invstd, running_mean, running_var, momentum: float,
+                        eps: float) -> None:
     xp = array_module(x)
     axes = _bn_axes(x)
     n = x.size // x.shape[1]
@@ -521,6 +538,10 @@ def batch_norm_apply(x, gamma, beta, mean, invstd, out) -> None:
     """``out = gamma · (x − mean) · invstd + beta`` with given statistics: the saved batch
     statistics in a recompute (bit-identical to the forward pass), or ``invstd = 1 / sqrt(
     running_var + eps)`` with the running mean at inference."""
+    _by_channels(_batch_norm_apply, x, (x, gamma, beta, mean, invstd, out))
+
+
+def _batch_norm_apply(x, gamma, beta, mean, invstd, out) -> None:
     xp = array_module(x)
     xp.subtract(x, _per_channel(mean, x), out=out)
     xp.multiply(out, _per_channel(invstd * gamma, x), out=out)
@@ -530,6 +551,10 @@ def batch_norm_apply(x, gamma, beta, mean, invstd, out) -> None:
 def batch_norm_backward(x, gamma, mean, invstd, dy, dx, dgamma, dbeta) -> None:
     """Gradients of the training-mode :func:`batch_norm_forward` from its saved statistics.
     Writes dgamma, dbeta: (C,) and dx (shape of x) unless None."""
+    _by_channels(_batch_norm_backward, x, (x, gamma, mean, invstd, dy, dx, dgamma, dbeta))
+
+
+def _batch_norm_backward(x, gamma, mean, invstd, dy, dx, dgamma, dbeta) -> None:
     xp = array_module(x)
     n = x.size // x.shape[1]
     xhat = dx if dx is not None else xp.empty_like(x)       # dx holds x̂ meanwhile

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import workers
+
 
 def array_module(*arrays):
     """Return ``cupy`` if any argument is a CuPy array, else ``numpy``."""
@@ -54,15 +56,21 @@ def dense_backward(x, w, dy, dx, dw, db) -> None:
 
 
 def relu_forward(x, out) -> None:
-    """``out = max(x, 0)``, elementwise; x and out of one shape."""
-    array_module(x).maximum(x, 0, out=out)
+    """``out = max(x, 0)``, elementwise; x and out of one shape (on the CPU, a large one split by
+    rows over the workers: :func:`.workers.split`)."""
+    xp = array_module(x)
+    workers.split(lambda a, b: xp.maximum(x[a:b], 0, out=out[a:b]), len(x), x.size, xp)
 
 
 def relu_backward(y, dy, dx) -> None:
     """``dx = dy * (y > 0)`` from the forward output ``y`` (sign(y) is 0 or 1 there)."""
     xp = array_module(y)
-    xp.sign(y, out=dx)
-    xp.multiply(dx, dy, out=dx)
+
+    def rows(a: int, b: int) -> None:
+        xp.sign(y[a:b], out=dx[a:b])
+        xp.multiply(dx[a:b], dy[a:b], out=dx[a:b])
+
+    workers.split(rows, len(y), y.size, xp)
 
 
 def tanh_forward(x, out) -> None:
