@@ -507,3 +507,30 @@ def test_a_region_install_that_would_stage_much_through_a_host_link_is_not_made(
         assert same_bits(mm.to_host(a), pattern(2 * F32_PER_UNIT, 1))
         assert same_bits(mm.to_host(b), pattern(2 * F32_PER_UNIT, 2))
     mm.close()
+
+
+def test_cpu_copies_of_a_mebibyte_run_here_and_larger_ones_on_the_copy_thread(monkeypatch):
+    """The CPU's copy engine: a copy between the arena and host memory of at most
+    ``INLINE_NBYTES`` is done when the call returns, on the caller's thread; a larger one runs on
+    the copy thread. Both copy exactly, both ways."""
+    import threading
+
+    from tensile_db.runtime.device import CpuCopyEngine
+
+    threads, copyto = [], np.copyto
+    monkeypatch.setattr(np, "copyto", lambda dst, src: (threads.append(threading.get_ident()), copyto(dst, src))[1])
+    engine = CpuDevice().copy_engine()
+    try:
+        for n, here in ((CpuCopyEngine.INLINE_NBYTES // 4, True), (CpuCopyEngine.INLINE_NBYTES // 4 + 1, False)):
+            values, arena = pattern(n, n), np.zeros(n, np.float32)
+            inward = engine.to_device(values, arena)
+            if here:
+                assert inward.done()                          # done before the call returned
+            inward.wait()
+            assert same_bits(arena, values) and (threads[-1] == threading.get_ident()) is here
+            outward = engine.to_host(arena)
+            if here:
+                assert outward.done()
+            assert same_bits(outward.wait().host, values) and (threads[-1] == threading.get_ident()) is here
+    finally:
+        engine.close()
