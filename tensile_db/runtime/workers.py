@@ -20,13 +20,13 @@ OpenBLAS's own threads spin up to 2^28 cycles after each product before they sle
 a core spinning through the chunks that followed: the same convolution took 4 ms more after one,
 and under the executor, between other ops, the small CNN's convolutions ran 1.7 times as long as
 alone. A kernel process therefore runs with :data:`BLAS_ENVIRONMENT`
-(:func:`with_blas_environment`): its threads sleep after 2^18 cycles (about 0.1 ms). Sleeping at
-once (2^4) cost the MLP, whose products come every few tenths of a millisecond and then wake the
-threads each time (ours / PyTorch in ``bench/throughput.py --quick --repeats 3``: 0.67 and 0.57
-against 0.78 and 0.69 with the default, runs alternated). With ``--repeats 5``, two alternated
-runs of each, the MLP was at 0.69 and 0.71 with 2^16, 0.69 and 0.78 with 2^18, 0.72 and 0.79 with
-the default (all within each other's spread), the small CNN at 0.47 and 0.43, 0.43 and 0.45,
-0.32 and 0.29.
+(:func:`with_blas_environment`): its threads sleep after 2^22 cycles (1.6 ms at this machine's
+2.6 GHz). Sleeping sooner cost the MLP, whose products come every few tenths of a millisecond and then wake the
+threads each time. ``python bench/throughput.py``, ours / PyTorch (median of 5 repeats), runs of
+the settings alternated: the MLP at 0.85, 0.87, 0.87 with the default, 0.77, 0.80, 0.85 with
+2^18, 0.81, 0.82, 0.84, 0.86, 0.84 with 2^22, 0.85, 0.83 with 2^24, 0.83, 0.86 with 2^26; the
+small CNN at 0.30, 0.41, 0.30 with the default, 0.48, 0.46, 0.52 with 2^18, 0.49, 0.46, 0.46,
+0.45, 0.45 with 2^22, 0.43, 0.46 with 2^24, 0.37, 0.36 with 2^26.
 
 :func:`run` gives each worker its index; the convolution splits its chunks among them by a fixed
 rule (worker ``k`` takes chunks ``k``, ``k + n``, ...), so the sums it makes (weight gradients over
@@ -35,7 +35,7 @@ chunks) come out the same on every run of a machine.
 Limitations: the BLAS reads its environment once, when loaded, so a process that needs
 :data:`BLAS_ENVIRONMENT` starts again with it (the coordinator, the benchmarks); elsewhere (a
 PostgreSQL backend's inference, the tests) the BLAS's threads may spin through the chunks as
-before; and a chunk that starts within 0.1 ms of a threaded product still shares its core with
+before; and a chunk that starts within 1.6 ms of a threaded product still shares its core with
 a spinning thread for that long. The BLAS's thread count is one
 setting of the process: while any kernel runs its chunks, every matrix product of the process,
 another thread's too, runs on one thread (a counter restores the setting when the last such
@@ -52,9 +52,9 @@ import sys
 import threading
 
 #: The BLAS settings a process that runs kernels starts with: OpenBLAS's idle threads sleep after
-#: 2^18 cycles of spinning instead of 2^28 (Note [Chunk pipelines on the CPU]). A value the
+#: 2^22 cycles of spinning instead of 2^28 (Note [Chunk pipelines on the CPU]). A value the
 #: environment already has is kept.
-BLAS_ENVIRONMENT = {"OPENBLAS_THREAD_TIMEOUT": "18"}
+BLAS_ENVIRONMENT = {"OPENBLAS_THREAD_TIMEOUT": "22"}
 
 _lock = threading.Lock()
 _here = threading.local()          # .working: this thread runs a share of run()'s work now
