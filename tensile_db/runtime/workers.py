@@ -16,17 +16,17 @@ gradient lowered as a convolution too (:mod:`.conv_kernels`), its backward pass 
 the executor).
 
 OpenBLAS's own threads spin up to 2^28 cycles after each product before they sleep (its default
-``OPENBLAS_THREAD_TIMEOUT``), so a threaded product just before (even a 64x32 by 32x64 one) left
-a core spinning through the chunks that followed: the same convolution took 4 ms more after one,
-and under the executor, between other ops, the small CNN's convolutions ran 1.7 times as long as
-alone. A kernel process therefore runs with :data:`BLAS_ENVIRONMENT`
-(:func:`with_blas_environment`): its threads sleep after 2^22 cycles (1.6 ms at this machine's
-2.6 GHz). Sleeping sooner cost the MLP, whose products come every few tenths of a millisecond and then wake the
-threads each time. ``python bench/throughput.py``, ours / PyTorch (median of 5 repeats), runs of
-the settings alternated: the MLP at 0.85, 0.87, 0.87 with the default, 0.77, 0.80, 0.85 with
-2^18, 0.81, 0.82, 0.84, 0.86, 0.84 with 2^22, 0.85, 0.83 with 2^24, 0.83, 0.86 with 2^26; the
-small CNN at 0.30, 0.41, 0.30 with the default, 0.48, 0.46, 0.52 with 2^18, 0.49, 0.46, 0.46,
-0.45, 0.45 with 2^22, 0.43, 0.46 with 2^24, 0.37, 0.36 with 2^26.
+``OPENBLAS_THREAD_TIMEOUT``), so a threaded product just before (even a 64x32 by 32x64 one) left a
+core spinning through the chunks that followed: the same convolution took 4 ms more after one, and
+under the executor, between other ops, the small CNN's convolutions ran 1.7 times as long as alone.
+A kernel process therefore runs with :data:`BLAS_ENVIRONMENT` (:func:`with_blas_environment`): its
+threads sleep after 2^22 cycles (1.6 ms at this machine's 2.6 GHz). Sleeping sooner cost the MLP,
+whose products come every few tenths of a millisecond and then wake the threads each time. ``python
+bench/throughput.py``, ours / PyTorch (median of 5 repeats), runs of the settings alternated: the
+MLP at 0.85, 0.87, 0.87 with the default, 0.77, 0.80, 0.85 with 2^18, 0.81, 0.82, 0.84, 0.86, 0.84
+with 2^22, 0.85, 0.83 with 2^24, 0.83, 0.86 with 2^26; the small CNN at 0.30, 0.41, 0.30 with the
+default, 0.48, 0.46, 0.52 with 2^18, 0.49, 0.46, 0.46, 0.45, 0.45 with 2^22, 0.43, 0.46 with 2^24,
+0.37, 0.36 with 2^26.
 
 :func:`run` gives each worker its index; the convolution splits its chunks among them by a fixed
 rule (worker ``k`` takes chunks ``k``, ``k + n``, ...), so the sums it makes (weight gradients over
