@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -268,7 +267,7 @@ def profile(w: Workload, runs: dict) -> None:
 
 
 def main() -> None:
-    workers.with_blas_environment(sys.argv)                   # as the coordinator runs its kernels
+    workers.with_blas_environment()                           # as the coordinator runs its kernels
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="runs of every configuration, interleaved")
     parser.add_argument("--quick", action="store_true", help="a quarter of the iterations per run")

@@ -323,3 +323,11 @@ def test_kernels_split_over_workers_give_the_same_bits(rng, monkeypatch):
     np.testing.assert_array_equal(parts[9], whole[9])           # relu: elementwise, the same bits
     np.testing.assert_array_equal(parts[10], whole[10])
     np.testing.assert_array_equal(parts[5], parts[0])           # the recompute gives the forward's bits
+
+
+def test_an_empty_batch_has_zero_gradients():
+    g = ConvGeometry.of((0, 2, 5, 5), 3, 3, padding=1)
+    x, dy = np.empty((0, 2, 5, 5)), np.empty(g.out_shape)
+    dw, db, dx = empty(g.weight_shape), empty(3), empty(x.shape)
+    K.conv2d_backward(x, np.ones(g.weight_shape), dy, dx, dw, db, g, empty(g.backward_workspace_nelems))
+    assert not dw.any() and not db.any()

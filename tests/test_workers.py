@@ -63,16 +63,17 @@ def test_one_worker_runs_here_and_leaves_the_blas_alone():
 def test_a_process_without_the_blas_environment_starts_again_with_it(tmp_path):
     script = tmp_path / "kernels.py"
     script.write_text("import os, sys\nfrom tensile_db.runtime import workers\nprint('started', os.getpid(), flush=True)\n"
-                      "workers.with_blas_environment(sys.argv)\n"
-                      "print('running', os.getpid(), sys.argv[1:], {k: os.environ[k] for k in workers.BLAS_ENVIRONMENT})\n")
+                      "workers.with_blas_environment()\n"
+                      "print('running', os.getpid(), sys.flags.utf8_mode, sys.argv[1:], "
+                      "{k: os.environ[k] for k in workers.BLAS_ENVIRONMENT})\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k not in workers.BLAS_ENVIRONMENT}
     env["PYTHONPATH"] = root
-    out = subprocess.run([sys.executable, str(script), "--an", "argument"], env=env, capture_output=True, text=True,
-                         check=True).stdout.splitlines()
+    out = subprocess.run([sys.executable, "-X", "utf8", str(script), "--an", "argument"], env=env,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
     assert [line.split()[0] for line in out] == ["started", "started", "running"]    # once without it, once with
     assert len({line.split()[1] for line in out}) == 1                               # the same process
-    assert f"['--an', 'argument'] {workers.BLAS_ENVIRONMENT!r}" in out[2]
+    assert f"1 ['--an', 'argument'] {workers.BLAS_ENVIRONMENT!r}" in out[2]       # options and arguments kept
     env.update({k: "7" for k in workers.BLAS_ENVIRONMENT})
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, check=True).stdout
     assert out.count("started") == 1 and "'7'" in out   # a value already set is kept
@@ -101,3 +102,27 @@ def test_a_run_inside_a_workers_share_runs_in_order_there():
     for o in (0, 1):
         assert [k for oo, k, _ in seen if oo == o] == [0, 1]
         assert len({ident for oo, _, ident in seen if oo == o}) == 1
+
+
+def test_a_larger_run_beside_a_running_one_keeps_the_blas_limit_counted(monkeypatch):
+    """A run of three starts while a run of two is under way on another thread (the pool grows):
+    the limit is counted for both and dropped when the last ends, the BLAS then as it was."""
+    before = blas_threads()
+    monkeypatch.setitem(workers._state, "count", 3)
+    started, release = threading.Event(), threading.Event()
+
+    def long(k: int) -> None:
+        started.set()
+        release.wait(10)
+
+    first = threading.Thread(target=workers.run, args=(long, 2), daemon=True)
+    first.start()
+    assert started.wait(10)
+    inside = []
+    workers.run(lambda k: inside.append((workers._state["inside"], workers._state["limited"] is not None)), 3)
+    assert inside == [(2, True)] * 3
+    assert workers._state["inside"] == 1 and workers._state["limited"] is not None     # the first still runs
+    release.set()
+    first.join(10)
+    assert workers._state["inside"] == 0 and workers._state["limited"] is None
+    assert blas_threads() == before

@@ -105,5 +105,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    workers.with_blas_environment(["-m", "tensile_db.coordinator", *sys.argv[1:]])
+    workers.with_blas_environment()
     sys.exit(main())

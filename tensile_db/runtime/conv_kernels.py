@@ -6,7 +6,8 @@ As in :mod:`.kernels`, every kernel writes into arrays its caller passes in, so 
 bytes it touches are tensors the memory manager placed — the convolution's lowering buffers
 included: :class:`ConvGeometry` says how many elements its forward and backward workspaces take
 (the weights as a matrix, the padded input, the im2col matrix and the product of a chunk of the
-batch), and the caller allocates them as arena tensors. Temporaries are per-channel vectors and,
+batch; backward also two weight gradients a worker adds its chunks' into), and the caller
+allocates them as arena tensors. Temporaries are per-channel vectors and,
 in pooling, masks of the output's size. Layout is NCHW: ``x`` (B, C, H, W). Kernels are
 dtype-generic (float32 in training, float64 in the gradient tests) and array-module generic.
 
@@ -380,6 +381,9 @@ def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) -> None:
                 _input_gradient_col2im(dy[start:stop], wmat, dx[start:stop], g, region)
 
     workers.run(work, n)
+    if n == 0:                                              # an empty batch: no chunk wrote a gradient
+        dw.fill(0)
+        return
     total = flat[wn:2 * wn]
     for k in range(1, n):
         xp.add(total, flat[wn + k * room:wn + k * room + wn], out=total)
@@ -423,10 +427,11 @@ def max_pool_forward(x, out, argmax, geometry: ConvGeometry, padded) -> None:
 def max_pool_backward(dy, argmax, dx, geometry: ConvGeometry, padded) -> None:
     """Gradient of :func:`max_pool_forward`: each output's gradient goes to its window's maximum
     (summed where windows overlap). ``padded`` is scratch. Windows that neither overlap nor reach
-    into padding (stride equal to the kernel) write ``dx`` directly, each input element once."""
+    into padding (stride equal to the kernel, no dilation) write ``dx`` directly, each input
+    element once."""
     xp = array_module(dy)
     kh, kw = geometry.kernel
-    tiled = geometry.stride == geometry.kernel and not any(geometry.padding)
+    tiled = geometry.stride == geometry.kernel and not any(geometry.padding) and geometry.dilation == (1, 1)
     if tiled:
         if geometry.out_height * kh != geometry.height or geometry.out_width * kw != geometry.width:
             dx.fill(0)                                      # rows and columns no window covers

@@ -46,7 +46,9 @@ class Transfer:
 
 class CopyEngine:
     """The swap engine of a device: copies between its arena, host memory and spill files, off
-    the compute path. Copies in one direction are issued in order and run one at a time;
+    the compute path (on ``cpu``, a small one on the caller's thread: :class:`CpuCopyEngine`).
+    Copies in one direction are issued in order and run one at a time (on ``cpu``, a small one
+    done at once may end before a larger one issued earlier, and its error is raised at once);
     :attr:`duplex` says whether the two directions overlap (a copy engine for each) or share one
     channel, which is how the scheduler's cost model sees the channels
     (:mod:`tensile_db.scheduler.timeline`)."""

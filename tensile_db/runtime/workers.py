@@ -39,8 +39,12 @@ before; and a chunk that starts within 1.6 ms of a threaded product still shares
 a spinning thread for that long. The BLAS's thread count is one
 setting of the process: while any kernel runs its chunks, every matrix product of the process,
 another thread's too, runs on one thread (a counter restores the setting when the last such
-kernel ends). The threads run NumPy only, never the
-database's API, so a PostgreSQL backend may run these kernels too.
+kernel ends). The OpenBLAS bundled with NumPy here (0.3.31) ignores a thread count set from any
+other thread once the main thread has set one: a process whose main thread runs split kernels
+before other threads do (the tests) has those threads' products share the cores instead (slower,
+the same results); the coordinator runs kernels on its executors' and connections' threads only.
+The threads run NumPy only, never the database's API, so a PostgreSQL backend may run these
+kernels too.
 """
 
 from __future__ import annotations
@@ -58,11 +62,12 @@ BLAS_ENVIRONMENT = {"OPENBLAS_THREAD_TIMEOUT": "22"}
 
 _lock = threading.Lock()
 _here = threading.local()          # .working: this thread runs a share of run()'s work now
-_state: dict = {"pid": None, "pool": None, "size": 0, "count": None, "controller": None, "inside": 0, "limited": None}
+_state: dict = {"pool": None, "size": 0, "count": None, "controller": None, "inside": 0, "limited": None}
 
 
-def with_blas_environment(argv: list[str]) -> None:
-    """Start this process again, by ``os.execve`` (the same pid), as ``python argv...`` with
+def with_blas_environment() -> None:
+    """Start this process again, by ``os.execve`` (the same pid) with the command line it was
+    started with (``sys.orig_argv``: the interpreter's options, ``-m`` and the arguments) and
     :data:`BLAS_ENVIRONMENT` added to its environment, unless the environment already names each
     of its variables; call before anything else happens (the BLAS is loaded with NumPy, and reads
     the environment then)."""
@@ -70,7 +75,7 @@ def with_blas_environment(argv: list[str]) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *argv], {**BLAS_ENVIRONMENT, **os.environ})
+    os.execve(sys.executable, sys.orig_argv, {**BLAS_ENVIRONMENT, **os.environ})
 
 
 #: Elements from which an elementwise kernel splits its work over the workers (:func:`split`):
@@ -112,13 +117,29 @@ def count() -> int:
 
 
 def _pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The process's pool of ``n`` kernel threads (made again in a forked child, whose parent's
-    threads do not exist there)."""
+    """The process's pool of at least ``n`` kernel threads (``count() - 1`` when first made; a
+    larger one replaces it, the old one's threads ending when idle, the BLAS limit's count kept)."""
     with _lock:
-        if _state["pid"] != os.getpid() or _state["size"] < n:
-            _state["pool"] = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="tensile-kernel")
-            _state["pid"], _state["size"], _state["inside"], _state["limited"] = os.getpid(), n, 0, None
+        if _state["size"] < n:
+            old, size = _state["pool"], max(n, (_state["count"] or 1) - 1)
+            _state["pool"] = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="tensile-kernel")
+            _state["size"] = size
+            if old is not None:
+                old.shutdown(wait=False)
         return _state["pool"]
+
+
+def _forked() -> None:
+    """In a child forked from this process: the parent's kernel threads and its lock's holder do
+    not exist here, and a limit in force in a run of the parent is the child's to drop."""
+    global _lock
+    _lock = threading.Lock()
+    if _state["limited"] is not None:
+        _state["limited"].restore_original_limits()
+    _state.update(pool=None, size=0, inside=0, limited=None)
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 @contextlib.contextmanager
@@ -140,7 +161,8 @@ def _single_threaded_blas():
 def run(work, n: int) -> None:
     """Call ``work(k)`` for ``k`` in ``range(n)``, at once on ``n`` threads (this one included),
     the BLAS on one thread meanwhile (Note [Chunk pipelines on the CPU]); returns when all have
-    returned, and raises the first exception any raised. ``n`` 1 calls ``work(0)`` here, the BLAS
+    returned, and then raises the exception of the lowest ``k`` that raised one (the others'
+    are dropped). ``n`` 1 calls ``work(0)`` here, the BLAS
     unchanged; so does a call from inside a worker's share, for each ``k`` in order (a worker
     waiting on the pool that runs it would never return)."""
     if n <= 1 or getattr(_here, "working", False):     # inside a worker: its share, in order, here
