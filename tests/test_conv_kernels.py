@@ -253,6 +253,11 @@ def test_chunked_convolution_matches_torch_with_bounded_workspace(rng, groups, b
     assert K.chunk_plan(g, g.forward_workspace_nelems, backward=False) == (1, 2)
     assert K.chunk_plan(g, g.backward_workspace_nelems, backward=True) == (1, 2)
     assert K.chunk_plan(g, g.forward_workspace_nelems, backward=False, xp=None) == (g.rows_per_chunk, 1)
+    if g.transposed is not None:                         # without dx, no room for the transposed convolution
+        with monkeypatch.context() as m:
+            m.setattr(K, "CACHE_NELEMS", 2 * g.row_nelems(backward=False))
+            assert K.chunk_plan(g, g.backward_workspace_nelems, backward=True)[0] == 1
+            assert K.chunk_plan(g, g.backward_workspace_nelems, backward=True, input_gradient=False)[0] == 2
     x, wt = rng.normal(size=(20, 2, 6, 6)), rng.normal(size=g.weight_shape)
     bv = rng.normal(size=4) if bias else None
     out = empty(g.out_shape)
@@ -269,6 +274,9 @@ def test_chunked_convolution_matches_torch_with_bounded_workspace(rng, groups, b
     assert_close(dw, tw.grad)
     if bias:
         assert_close(db, tb.grad)
+    alone = empty(wt.shape)                              # the first layer's: no dx, larger chunks
+    K.conv2d_backward(x, wt, dy, None, alone, None, g, empty(g.backward_workspace_nelems))
+    assert_close(alone, tw.grad)
 
 
 def test_two_workers_give_the_gradients_of_one(rng, monkeypatch):

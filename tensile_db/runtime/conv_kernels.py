@@ -192,17 +192,19 @@ def _pad_into(x, padded, geometry: ConvGeometry, fill=0) -> None:
 # --- convolution ---------------------------------------------------------------------------------
 
 
-def chunk_plan(geometry: ConvGeometry, workspace_nelems: int, backward: bool, xp=np) -> tuple[int, int]:
+def chunk_plan(geometry: ConvGeometry, workspace_nelems: int, backward: bool, xp=np,
+               input_gradient: bool = True) -> tuple[int, int]:
     """(rows of a chunk, workers) for lowering ``geometry``'s batch in a workspace of
     ``workspace_nelems`` elements. On the GPU: :attr:`ConvGeometry.rows_per_chunk` rows, one
     worker (the largest products). On the CPU: chunks of at most :data:`CACHE_NELEMS` lowering
     elements, on as many workers (:func:`.workers.count`) as there are chunks and as the workspace
     holds each a chunk's room (and, backward, two weight gradients) beside the shared weight
-    matrix (Note [Chunk pipelines on the CPU])."""
+    matrix (Note [Chunk pipelines on the CPU]). A backward pass without ``input_gradient`` (the
+    network's first layer) needs no room for the transposed convolution, so its chunks are larger."""
     rows = geometry.rows_per_chunk
     if xp is not np:
         return rows, 1
-    per_row, available = geometry.row_nelems(backward), workers.count()
+    per_row, available = geometry.row_nelems(backward and input_gradient), workers.count()
     rows = max(1, min(rows, CACHE_NELEMS // per_row, -(-geometry.batch // available)))
     n = min(available, -(-geometry.batch // rows))
     per_worker = rows * per_row + (2 * geometry.weight_nelems if backward else 0)
@@ -352,7 +354,7 @@ def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) -> None:
     xp = array_module(dy)
     if db is not None:
         xp.sum(dy, axis=(0, 2, 3), out=db)
-    rows, n = chunk_plan(geometry, flat.size, True, xp)
+    rows, n = chunk_plan(geometry, flat.size, True, xp, input_gradient=dx is not None)
     wn, reverse = geometry.weight_nelems, geometry.transposed
     wmat = flat[:wn]
     if dx is not None:
@@ -362,7 +364,7 @@ def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) -> None:
         else:
             wmat = wmat.reshape(geometry.out_channels, -1)
             _weight_matrix(w, geometry, wmat)
-    room = 2 * wn + rows * geometry.row_nelems(backward=True)
+    room = 2 * wn + rows * geometry.row_nelems(backward=dx is not None)
 
     def work(k: int) -> None:
         at = wn + k * room
