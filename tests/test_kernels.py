@@ -131,6 +131,18 @@ def test_activation_matches_torch(rng, name):
     assert_close(dx, xt.grad)
 
 
+def test_relu_gradient_at_zero_and_nan_is_pytorchs(rng):
+    """0 where the input was 0 or below; a NaN input passes its gradient on, as in PyTorch."""
+    x = np.array([[np.nan, 0.0, -0.0, -2.0, 3.0, 1e-30]])
+    dy = rng.standard_normal(x.shape)
+    xt = tt(x, True)
+    torch.relu(xt).backward(tt(dy))
+    y, dx = np.empty_like(x), np.empty_like(x)
+    K.relu_forward(x, y)
+    K.relu_backward(y, dy, dx)
+    np.testing.assert_array_equal(dx, xt.grad.numpy())
+
+
 @pytest.mark.parametrize("name", sorted(K.ACTIVATIONS))
 def test_activation_matches_finite_differences(rng, name):
     forward, backward = K.ACTIVATIONS[name]
