@@ -22,6 +22,7 @@ import re
 import numpy as np
 
 from tensile_db.runtime import model as models
+from tensile_db.runtime import workers
 from tensile_db.runtime.network import INPUT, Network
 from tensile_db.runtime.program import Program
 
@@ -172,15 +173,6 @@ def producer(program: Program, slot: str) -> str:
 # --- the machine --------------------------------------------------------------------------------
 
 
-def blas_threads() -> int:
-    """Threads of the BLAS that NumPy's matrix products use (threadpoolctl), else the CPU count."""
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return os.cpu_count() or 1
-    return max((i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"), default=os.cpu_count() or 1)
-
-
 def machine() -> str:
     """``cpu: <model name>, N cores, NumPy BLAS T threads``: the device every figure is from."""
     name = platform.processor() or platform.machine()
@@ -189,4 +181,4 @@ def machine() -> str:
             name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
     except OSError:
         pass
-    return f"cpu ({name}, {os.cpu_count()} cores, NumPy's BLAS on {blas_threads()} threads)"
+    return f"cpu ({name}, {os.cpu_count()} cores, NumPy's BLAS on {workers.count()} threads)"

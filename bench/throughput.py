@@ -273,7 +273,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a quarter of the iterations per run")
     args = parser.parse_args()
     started = time.perf_counter()
-    threads = cnn.blas_threads()
+    threads = workers.count()
     probe = MemoryManager(CpuDevice(), 64 * MiB)
     cost = measure_bandwidth(probe.device, probe.engine)
     probe.close()

@@ -207,10 +207,16 @@ def chunk_plan(geometry: ConvGeometry, workspace_nelems: int, backward: bool, xp
     per_row, available = geometry.row_nelems(backward and input_gradient), workers.count()
     rows = max(1, min(rows, CACHE_NELEMS // per_row, -(-geometry.batch // available)))
     n = min(available, -(-geometry.batch // rows))
-    per_worker = rows * per_row + (2 * geometry.weight_nelems if backward else 0)
+    per_worker = _worker_room(geometry, rows, backward, input_gradient)
     while n > 1 and geometry.weight_nelems + n * per_worker > workspace_nelems:
         n -= 1
     return rows, n
+
+
+def _worker_room(geometry: ConvGeometry, rows: int, backward: bool, input_gradient: bool = True) -> int:
+    """Workspace elements one worker takes after the shared weight matrix: the lowering
+    workspaces of ``rows`` rows and, backward, first its two weight gradients."""
+    return rows * geometry.row_nelems(backward and input_gradient) + (2 * geometry.weight_nelems if backward else 0)
 
 
 def _lowering_views(geometry: ConvGeometry, flat):
@@ -262,16 +268,24 @@ def _transposed_weight_matrix(w, geometry: ConvGeometry, out) -> None:
         0, 2, 3, 4, 1)
 
 
+def _lowered(x, geometry: ConvGeometry, flat):
+    """Pad ``x`` (the rows of ``geometry``) into the lowering workspaces of ``flat``, then for
+    each group fill the columns with its windows and yield (group, columns, product workspace)."""
+    padded, cols, product = _lowering_views(geometry, flat)
+    _pad_channels_last(x, padded, geometry)
+    bsz, _, oh, ow = geometry.out_shape
+    for g in range(geometry.groups):
+        cols.reshape(bsz, oh, ow, *geometry.kernel, -1)[...] = _windows(geometry, padded, g)
+        yield g, cols, product
+
+
 def _forward_rows(x, wmat, b, out, geometry: ConvGeometry, flat) -> None:
     """``out = conv2d(x, w) + b`` for the rows of ``geometry``, ``wmat`` the weights as a matrix
     (:func:`_weight_matrix`), ``flat`` room for its lowering workspaces."""
     xp = array_module(x)
-    padded, cols, product = _lowering_views(geometry, flat)
-    _pad_channels_last(x, padded, geometry)
     og = geometry.out_channels // geometry.groups
     bsz, _, oh, ow = geometry.out_shape
-    for g in range(geometry.groups):
-        cols.reshape(bsz, oh, ow, *geometry.kernel, -1)[...] = _windows(geometry, padded, g)
+    for g, cols, product in _lowered(x, geometry, flat):
         xp.matmul(cols, wmat[g * og:(g + 1) * og].T, out=product)
         out[:, g * og:(g + 1) * og] = product.reshape(bsz, oh, ow, og).transpose(0, 3, 1, 2)
     if b is not None:
@@ -290,12 +304,8 @@ def _weight_gradient_rows(x, dy, dwmat, geometry: ConvGeometry, flat) -> None:
     """``dwmat`` (O, KH·KW·C/g): the weight gradient of the rows of ``geometry`` alone, in the
     order of :func:`_weight_matrix`."""
     xp = array_module(dy)
-    padded, cols, product = _lowering_views(geometry, flat)
-    _pad_channels_last(x, padded, geometry)
     og = geometry.out_channels // geometry.groups
-    bsz, _, oh, ow = geometry.out_shape
-    for g in range(geometry.groups):
-        cols.reshape(bsz, oh, ow, *geometry.kernel, -1)[...] = _windows(geometry, padded, g)
+    for g, cols, product in _lowered(x, geometry, flat):
         xp.matmul(_dy_channels_last(dy, product, geometry, g).T, cols, out=dwmat[g * og:(g + 1) * og])
 
 
@@ -334,7 +344,7 @@ def conv2d_forward(x, w, b, out, geometry: ConvGeometry, flat) -> None:
     wn = geometry.weight_nelems
     wmat = flat[:wn].reshape(geometry.out_channels, -1)
     _weight_matrix(w, geometry, wmat)
-    room = rows * geometry.row_nelems(backward=False)
+    room = _worker_room(geometry, rows, backward=False)
 
     def work(k: int) -> None:
         region = flat[wn + k * room:wn + (k + 1) * room]
@@ -364,7 +374,7 @@ def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) -> None:
         else:
             wmat = wmat.reshape(geometry.out_channels, -1)
             _weight_matrix(w, geometry, wmat)
-    room = 2 * wn + rows * geometry.row_nelems(backward=dx is not None)
+    room = _worker_room(geometry, rows, backward=True, input_gradient=dx is not None)
 
     def work(k: int) -> None:
         at = wn + k * room
