@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -130,7 +131,7 @@ class ConvGeometry:
     def weight_nelems(self) -> int:
         return math.prod(self.weight_shape)
 
-    @property
+    @cached_property
     def transposed(self) -> ConvGeometry | None:
         """The input gradient as a convolution: with stride 1, ``dx`` is the convolution of ``dy``
         (channels O, zero-padded by D·(K − 1) − P) with the weights flipped in both kernel axes
@@ -145,9 +146,15 @@ class ConvGeometry:
     def row_nelems(self, backward: bool) -> int:
         """Lowering workspace elements of one row of the batch: the forward pass's, or in the
         backward pass the larger of those and the transposed convolution's (:attr:`transposed`)."""
+        return self._row_nelems[backward]
+
+    @cached_property
+    def _row_nelems(self) -> tuple[int, int]:
+        """(forward, backward) of :meth:`row_nelems`, worked out once per geometry: every call of
+        a convolution's kernel asks for them."""
         one = replace(self, batch=1)
-        reverse = one.transposed if backward else None
-        return max(one.workspace_nelems, reverse.workspace_nelems if reverse else 0)
+        reverse = one.transposed
+        return one.workspace_nelems, max(one.workspace_nelems, reverse.workspace_nelems if reverse else 0)
 
     @property
     def rows_per_chunk(self) -> int:
