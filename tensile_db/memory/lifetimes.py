@@ -151,11 +151,18 @@ def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s
     to ``search_s`` seconds, over randomised orders: by size, or by size times lifetime, each
     scaled by a seeded random factor in [0.25, 1.75). Fixed greedy orders can miss by 20% or more
     when sizes and lifetimes are mixed; a plan is made once per schedule, so a short search is
-    affordable. Stops early at the lower bound, :func:`max_live_nbytes`, and after ``max_tries``
+    affordable. Stops at the lower bound, :func:`max_live_nbytes` (among the fixed orders too: the
+    first that reaches it is the one the smallest of them all would be), and after ``max_tries``
     randomised orders when given. Deterministic for a given ``seed`` and number of tries (so with
     ``max_tries`` and an unbounded ``search_s``)."""
-    best = min((plan_offsets(allocs, strategy, order) for order in ORDERS), key=lambda p: p.arena_nbytes)
     bound = max_live_nbytes(allocs)
+    best = None
+    for order in ORDERS:
+        plan = plan_offsets(allocs, strategy, order)
+        if best is None or plan.arena_nbytes < best.arena_nbytes:
+            best = plan
+        if best.arena_nbytes <= bound:
+            return best
     keys = (np.array([a.nbytes for a in allocs], dtype=np.float64),
             np.array([a.nbytes * a.length for a in allocs], dtype=np.float64))
     rng = np.random.default_rng(seed)
@@ -243,10 +250,15 @@ def packing_figures(allocs: list[Allocation], plan: PoolPlan) -> dict:
     pool touches on the same trace), for all jobs together and for each job alone. A job alone is
     planned with the fixed orders only, without the randomised search: the figures are a report,
     and with many jobs a search per job cost more than the plan itself (eight jobs: 0.2 s a plan,
-    on the planning thread beside the executor's)."""
+    on the planning thread beside the executor's); one job's figures are the whole's."""
     _, general = replay_general_pool(allocs)
+    jobs = sorted({a.key[0] for a in allocs})
+    if len(jobs) == 1:                  # the job alone is the whole
+        whole = {"planned_arena_nbytes": plan.arena_nbytes, "max_live_nbytes": max_live_nbytes(allocs),
+                 "general_pool_nbytes": general}
+        return {**whole, "per_job": {jobs[0]: dict(whole)}}
     per_job = {}
-    for job in sorted({a.key[0] for a in allocs}):
+    for job in jobs:
         mine = [a for a in allocs if a.key[0] == job]
         per_job[job] = {"planned_arena_nbytes": plan_smallest(mine, "best_fit").arena_nbytes,
                         "max_live_nbytes": max_live_nbytes(mine),
