@@ -96,7 +96,7 @@ class Load:
         ends after ``sum_j min(r_j, r_k)``, stretched (Note [Admission by memory pressure] in
         :mod:`.executor`)."""
         works = (*self.remaining_s, work_s)
-        return sum(sum(min(r, r_k) for r in works) for r_k in works) * self.stretch(peak_nbytes)
+        return sum(_shared_end_s(works, r_k) for r_k in works) * self.stretch(peak_nbytes)
 
     def flow_after_room_s(self, peak_nbytes: int, work_s: float) -> float:
         """:meth:`flow_s` if the job starts only once the jobs here leave room for it within the
@@ -105,15 +105,23 @@ class Load:
         with ``r_j - r_k`` each."""
         jobs = sorted(zip(self.remaining_s, self.peaks_nbytes))
         stretch = self.stretch(0)
+        ends_s = [_shared_end_s([r for r, _ in jobs], r_i) for r_i, _ in jobs]    # each job's, unstretched
         for k, (r_k, _) in enumerate(jobs):
             left = jobs[k + 1:]
             if left and peak_nbytes + sum(p for _, p in left) > self.budget_nbytes:
                 continue
-            ended_s = sum(sum(min(r, r_i) for r, _ in jobs) for r_i, _ in jobs[:k + 1]) * stretch
-            waited_s = sum(min(r, r_k) for r, _ in jobs) * stretch
+            ended_s = sum(ends_s[:k + 1]) * stretch
+            waited_s = ends_s[k] * stretch
             after = Load(self.budget_nbytes, tuple(p for _, p in left), tuple(r - r_k for r, _ in left))
             return ended_s + (len(left) + 1) * waited_s + after.flow_s(peak_nbytes, work_s)
         return self.flow_s(peak_nbytes, work_s)          # no job here
+
+
+def _shared_end_s(works, r_k: float) -> float:
+    """Seconds until the job with ``r_k`` seconds of work left ends when it shares the device with
+    jobs of ``works`` seconds left (itself among them), under processor sharing: ``sum_j min(r_j,
+    r_k)`` (Note [Placement], step 2; unstretched)."""
+    return sum(min(r, r_k) for r in works)
 
 
 def choose(loads: list[Load], peak_nbytes: int, min_working_set_nbytes: int, work_s: float) -> int | None:
