@@ -248,7 +248,7 @@ def test_tensile_published_is_each_job_planned_alone_against_its_share(cost):
     plan = plan_tensile_published(tl, cost, target)
     expected, alone_peaks = [], 0
     for j, a in alone.items():
-        own = plan_tensile(a, cost, shares[j], None)
+        own = plan_tensile(a, cost, shares[j], None, widen=False)
         assert own.predicted_peak_nbytes <= shares[j]
         expected += by_position(own.decisions, a)
         alone_peaks += own.predicted_peak_nbytes

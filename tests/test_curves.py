@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from job_helpers import FAST, SLOW, assert_valid, image_job, make_job, run_sim, sequence
+from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
 from tensile_db.runtime.simulated import SimDevice
 from tensile_db.scheduler import curves
 from tensile_db.scheduler.cost import CostModel
@@ -50,7 +51,34 @@ def test_a_curve_lowers_its_peak_step_by_step_with_valid_decisions():
     assert curve.peak_nbytes[-1] < curve.peak_nbytes[0]
     assert np.all(np.diff(curve.peak_nbytes) <= 0)
     alone = Timeline([trace])
-    assert int(alone.usage(list(curve.decisions)).max()) == curve.peak_nbytes[-1]
+    assert int(alone.usage(curve.plan()).max()) == curve.peak_nbytes[-1]
+    for i in range(len(curve.decisions) + 1):
+        assert int(alone.usage(curve.plan(i)).max()) == curve.peak_nbytes[i]
+
+
+@pytest.mark.parametrize("seconds", [1e-5, 1e-4])
+def test_a_plan_reaches_the_largest_working_set_by_widening_its_swaps(seconds):
+    """An MLP whose largest working set is Adam's step on a 512 x 512 layer (4 MiB), planned
+    down to it: the swaps taken for earlier peaks are re-timed (released sooner or swapped in
+    later) to free the last ones, so the plan reaches the floor; each prefix of the curve is a
+    valid plan with the peak it records."""
+    spec = ModelSpec(Architecture((Layer(512, "relu"), Layer(512, "relu"), Layer(256, "relu"))), 64, 10,
+                     "classification")
+    seq = sequence(spec, TrainOptions(epochs=1, batch_size=128, optimizer="adam", seed=0), 128, seconds)
+    floor = seq.program.min_working_set_nbytes
+    tl = Timeline([JobTrace(1, seq)])
+    plan = plan_global(tl, FAST, floor)
+    assert_valid(plan, tl)
+    assert plan.predicted_peak_nbytes == floor
+    curve = job_curve(JobTrace(1, seq), FAST, depth=0.5)
+    widened = [i for i, d in enumerate(curve.decisions)
+               if any((e.slot, e.a) == (d.slot, d.a) for e in curve.decisions[:i])]
+    assert widened and curve.peak_nbytes[-1] == floor
+    alone = Timeline([JobTrace(1, seq)])
+    for i in (widened[0], widened[0] + 1, len(curve.decisions)):
+        steps = curve.plan(i)
+        assert len({(d.slot, d.a) for d in steps}) == len(steps)
+        assert int(alone.usage(steps).max()) == curve.peak_nbytes[i]
 
 
 @pytest.mark.parametrize("fraction", [0.8, 0.6])

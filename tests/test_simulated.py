@@ -150,4 +150,15 @@ def test_predicted_peak_is_the_measured_peak_without_jitter():
             pass
     ex.stop()
     plan, peak = measured[-1]
-    assert plan.decisions and peak == plan.predicted_peak_nbytes
+    assert plan.decisions and peak <= plan.predicted_peak_nbytes
+    if peak < plan.predicted_peak_nbytes:
+        # only where a recompute's workspace is counted beside the outputs of the op that needs
+        # it (the replays run and free their workspaces before that op allocates its outputs)
+        tl = plan.timeline
+        k = int(tl.usage(plan.decisions).argmax())
+        job, q = tl.events[k]
+        prog = tl.program(job)
+        op = prog.ops[q % len(prog.ops)]
+        outputs = sum(prog.slots[s].arena_nbytes for s in op.writes if prog.positions[s][0] == q % len(prog.ops))
+        assert any(d.method == "recompute" and d.b == k for d in plan.decisions)
+        assert plan.predicted_peak_nbytes - peak <= outputs

@@ -182,14 +182,16 @@ def plan_tensile_published(timeline: Timeline, cost: CostModel, target_nbytes: i
 
     Departures from the paper: the target split in proportion to the vanilla peaks is this
     module's reading of how a budget is shared; the per-job planner keeps
-    :func:`~.planners.plan_tensile`'s own departures (measured bandwidth, simulated candidates).
+    :func:`~.planners.plan_tensile`'s own departures (measured bandwidth, simulated candidates)
+    but not its widened absences (Note [Widened absences] in :mod:`~.planners`), which this
+    project added.
     """
     decisions: list[Decision] = []
     targets = job_targets(timeline, target_nbytes)
     seconds = None if max_seconds is None else max_seconds / len(targets)
     for job_id, alone in job_timelines(timeline).items():
         to_combined = [timeline.index[event] for event in alone.events]
-        decided = plan_tensile(alone, cost, targets[job_id], seconds).decisions
+        decided = plan_tensile(alone, cost, targets[job_id], seconds, widen=False).decisions
         timeline.work.add(alone.work)
         for d in decided:
             a = to_combined[d.a]

@@ -64,7 +64,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .cost import CostModel
-from .planners import MAX_DECISIONS, Plan, _greedy_steps, _State, drop_redundant, retime_swaps, tensile_choice
+from .planners import (
+    MAX_DECISIONS,
+    Plan,
+    _greedy_steps,
+    _State,
+    applied,
+    drop_redundant,
+    retime_swaps,
+    tensile_choice,
+)
 from .timeline import Decision, JobTrace, Timeline
 from .work import PLAN_OVERHEAD_S, PlanWork
 
@@ -93,13 +102,18 @@ DEPTH_MARGIN = 0.75
 @dataclass(frozen=True)
 class Curve:
     """One job's plans alone, each a prefix of :attr:`decisions` (events are its op positions in
-    one iteration). ``peak_nbytes[i]`` and ``extra_s[i]``: its peak (bytes) and simulated extra
+    one iteration; a step may widen an earlier swap: :meth:`plan`). ``peak_nbytes[i]`` and ``extra_s[i]``: its peak (bytes) and simulated extra
     seconds per iteration with the first ``i`` decisions, for ``i`` from 0 to ``len(decisions)``
     ((d + 1,) int64 and float64)."""
 
     decisions: tuple[Decision, ...]
     peak_nbytes: np.ndarray
     extra_s: np.ndarray
+
+    def plan(self, steps: int | None = None) -> list[Decision]:
+        """The decisions of the first ``steps`` (None: all), a widening in place of the swap it
+        widens (:func:`~.planners.applied`)."""
+        return applied(list(self.decisions[:steps]))
 
 
 def _signature(trace: JobTrace) -> tuple:
@@ -148,7 +162,7 @@ class CurveBuilder:
             grown += 1
             self._charge(work)
         if grown:
-            self.curve = Curve(tuple(self._state.decisions), np.array(self._peaks, dtype=np.int64),
+            self.curve = Curve(tuple(self._state.steps), np.array(self._peaks, dtype=np.int64),
                                np.array(self._extras))
         return grown > 0
 
@@ -179,10 +193,16 @@ def _carry(curve: Curve, timeline: Timeline, job_id: int, start: int = 0) -> dic
     """The curve's decisions from index ``start`` on the combined timeline: each one in each of
     the job's iterations of the period (a decision whose absence wraps from the end of an
     iteration goes on to the next one, the last to the first). Returns the decisions and, per
-    decision, its curve index, first absent event, absent events and bytes."""
+    decision, its curve index, first absent event, absent events and bytes, and the first absent
+    event and absent events of the swap it widens (a length of 0 for none; Note [Widened
+    absences] in :mod:`~.planners`)."""
     trace, n_prog = timeline.traces[job_id], timeline.n_program_ops(job_id)
-    out, index = [], []
+    out, index, widened = [], [], []
+    earlier = {(d.slot, d.a): d for d in curve.decisions[:start] if d.method == "swap"}
     for i, d in enumerate(curve.decisions[start:], start):
+        before = earlier.get((d.slot, d.a)) if d.method == "swap" else None
+        if d.method == "swap":
+            earlier[(d.slot, d.a)] = d
         for r in range(trace.repeats):
             def at(p: int) -> int:
                 later = p <= d.a                       # after the wrap: the next iteration
@@ -195,9 +215,13 @@ def _carry(curve: Curve, timeline: Timeline, job_id: int, start: int = 0) -> dic
                 carried = replace(d, job_id=job_id, a=a, b=b, free=(a + 1) % timeline.n, back=b)
             out.append(carried)
             index.append(i)
+            widened.append((0, 0) if before is None else
+                           (at(before.free), (at(before.back) - at(before.free)) % timeline.n))
     windows = np.array([c.window(timeline.n) for c in out], dtype=np.int64).reshape(-1, 2)
+    widened = np.array(widened, dtype=np.int64).reshape(-1, 2)
     return {"decisions": out, "index": np.array(index, dtype=np.int64), "free": windows[:, 0],
-            "length": windows[:, 1], "nbytes": np.array([c.nbytes for c in out], dtype=np.int64)}
+            "length": windows[:, 1], "nbytes": np.array([c.nbytes for c in out], dtype=np.int64),
+            "widened_free": widened[:, 0], "widened_length": widened[:, 1]}
 
 
 def _cheapest_step(timeline: Timeline, carried: dict, level: dict[int, int], k: int, need_nbytes: int):
@@ -209,7 +233,8 @@ def _cheapest_step(timeline: Timeline, carried: dict, level: dict[int, int], k: 
     for job_id, (curve, c) in carried.items():
         repeats = timeline.traces[job_id].repeats
         timeline.work.rows += len(c["index"])
-        covers = (c["index"] >= level[job_id]) & ((k - c["free"]) % n < c["length"])
+        covers = ((c["index"] >= level[job_id]) & ((k - c["free"]) % n < c["length"])
+                  & ((k - c["widened_free"]) % n >= c["widened_length"]))     # not freed by the swap it widens
         if not covers.any():
             continue
         # each candidate end of the step: a curve index whose decisions free event k
@@ -222,6 +247,22 @@ def _cheapest_step(timeline: Timeline, carried: dict, level: dict[int, int], k: 
         if best is None or (ratio[i], -freed[i]) < (best[0], -best[1]):
             best = (ratio[i], freed[i], job_id, int(ends[i]) + 1)
     return best
+
+
+def _take(timeline: Timeline, use: np.ndarray, chosen: list[Decision], swaps: dict, d: Decision) -> None:
+    """Add ``d`` to the plan ``chosen`` and its absence to ``use``, in place; a widening (Note
+    [Widened absences] in :mod:`~.planners`) replaces the swap it widens. ``swaps``: (job, slot,
+    a) of each swap chosen -> its index in ``chosen``."""
+    key = (d.job_id, d.slot, d.a)
+    if key in swaps:
+        old = chosen[swaps[key]]
+        timeline.add_window(use, *old.window(timeline.n), old.nbytes)
+        chosen[swaps[key]] = d
+    else:
+        if d.method == "swap":
+            swaps[key] = len(chosen)
+        chosen.append(d)
+    timeline.add_decision(use, d)
 
 
 def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_seconds: float | None = None,
@@ -280,6 +321,7 @@ def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_sec
     use = timeline.usage([])
     level = {job_id: 0 for job_id in carried}           # decisions of its curve taken
     chosen: list[Decision] = []
+    swaps: dict[tuple[int, str, int], int] = {}         # (job, slot, a) of a chosen swap -> its index in chosen
     n = timeline.n
     for _ in range(MAX_DECISIONS):
         k = int(np.argmax(use))
@@ -293,9 +335,7 @@ def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_sec
         _, _, job_id, upto = best
         c = carried[job_id][1]
         for j in np.flatnonzero((c["index"] >= level[job_id]) & (c["index"] < upto)).tolist():
-            d = c["decisions"][j]
-            timeline.add_decision(use, d)
-            chosen.append(d)
+            _take(timeline, use, chosen, swaps, c["decisions"][j])
         work.items += upto - level[job_id]              # a window added each: not the greedy's bookkeeping
         work.events += n
         level[job_id] = upto

@@ -246,7 +246,9 @@ class Timeline:
 
     def add_decision(self, use: np.ndarray, d: Decision) -> None:
         """Apply ``d`` to ``use`` ((n,) bytes per event), in place: its absence, and the
-        workspaces of a recompute's replays during the event that needs the tensor."""
+        workspaces of a recompute's replays during the event that needs the tensor (an upper
+        bound there: the replays free their workspaces before that event's op allocates its
+        outputs)."""
         self.add_window(use, *d.window(self.n), -d.nbytes)
         use[d.b] += d.workspace_nbytes
 
@@ -376,16 +378,40 @@ class Simulator:
         else:
             self._recomputes[d.b] = self._recomputes.get(d.b, 0.0) + d.recipe_s
 
-    def _with(self, also: Decision | None) -> tuple[list, dict[int, float], list[tuple[int, int, int]]]:
-        """The steps, recomputes and wrapping swaps of the decisions and ``also`` (not added)."""
+    def retime(self, i: int, d: Decision) -> None:
+        """Replace the ``i``-th decision, a swap, by ``d``, the same swap at other events (its
+        release or swap-in moved: Note [Widened absences] in :mod:`~.planners`)."""
+        self._steps, self._wrapping = self._without(self._steps, self._wrapping, i)
+        if self._wraps(d):
+            bisect.insort(self._wrapping, (d.a, i, d.nbytes))
+        self._merge(self._steps, d, i)
+        self.decisions[i] = d
+
+    @staticmethod
+    def _without(steps: list, wrapping: list, i: int) -> tuple[list, list]:
+        """``steps`` and ``wrapping`` less the actions of swap ``i`` (new lists)."""
+        def drop(entries):
+            if entries is None:
+                return None
+            return [e for e in entries if (e[0] if isinstance(e, tuple) else e) != i]
+        return ([(k, *map(drop, lists)) for k, *lists in steps],
+                [w for w in wrapping if w[1] != i])
+
+    def _with(self, also: Decision | None, instead: int | None = None
+              ) -> tuple[list, dict[int, float], list[tuple[int, int, int]]]:
+        """The steps, recomputes and wrapping swaps of the decisions and ``also`` (not added);
+        with ``instead``, ``also`` is a swap that stands in for that decision (a re-timing of it)."""
         steps, recomputes, wrapping = self._steps, self._recomputes, self._wrapping
         if also is not None:
-            steps = steps.copy()
-            self._merge(steps, also, len(self.decisions))
+            if instead is None:
+                steps, at = steps.copy(), len(self.decisions)
+            else:
+                (steps, wrapping), at = self._without(steps, wrapping, instead), instead
+            self._merge(steps, also, at)
             if also.method != "swap":
                 recomputes = {**recomputes, also.b: recomputes.get(also.b, 0.0) + also.recipe_s}
             elif self._wraps(also):
-                wrapping = sorted([*wrapping, (also.a, len(self.decisions), also.nbytes)])
+                wrapping = sorted([*wrapping, (also.a, at, also.nbytes)])
         return steps, recomputes, wrapping
 
     def simulate(self, also: Decision | None = None) -> Simulation:
@@ -397,12 +423,13 @@ class Simulator:
         return Simulation(start_s, period_s, self._compute_s, stall_s, sum(recomputes.values()), nbytes, busy_s,
                           disk_nbytes)
 
-    def extra_s(self, also: Decision | None = None) -> float:
+    def extra_s(self, also: Decision | None = None, instead: int | None = None) -> float:
         """The extra seconds per period (:attr:`Simulation.extra_s`) of the decisions and of
-        ``also`` after them if given (not added), without the ops' start times: what a planner
-        weighs a candidate by, at the cost of the events with actions only. Leaves
-        :attr:`waited_s` as the last :meth:`simulate` made it."""
-        _, period_s, _, _, _ = self._replay(*self._with(also), len(self.decisions) + 1, timed=False)
+        ``also`` after them if given (not added; with ``instead``, in place of that decision, as
+        :meth:`retime` would put it), without the ops' start times: what a planner weighs a
+        candidate by, at the cost of the events with actions only. Leaves :attr:`waited_s` as
+        the last :meth:`simulate` made it."""
+        _, period_s, _, _, _ = self._replay(*self._with(also, instead), len(self.decisions) + 1, timed=False)
         return period_s - self._compute_s
 
     def _replay(self, steps: list, recomputes: dict[int, float], wrapping: list[tuple[int, int, int]],  # noqa: C901
