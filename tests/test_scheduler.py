@@ -545,6 +545,29 @@ def test_the_plans_leave_the_headroom_the_planned_pools_packing_needs(monkeypatc
     sched.close()
 
 
+def test_the_fallback_does_not_evict_below_a_plan_at_the_largest_working_set():
+    """With the budget at the job's largest working set the plan's target is that floor, above
+    the budget less the headroom: while the plan is in force the fallback's limit is the target,
+    and goes back to the headroom's without a plan."""
+    from tensile_db.scheduler import Scheduler
+
+    job = make_job(seed=1)
+    sched = Scheduler(MemoryManager(CpuDevice(), job.min_working_set_nbytes), "tensile", FAST)
+    budget, n_ops = sched.mm.budget_nbytes, len(job.program.ops)
+    below = sched.mm.limit_nbytes
+    assert below < budget
+    sched.admit(job)
+    for p in range(n_ops):
+        sched.after(job, p, 1e-3)
+    sched.iteration_done(job)
+    sched.replan({job.id: 0}, n_ops, wait=True)
+    assert sched._request.target == budget                   # the floor, above the headroom's
+    assert sched.plan is not None and sched.mm.limit_nbytes == budget
+    sched._install(sched._request, None, 0.0)
+    assert sched.mm.limit_nbytes == below
+    sched.close()
+
+
 # --- fair sharing -------------------------------------------------------------------------------
 
 LONG_SPEC = ModelSpec(Architecture(tuple(Layer(16, "relu") for _ in range(30))), 16, 4, "classification")

@@ -89,7 +89,7 @@ class MemoryManager(Residencies):
         self.host_tier = HostTier(host_budget_nbytes, spill, self.engine)    # guarded by _lock
         self.allocator = ArenaAllocator(budget_nbytes)       # guarded by _lock
         self.budget_nbytes = self.allocator.capacity_nbytes  # constant
-        self.limit_nbytes = self.budget_nbytes   # set by the scheduler before the first op; read under _lock
+        self.limit_nbytes = self.budget_nbytes   # set by the scheduler (before the first op, and with each plan); read under _lock
         self.buffer = device.arena_buffer(self.budget_nbytes)   # constant
         self.compactions = 0           # times the arena was defragmented; guarded by _lock
         self.compacted_nbytes = 0      # bytes moved by defragmenting, cumulative; guarded by _lock

@@ -102,6 +102,22 @@ a re-plan follows when that raises the headroom by more than a point. The headro
 while the same jobs run, so that plan and packing do not chase each other; an arrival or a
 departure starts again from the configured one.
 
+Note [The fallback's limit and the floor]
+-----------------------------------------
+Under ``tensile`` the reactive fallback starts evicting at the plans' headroom below the budget
+(the manager's ``limit_nbytes``), so that what a plan keeps is not evicted for the room the arena
+needs for fragmentation. But a plan cannot aim below the largest working set of its jobs (the
+*floor*), and where the floor is above the budget less the headroom, the plan's target is the
+floor: it keeps more than the limit at some events by design, and the fallback evicted there
+what the plan kept. The MLP of ``bench/throughput.py`` at half its peak (the budget raised to its
+largest working set, Adam on a 512 x 512 layer: 4 MiB) evicted a 1 MiB Adam moment at every
+iteration and swapped it in again at the next, and since a period with an eviction is never
+recorded for the planned pool (Note [Planned pool] in :mod:`tensile_db.memory.planned`), its
+offsets were never planned and the general pool compacted about twice an iteration. So while a
+plan is installed the limit is at least the plan's target (at most the budget); fragmentation at
+such a budget is left to compaction and then to the planned pool, whose offsets pack the
+recorded period's blocks into the budget when they can.
+
 Policies (:data:`POLICIES`): ``tensile`` (the global planner of :func:`~.curves.plan_global`),
 ``swap_score`` (arXiv 1903.06631), ``vdnn`` (vDNN_all), the baselines of :mod:`.baselines`
 (``capuchin``, ``checkpoint``, ``tensile_published``), and, making no plan, ``reactive`` and
@@ -173,8 +189,11 @@ class Scheduler:
         self.deterministic = manager.device.virtual_time   # plan synchronously, without a time limit
         self.reactive = FarthestNextUse()
         manager.next_use = self.reactive
-        if policy == "tensile":        # the fallback keeps the plans' headroom too
-            manager.limit_nbytes = int(manager.budget_nbytes * (1.0 - headroom)) // UNIT_NBYTES * UNIT_NBYTES
+        # the fallback keeps the plans' headroom too (Note [The fallback's limit and the floor])
+        self._limit_nbytes = manager.budget_nbytes
+        if policy == "tensile":
+            self._limit_nbytes = int(manager.budget_nbytes * (1.0 - headroom)) // UNIT_NBYTES * UNIT_NBYTES
+            manager.limit_nbytes = self._limit_nbytes
         # Where the arena is host memory the probe's buffers (1.25 x nbytes with the contention's
         # kernel scratch) are too; elsewhere they come from the arena.
         nbytes = 16 << 20 if manager.device.arena_in_host_memory else min(16 << 20, max(manager.budget_nbytes // 4, 4096))
@@ -437,6 +456,9 @@ class Scheduler:
     def _install(self, request: "_Request", plan: Plan | None, seconds: float) -> None:
         request.record["installed_s"] = self.mm.device.now()
         self.plan = plan
+        if self.policy == "tensile":        # Note [The fallback's limit and the floor]
+            target = plan.target_nbytes if plan is not None and plan.target_nbytes is not None else 0
+            self.mm.limit_nbytes = max(self._limit_nbytes, min(target, self.mm.budget_nbytes))
         self.plan_seconds += seconds
         self.modelled_plan_seconds += request.modelled_s
         self.plans_made += plan is not None
