@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from job_helpers import budget_of, make_job, run
+from job_helpers import FAST, budget_of, make_job, run
+from tensile_db.coordinator.executor import Executor
+from tensile_db.coordinator.jobs import JobState
 from tensile_db.errors import InvalidArgument
 from tensile_db.memory import planned
 from tensile_db.memory.arena import UNIT_NBYTES as U
@@ -346,6 +348,34 @@ def test_a_request_off_the_plan_falls_back_to_the_general_pool_and_the_pool_repl
     for ref, job in zip(general_runs[4.0], jobs):
         for name, value in ref.result.items():
             assert np.array_equal(job.result[name], value), f"{name} differs after the fallback"
+
+
+def test_a_replan_to_the_same_actions_keeps_the_pool_serving():
+    """A re-plan whose plan takes the actions of the one in force (here none: the budget is far
+    above the peak) leaves the period's lifetimes as recorded: the pool serves on, with no new
+    offset plan."""
+    job = make_job(options=OPTIONS)
+    mm = MemoryManager(CpuDevice(), budget_of([job], 4.0))
+    ex = Executor(mm, policy="tensile", cost=FAST)
+    ex.submit(job)
+
+    def running() -> bool:
+        return job.state in (JobState.QUEUED, JobState.RUNNING)
+
+    with mm.device.using():
+        while mm.pool.state is not State.SERVING and running():
+            ex.step()
+        assert mm.pool.state is State.SERVING, "the pool never served"
+        installed, plan, plans_made = mm.pool.plans_installed, ex.scheduler.plan, ex.scheduler.plans_made
+        ex.scheduler.replan_reasons.append("the test asks")
+        while ex.scheduler.plans_made == plans_made and running():
+            ex.step()
+        assert ex.scheduler.plan is not plan and ex.scheduler.plan.same_actions(plan)
+        for _ in range(2 * len(job.program.ops)):
+            ex.step()
+    assert mm.pool.state is State.SERVING and mm.pool.plans_installed == installed
+    assert mm.pool.mismatches == 0 and mm.pool.periods_served >= 1
+    ex.stop()
 
 
 def test_an_install_with_room_moves_no_live_block(monkeypatch):

@@ -231,7 +231,8 @@ class Executor:
         except Exception:  # planning is an optimisation: never let it stop the jobs
             log.exception("scheduling failed; the jobs go on under the reactive fallback")
             self.scheduler.plan = None
-        if self.scheduler.plan is not plan:
+        installed = self.scheduler.plan
+        if installed is not plan and not (installed is not None and installed.same_actions(plan)):
             self.manager.schedule_changed("the scheduler installed a new plan")
         if self.round % period == 0:
             try:

@@ -25,7 +25,10 @@ arXiv 1903.06631, section III, made to run across several jobs):
    make, a tensor evicted, a period that ends early — is a *mismatch*: the manager dissolves the
    region (its live blocks become ordinary general-pool blocks where they are; nothing moves),
    that request and the rest go to the general pool, and the pool records again after a back-off.
-   A schedule change or a job arriving or leaving does the same without counting a mismatch.
+   A schedule change or a job arriving or leaving does the same without counting a mismatch; a
+   re-plan whose plan takes the same actions at the same positions as the one in force is not a
+   change (a re-plan for drifted op times often gives the same plan, and planning the offsets
+   again takes CPU from the jobs).
 
 Safety: while the events agree, the blocks live at every moment are exactly those of the recorded
 period, whose planned offsets do not overlap; once they disagree no block is placed in the region

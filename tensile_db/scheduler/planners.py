@@ -197,6 +197,12 @@ class Plan:
         plan.simulation = simulate(timeline, decisions, cost)
         return plan
 
+    def same_actions(self, other: "Plan | None") -> bool:
+        """Whether ``other`` takes the same actions at the same period positions as this plan:
+        the memory's events over a period are then the same under either, so what was recorded
+        of them (the planned pool's lifetimes) still holds when one replaces the other."""
+        return other is not None and self.before == other.before and self.after == other.after
+
     @property
     def predicted_extra_s(self) -> float | None:
         return self.simulation.extra_s if self.simulation else None
