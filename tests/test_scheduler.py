@@ -407,7 +407,7 @@ def test_large_timelines_and_pool_periods_are_planned_in_the_planning_process(mo
 
 
 def test_predicted_peak_matches_the_measured_peak():
-    options = TrainOptions(epochs=4, batch_size=64, optimizer="adam", lr=0.005, seed=11)
+    options = TrainOptions(epochs=8, batch_size=64, optimizer="adam", lr=0.005, seed=11)
     jobs = [make_job(options=options, seed=s) for s in (1, 2)]
     # the plan predicts live bytes; a planned pool's region adds its packing (see test_planned)
     mm = MemoryManager(make_device(TEST_DEVICE), budget_of(jobs, 0.5), pool="general")
