@@ -48,6 +48,7 @@ def workspaces(g: ConvGeometry):
     (2, 2, 8, 7, 4, (3, 2), (2, 1), (1, 0), (2, 1), 1, False),
     (1, 6, 5, 5, 6, 3, 1, 1, 1, 6, True),          # depthwise
     (2, 3, 4, 4, 5, 1, 1, 0, 1, 1, True),          # 1x1
+    (2, 4, 9, 8, 6, 3, 1, 2, (2, 1), 2, False),    # dilated, stride 1: both gradients from dy's lowering
 ])
 def test_conv2d_matches_torch(rng, b, c, h, w, o, k, stride, padding, dilation, groups, bias):
     g = ConvGeometry.of((b, c, h, w), o, k, stride, padding, dilation, groups)
