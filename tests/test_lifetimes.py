@@ -148,3 +148,15 @@ def test_training_program_traces(scheduled):
     plan = plan_smallest(allocs)
     check_plan(allocs, plan)
     assert plan.arena_nbytes >= bound
+
+
+def test_a_packing_at_the_lower_bound_ends_the_search_before_it_starts():
+    """Every fixed order packs these a unit above the most bytes live at once; the order by
+    breadth, then size, then lifetime reaches it, and is taken with no randomised try."""
+    allocs = [alloc("t0", 3, (4, 4)), alloc("t1", 3, (2, 6)), alloc("t2", 2, (4, 8)), alloc("t3", 2, (3, 5)),
+              alloc("t4", 4, (1, 3)), alloc("t5", 1, (2, 6))]
+    bound = max_live_nbytes(allocs)
+    assert min(plan_offsets(allocs, "best_fit", order).arena_nbytes for order in ORDERS) > bound
+    plan = plan_smallest(allocs, "best_fit", max_tries=0)
+    check_plan(allocs, plan)
+    assert plan.arena_nbytes == bound
