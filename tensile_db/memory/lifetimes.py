@@ -157,6 +157,20 @@ def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="la
     return PoolPlan(f"{strategy}/{name}", {a.key: int(o) for a, o in zip(ordered, offsets)}, arena)
 
 
+def best_fixed_order(allocs: list[Allocation], strategy: str, bound_nbytes: int, fixed: dict | None = None) -> PoolPlan:
+    """The smallest arena of :func:`plan_offsets` over the orders of :data:`ORDERS` (``fixed`` as
+    there), in their order; the first that reaches ``bound_nbytes`` (the lower bound,
+    :func:`max_live_nbytes`) at once, since none of the others can be smaller."""
+    best = None
+    for order in ORDERS:
+        plan = plan_offsets(allocs, strategy, order, fixed=fixed)
+        if best is None or plan.arena_nbytes < best.arena_nbytes:
+            best = plan
+        if best.arena_nbytes <= bound_nbytes:
+            break
+    return best
+
+
 def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s: float = 0.0,
                   seed: int = 0, max_tries: int | None = None) -> PoolPlan:
     """The smallest arena of :func:`plan_offsets` over every order of :data:`ORDERS`, then, for up
@@ -170,13 +184,9 @@ def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s
     for a given ``seed`` and number of tries (so with ``max_tries`` and an unbounded
     ``search_s``)."""
     bound = max_live_nbytes(allocs)
-    best = None
-    for order in ORDERS:
-        plan = plan_offsets(allocs, strategy, order)
-        if best is None or plan.arena_nbytes < best.arena_nbytes:
-            best = plan
-        if best.arena_nbytes <= bound:
-            return best
+    best = best_fixed_order(allocs, strategy, bound)
+    if best.arena_nbytes <= bound:
+        return best
     at_bound = plan_offsets(allocs, strategy, _bound_order(allocs))
     if at_bound.arena_nbytes <= bound:
         return at_bound

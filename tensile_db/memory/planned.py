@@ -75,13 +75,12 @@ import math
 from typing import Callable
 
 from .lifetimes import (
-    ORDERS,
     Allocation,
     PoolPlan,
+    best_fixed_order,
     check_plan,
     packing_figures,
     period_allocations,
-    plan_offsets,
     plan_smallest,
 )
 
@@ -393,12 +392,7 @@ def _plan(allocs: list[Allocation], search_s: float = SEARCH_S, max_tries: int |
     end = max((e for a in allocs for _, e in a.segments), default=0)
     fixed = {a.key: keep[a.key] for a in allocs if a.key in (keep or {}) and a.segments == ((0, end),)}
     if fixed:
-        for order in ORDERS:            # the best of the orders, the first at the lower bound
-            packing = plan_offsets(allocs, "best_fit", order, fixed=fixed)
-            if kept is None or packing.arena_nbytes < kept.arena_nbytes:
-                kept = packing
-            if kept.arena_nbytes <= figures["max_live_nbytes"]:
-                break
+        kept = best_fixed_order(allocs, "best_fit", figures["max_live_nbytes"], fixed)
         check_plan(allocs, kept)
         if kept.arena_nbytes > KEPT_MAX_RATIO * figures["max_live_nbytes"]:
             kept = None

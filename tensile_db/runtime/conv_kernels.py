@@ -279,19 +279,31 @@ def _windows(geometry: ConvGeometry, padded, group: int):
                                            (sb, sh * th, sw * tw, sh * dh, sw * dw, sc))
 
 
-def _weight_matrix(w, geometry: ConvGeometry, out) -> None:
-    """``out`` (O, KH·KW·C/g): filter o in the order of the columns' elements (i, j, c)."""
+def _matrix_as_weights(mat, geometry: ConvGeometry):
+    """The weight matrix ``mat`` (O, KH·KW·C/g: filter o in the order of the columns' elements
+    (i, j, c)) as a view in the weights' axes, (O, C/g, KH, KW)."""
     o, cg, kh, kw = geometry.weight_shape
-    out.reshape(o, kh, kw, cg)[...] = w.transpose(0, 2, 3, 1)
+    return mat.reshape(o, kh, kw, cg).transpose(0, 3, 1, 2)
+
+
+def _transposed_matrix_as_weights(mat, geometry: ConvGeometry):
+    """The weight matrix of :attr:`ConvGeometry.transposed`, ``mat`` (C, KH·KW·O/g: filter c of
+    group g holds ``w[g·O/g + o, c − g·C/g, KH − 1 − i, KW − 1 − j]`` at (i, j, o)), as a view in
+    the weights' axes with the groups apart, (g, O/g, C/g, KH, KW)."""
+    o, cg, kh, kw = geometry.weight_shape
+    g = geometry.groups
+    return mat.reshape(g, cg, kh, kw, o // g).transpose(0, 4, 1, 2, 3)[:, :, :, ::-1, ::-1]
+
+
+def _weight_matrix(w, geometry: ConvGeometry, out) -> None:
+    """``out`` (O, KH·KW·C/g): the weights ``w`` as the forward pass's matrix (:func:`_matrix_as_weights`)."""
+    _matrix_as_weights(out, geometry)[...] = w
 
 
 def _transposed_weight_matrix(w, geometry: ConvGeometry, out) -> None:
-    """``out`` (C, KH·KW·O/g): the weight matrix of :attr:`ConvGeometry.transposed`; filter c of
-    group g holds ``w[g·O/g + o, c − g·C/g, KH − 1 − i, KW − 1 − j]`` at (i, j, o)."""
-    o, cg, kh, kw = geometry.weight_shape
-    g = geometry.groups
-    out.reshape(g, cg, kh, kw, o // g)[...] = w.reshape(g, o // g, cg, kh, kw)[:, :, :, ::-1, ::-1].transpose(
-        0, 2, 3, 4, 1)
+    """``out`` (C, KH·KW·O/g): the weights ``w`` as the matrix of :attr:`ConvGeometry.transposed`
+    (:func:`_transposed_matrix_as_weights`)."""
+    _transposed_matrix_as_weights(out, geometry)[...] = w.reshape(geometry.groups, -1, *w.shape[1:])
 
 
 def _lowered(x, geometry: ConvGeometry, flat):
@@ -446,13 +458,10 @@ def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) -> None:
     total = flat[wn:2 * wn]
     for k in range(1, n):
         xp.add(total, flat[wn + k * room:wn + k * room + wn], out=total)
-    o, cg, kh, kw = geometry.weight_shape
-    if one_lowering:    # total[g·C/g + c, (i, j, o)] is dw[g·O/g + o, c, KH − 1 − i, KW − 1 − j]
-        groups = geometry.groups
-        dw.reshape(groups, o // groups, cg, kh, kw)[...] = total.reshape(groups, cg, kh, kw, o // groups).transpose(
-            0, 4, 1, 2, 3)[:, :, :, ::-1, ::-1]
+    if one_lowering:
+        dw.reshape(geometry.groups, -1, *dw.shape[1:])[...] = _transposed_matrix_as_weights(total, geometry)
     else:
-        dw[...] = total.reshape(o, kh, kw, cg).transpose(0, 3, 1, 2)
+        dw[...] = _matrix_as_weights(total, geometry)
 
 
 # --- pooling -------------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ from .planners import (
     drop_redundant,
     retime_swaps,
     tensile_choice,
+    widened_key,
 )
 from .timeline import Decision, JobTrace, Timeline
 from .work import PLAN_OVERHEAD_S, PlanWork
@@ -198,11 +199,12 @@ def _carry(curve: Curve, timeline: Timeline, job_id: int, start: int = 0) -> dic
     absences] in :mod:`~.planners`)."""
     trace, n_prog = timeline.traces[job_id], timeline.n_program_ops(job_id)
     out, index, widened = [], [], []
-    earlier = {(d.slot, d.a): d for d in curve.decisions[:start] if d.method == "swap"}
+    earlier = {widened_key(d): d for d in curve.decisions[:start] if d.method == "swap"}
     for i, d in enumerate(curve.decisions[start:], start):
-        before = earlier.get((d.slot, d.a)) if d.method == "swap" else None
-        if d.method == "swap":
-            earlier[(d.slot, d.a)] = d
+        key = widened_key(d)
+        before = earlier.get(key)
+        if key is not None:
+            earlier[key] = d
         for r in range(trace.repeats):
             def at(p: int) -> int:
                 later = p <= d.a                       # after the wrap: the next iteration
@@ -253,13 +255,13 @@ def _take(timeline: Timeline, use: np.ndarray, chosen: list[Decision], swaps: di
     """Add ``d`` to the plan ``chosen`` and its absence to ``use``, in place; a widening (Note
     [Widened absences] in :mod:`~.planners`) replaces the swap it widens. ``swaps``: (job, slot,
     a) of each swap chosen -> its index in ``chosen``."""
-    key = (d.job_id, d.slot, d.a)
+    key = widened_key(d)
     if key in swaps:
         old = chosen[swaps[key]]
         timeline.add_window(use, *old.window(timeline.n), old.nbytes)
         chosen[swaps[key]] = d
     else:
-        if d.method == "swap":
+        if key is not None:
             swaps[key] = len(chosen)
         chosen.append(d)
     timeline.add_decision(use, d)

@@ -462,21 +462,21 @@ class _State:
         the swap it re-times, for a widening) (:meth:`~.timeline.Simulator.extra_s`: no op start
         times, so a trial costs the events with actions only; :meth:`add` simulates the one taken
         in full)."""
-        return self._simulator.extra_s(also=d, instead=self._swap_index.get((d.job_id, d.slot, d.a)))
+        return self._simulator.extra_s(also=d, instead=self._swap_index.get(widened_key(d)))
 
     def add(self, d: Decision) -> None:
         """Take ``d``: a new decision, or a widening of a swap taken before (:meth:`widenings`),
         which replaces it."""
         self.steps.append(d)
         self.tl.work.decisions += 1
-        key = (d.job_id, d.slot, d.a)
-        if key in self._swap_index:
-            self._widen(self._swap_index[key], d)
+        swap = widened_key(d)
+        if swap in self._swap_index:
+            self._widen(self._swap_index[swap], d)
             return
-        if d.method == "swap":
-            self._swap_index[key] = len(self.decisions)
+        if swap is not None:
+            self._swap_index[swap] = len(self.decisions)
         self.decisions.append(d)
-        self.taken.add(key)
+        self.taken.add((d.job_id, d.slot, d.a))
         window = d.window(self.tl.n)
         self.tl.add_decision(self.use, d)
         self._absent.setdefault((d.job_id, d.slot), []).append(window)
@@ -502,18 +502,23 @@ class _State:
         self._set_sim(self._simulator.simulate())
 
 
+def widened_key(d: Decision) -> tuple[int, str, int] | None:
+    """(job, slot, a) of a swap, None for a recompute: a swap taken later with the same key is a
+    widening of it, and stands in its place (Note [Widened absences])."""
+    return (d.job_id, d.slot, d.a) if d.method == "swap" else None
+
+
 def applied(steps: list[Decision]) -> list[Decision]:
     """The plan that a sequence of decisions taken makes (a curve's prefix, :attr:`_State.steps`):
-    each widening (a swap of a tensor after the same access as an earlier one, Note [Widened
-    absences]) stands in the earlier one's place."""
+    each widening (:func:`widened_key`) stands in the earlier swap's place."""
     plan: list[Decision] = []
     where: dict[tuple[int, str, int], int] = {}
     for d in steps:
-        key = (d.job_id, d.slot, d.a)
-        if d.method == "swap" and key in where:
+        key = widened_key(d)
+        if key in where:
             plan[where[key]] = d
             continue
-        if d.method == "swap":
+        if key is not None:
             where[key] = len(plan)
         plan.append(d)
     return plan
