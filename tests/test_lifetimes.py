@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tensile_db.memory import lifetimes
 from tensile_db.memory.arena import UNIT_NBYTES as U
 from tensile_db.memory.lifetimes import (
     ORDERS,
@@ -100,6 +101,30 @@ def test_random_traces(seed):
             plan_offsets(allocs, strategy, o).arena_nbytes for o in ORDERS)
     hwm, top = replay_general_pool(allocs)
     assert hwm == bound <= top
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_two_placements_give_the_same_offsets(seed, monkeypatch):
+    """In Python over the overlaps (small traces) and vectorised (large ones), the placement is
+    one rule: the same offsets for every order, strategy and fixed allocation."""
+    rng = np.random.default_rng(seed)
+    allocs = []
+    for i in range(int(rng.integers(5, 80))):
+        start = int(rng.integers(0, 50))
+        segments = [(start, start + int(rng.integers(0, 20)))]
+        if rng.random() < 0.2:
+            segments = [(0, int(rng.integers(0, 4))), (int(rng.integers(5, 50)), 60)]
+        allocs.append(Allocation(i, int(rng.choice([1, 2, 3, 8, 16])) * U, tuple(segments)))
+    fixed = {allocs[0].key: 5 * U}
+    searched = [allocs[i] for i in rng.permutation(len(allocs))]
+    plans = []
+    for small in (lifetimes.SMALL_TRACE, 0):
+        monkeypatch.setattr(lifetimes, "SMALL_TRACE", small)
+        plans.append([(p.strategy, p.offsets, p.arena_nbytes)
+                      for strategy in ("best_fit", "first_fit")
+                      for order in [*ORDERS, searched]
+                      for p in (plan_offsets(allocs, strategy, order), plan_offsets(allocs, strategy, order, fixed))])
+    assert plans[0] == plans[1]
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -17,10 +17,33 @@ before the forward pass) is one block over two segments of the linear trace.
 pool's recording (:mod:`tensile_db.memory.planned`) or, offline, from a program and a swap
 schedule (:func:`tensile_db.scheduler.allocations.allocations_of`). This module only computes:
 it holds no state and allocates no device memory.
+
+Note [Two placements of one rule]
+---------------------------------
+Rationale: the planned pool's search places the same allocations in many orders (a search of
+:data:`~tensile_db.memory.planned.SEARCH_S` seconds on a thread beside the jobs), and where the
+budget is the period's most live bytes only a packing at that bound fits at all. The MLP of
+``bench/throughput.py`` at its largest working set (55 allocations): the randomised search
+needed 15 to 228 tries (eight seeds) to reach the bound on one recorded period, at about 0.45 ms a
+try, vectorised over the placed segments, where a dozen NumPy calls per allocation on arrays of
+a few dozen elements cost more than the arithmetic; in one of six runs the search ended above the
+bound and the pool's region never fitted.
+
+Approach: the overlaps of every allocation are the same in every order, so
+:func:`overlaps_of` works them out once per trace, and a small trace (up to :data:`SMALL_TRACE`
+allocations) is placed in Python: each placed block enters the sorted list of each allocation
+it overlaps, and a placement walks only its own list. Larger traces keep the vectorised
+placement, where the overlaps are many (one ResNet-50 period at an eighth of its width, batch 64:
+1,285 allocations, 1.4 million overlapping pairs: 37 ms a try vectorised, 160 ms in Python).
+One try of the MLP's period: about 0.17 ms; the small CNN's (114 allocations): 1.3-1.4 ms
+against 1.5-2.1 ms; VGG's at an eighth (237): 6.5-8.6 ms against 3.5-3.8 ms, hence the
+threshold. Both give the same offsets for every order, strategy and fixed allocation (a test
+says so), so a search reaches the same packings, sooner.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 
@@ -99,16 +122,38 @@ def _bound_order(allocs: list[Allocation]) -> list[Allocation]:
     return sorted(allocs, key=lambda a: (-breadth[a.key], -a.nbytes, -a.length, str(a.key)))
 
 
+#: Allocations up to which :func:`plan_offsets` places in Python over the overlaps worked out once
+#: (Note [Two placements of one rule])
+SMALL_TRACE = 128
+
+
+def overlaps_of(allocs: list[Allocation]) -> list[list[int]]:
+    """For each allocation of ``allocs``, by index, the indices of the others whose lifetimes
+    overlap its own (ascending): the same for every order :func:`plan_offsets` places them in."""
+    seg_owner = np.array([i for i, a in enumerate(allocs) for _ in a.segments], dtype=np.int64)
+    seg_start = np.array([s for a in allocs for s, _ in a.segments], dtype=np.int64)
+    seg_end = np.array([e for a in allocs for _, e in a.segments], dtype=np.int64)
+    out = []
+    for i, a in enumerate(allocs):
+        hit = np.zeros(len(seg_owner), dtype=bool)
+        for s, e in a.segments:
+            hit |= (seg_start <= e) & (s <= seg_end)
+        owners = np.unique(seg_owner[hit])
+        out.append(owners[owners != i].tolist())
+    return out
+
+
 def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="largest",
-                 fixed: dict | None = None) -> PoolPlan:
+                 fixed: dict | None = None, overlaps: list[list[int]] | None = None) -> PoolPlan:
     """Place ``allocs`` in ``order`` (a name in :data:`ORDERS`, default largest first, longer
     lifetime first among equal sizes; or a list of the allocations in the order to place them).
     Each goes into a gap between the already placed allocations whose lifetimes overlap its own:
     the smallest gap that fits (``best_fit``) or the lowest (``first_fit``); with no gap that
     fits, above all of them. ``fixed``: key -> offset (bytes) of allocations placed there first,
     before the others (the caller keeps them apart: blocks live together where they lie now).
-    Returns a :class:`PoolPlan`; O(n * s) in n allocations and s segments, vectorised over the
-    placed segments.
+    ``overlaps``: :func:`overlaps_of` ``allocs``, for a caller that places the same allocations
+    in many orders (used up to :data:`SMALL_TRACE` allocations; Note [Two placements of one
+    rule]). Returns a :class:`PoolPlan`; O(n * s) in n allocations and s segments.
 
     Raises:
         ValueError: an unknown strategy or order.
@@ -125,16 +170,59 @@ def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="la
     if kept:
         ordered = kept + [a for a in ordered if a.key not in fixed]
         name += "/kept"
+    if len(allocs) <= SMALL_TRACE:
+        offsets = _place_small(allocs, ordered, strategy, len(kept), fixed, overlaps or overlaps_of(allocs))
+    else:
+        offsets = _place_vectorised(ordered, strategy, len(kept), fixed)
+    arena = max((offsets[a.key] + a.nbytes for a in ordered), default=0)
+    return PoolPlan(f"{strategy}/{name}", offsets, arena)
+
+
+def _place_small(allocs: list[Allocation], ordered: list[Allocation], strategy: str, n_kept: int,
+                 fixed: dict | None, overlaps: list[list[int]]) -> dict:
+    """:func:`plan_offsets`' placement over the overlaps of each allocation, in Python: key ->
+    offset. The first ``n_kept`` of ``ordered`` lie at their offsets in ``fixed``. Each placed
+    allocation enters the (sorted) list of every allocation it overlaps, so a placement reads
+    only the blocks in its way."""
+    index = {a.key: i for i, a in enumerate(allocs)}
+    in_way: list[list[tuple[int, int]]] = [[] for _ in allocs]     # (offset, end) of placed overlaps
+    out = {}
+    for k, a in enumerate(ordered):
+        i = index[a.key]
+        if k < n_kept:
+            at = fixed[a.key]
+        else:
+            below, at, best_gap = 0, None, None
+            for lo, hi in in_way[i]:
+                gap = lo - below
+                if gap >= a.nbytes and (best_gap is None or gap < best_gap):
+                    at, best_gap = below, gap
+                    if strategy == "first_fit":
+                        break
+                if hi > below:
+                    below = hi
+            if at is None:
+                at = below
+        out[a.key] = at
+        block = (at, at + a.nbytes)
+        for j in overlaps[i]:
+            bisect.insort(in_way[j], block)
+    return out
+
+
+def _place_vectorised(ordered: list[Allocation], strategy: str, n_kept: int, fixed: dict | None) -> dict:
+    """:func:`plan_offsets`' placement vectorised over the placed segments: key -> offset. The
+    first ``n_kept`` of ``ordered`` lie at their offsets in ``fixed``."""
     seg_owner = np.array([i for i, a in enumerate(ordered) for _ in a.segments], dtype=np.int64)
     seg_start = np.array([s for a in ordered for s, _ in a.segments], dtype=np.int64)
     seg_end = np.array([e for a in ordered for _, e in a.segments], dtype=np.int64)
     sizes = np.array([a.nbytes for a in ordered], dtype=np.int64)
     offsets = np.zeros(len(ordered), dtype=np.int64)
     placed = np.zeros(len(seg_owner), dtype=bool)
-    offsets[:len(kept)] = [fixed[a.key] for a in kept]          # placed first, where they lie
-    first_seg = sum(len(a.segments) for a in kept)
+    offsets[:n_kept] = [fixed[a.key] for a in ordered[:n_kept]]          # placed first, where they lie
+    first_seg = sum(len(a.segments) for a in ordered[:n_kept])
     placed[:first_seg] = True
-    for i, a in enumerate(ordered[len(kept):], len(kept)):
+    for i, a in enumerate(ordered[n_kept:], n_kept):
         hit = np.zeros(len(seg_owner), dtype=bool)
         for s, e in a.segments:
             hit |= (seg_start <= e) & (s <= seg_end)
@@ -153,17 +241,19 @@ def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="la
             offsets[i] = hi.max() if len(hi) else 0
         placed[first_seg:first_seg + len(a.segments)] = True
         first_seg += len(a.segments)
-    arena = int((offsets + sizes).max()) if len(ordered) else 0
-    return PoolPlan(f"{strategy}/{name}", {a.key: int(o) for a, o in zip(ordered, offsets)}, arena)
+    return {a.key: int(o) for a, o in zip(ordered, offsets)}
 
 
-def best_fixed_order(allocs: list[Allocation], strategy: str, bound_nbytes: int, fixed: dict | None = None) -> PoolPlan:
-    """The smallest arena of :func:`plan_offsets` over the orders of :data:`ORDERS` (``fixed`` as
-    there), in their order; the first that reaches ``bound_nbytes`` (the lower bound,
-    :func:`max_live_nbytes`) at once, since none of the others can be smaller."""
+def best_fixed_order(allocs: list[Allocation], strategy: str, bound_nbytes: int, fixed: dict | None = None,
+                     overlaps: list[list[int]] | None = None) -> PoolPlan:
+    """The smallest arena of :func:`plan_offsets` over the orders of :data:`ORDERS` (``fixed`` and
+    ``overlaps`` as there), in their order; the first that reaches ``bound_nbytes`` (the lower
+    bound, :func:`max_live_nbytes`) at once, since none of the others can be smaller."""
+    if overlaps is None and len(allocs) <= SMALL_TRACE:
+        overlaps = overlaps_of(allocs)
     best = None
     for order in ORDERS:
-        plan = plan_offsets(allocs, strategy, order, fixed=fixed)
+        plan = plan_offsets(allocs, strategy, order, fixed=fixed, overlaps=overlaps)
         if best is None or plan.arena_nbytes < best.arena_nbytes:
             best = plan
         if best.arena_nbytes <= bound_nbytes:
@@ -184,10 +274,11 @@ def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s
     for a given ``seed`` and number of tries (so with ``max_tries`` and an unbounded
     ``search_s``)."""
     bound = max_live_nbytes(allocs)
-    best = best_fixed_order(allocs, strategy, bound)
+    overlaps = overlaps_of(allocs) if len(allocs) <= SMALL_TRACE else None
+    best = best_fixed_order(allocs, strategy, bound, overlaps=overlaps)
     if best.arena_nbytes <= bound:
         return best
-    at_bound = plan_offsets(allocs, strategy, _bound_order(allocs))
+    at_bound = plan_offsets(allocs, strategy, _bound_order(allocs), overlaps=overlaps)
     if at_bound.arena_nbytes <= bound:
         return at_bound
     keys = (np.array([a.nbytes for a in allocs], dtype=np.float64),
@@ -198,7 +289,7 @@ def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s
     while best.arena_nbytes > bound and time.perf_counter() < deadline and tries != max_tries:
         weight = keys[tries % 2] * rng.uniform(0.25, 1.75, len(allocs))
         order = [allocs[i] for i in np.lexsort((np.arange(len(allocs)), -weight))]
-        plan = plan_offsets(allocs, strategy, order)
+        plan = plan_offsets(allocs, strategy, order, overlaps=overlaps)
         if plan.arena_nbytes < best.arena_nbytes:
             best = plan
         tries += 1
