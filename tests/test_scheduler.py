@@ -498,16 +498,49 @@ def test_replans_when_measured_times_drift():
             sched.after(job, p, seconds)
         sched.iteration_done(job)
 
-    iteration(1e-3)
+    iteration(2e-3)                                    # the cold start: provisional times
+    assert sched.replan_reasons == [f"job {job.id} arrived"]
+    iteration(1e-3)                                    # the first warm iteration's replace them
     assert f"job {job.id} measured" in sched.replan_reasons
     sched.replan({job.id: 0}, n_ops, wait=True)
     assert job.schedule == "planned" and sched.plan is not None
     iteration(1.1e-3)                                  # within the drift: no re-plan
     iteration(1.1e-3)
     assert sched.replan_reasons == []
-    iteration(5e-3)                                    # the moving average moves past 25%
+    iteration(20e-3)                                   # one iteration beside a planning thread, say
+    iteration(5e-3)
+    assert sched.replan_reasons == []                  # the median of the iterations has not moved
+    iteration(5e-3)                                    # but now it has, past 25%
     assert sched.replan_reasons == [f"op times of job {job.id} drifted"]
     sched.close()
+
+
+def test_a_warm_up_cold_start_is_measured_by_the_first_warm_iteration():
+    """With ``warm_up`` the cold start's times are provisional: the sequence is measured only
+    after the first warm iteration, whose times replace them (not averaged with them), and the
+    moving average goes on from there; without it the cold start's times count at once."""
+    from tensile_db.scheduler.trace import AccessSequence
+
+    program = make_job(seed=1).program
+    n_ops = len(program.ops)
+
+    def iteration(seq, seconds):
+        for p in range(n_ops):
+            seq.record(p, seconds)
+        seq.end_iteration()
+
+    warm, plain = AccessSequence(program, warm_up=True), AccessSequence(program)
+    for seq in (warm, plain):
+        iteration(seq, 4e-3)                           # the cold start: first touch, library start-up
+    assert plain.measured and not warm.measured
+    for seq in (warm, plain):
+        iteration(seq, 1e-3)
+    assert warm.measured and warm.snapshot().measured
+    assert np.all(warm.times_s == 1e-3)
+    assert np.allclose(plain.times_s, 4e-3 + 0.2 * (1e-3 - 4e-3))
+    iteration(warm, 2e-3)
+    assert np.allclose(warm.times_s, 1e-3 + 0.2 * (2e-3 - 1e-3))
+    assert np.all(warm.best_s == 1e-3) and np.all(plain.best_s == 1e-3)
 
 
 def test_the_plans_leave_the_headroom_the_planned_pools_packing_needs(monkeypatch):
@@ -530,7 +563,8 @@ def test_the_plans_leave_the_headroom_the_planned_pools_packing_needs(monkeypatc
 
     ratio[0] = 1.25                                    # the pool's last plan, of jobs gone
     sched.admit(job)
-    iteration()
+    iteration()                                        # the cold start
+    iteration()                                        # and the first warm iteration
     sched.replan({job.id: 0}, n_ops, wait=True)
     assert sched.history[-1]["reasons"] == (f"job {job.id} arrived", f"job {job.id} measured")
     assert sched._request.target == int(budget * (1 - sched.headroom))
@@ -557,9 +591,10 @@ def test_the_fallback_does_not_evict_below_a_plan_at_the_largest_working_set():
     below = sched.mm.limit_nbytes
     assert below < budget
     sched.admit(job)
-    for p in range(n_ops):
-        sched.after(job, p, 1e-3)
-    sched.iteration_done(job)
+    for _ in range(2):                                 # the cold start and the first warm iteration
+        for p in range(n_ops):
+            sched.after(job, p, 1e-3)
+        sched.iteration_done(job)
     sched.replan({job.id: 0}, n_ops, wait=True)
     assert sched._request.target == budget                   # the floor, above the headroom's
     assert sched.plan is not None and sched.mm.limit_nbytes == budget

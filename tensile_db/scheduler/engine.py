@@ -16,9 +16,10 @@ pace it runs with :meth:`Scheduler.paced` (a change of pace is a reason to re-pl
 Re-planning (TENSILE, arXiv 2105.13336, section 4.3): the scheduler asks for a new plan when a job
 arrives (the new job then runs its cold-start iteration under the reactive policy, in bytes the
 plan reserves for it: its unscheduled peak; under ``tensile``, planned on estimated op times:
-Note [Estimated cold starts]), when a job's cold-start iteration completes (its times are now
-known), when a job leaves, and when a job's measured iteration time has drifted by more
-than ``drift`` since the plan was made. The executor calls :meth:`Scheduler.replan` between two
+Note [Estimated cold starts]), when a job's op times are measured (after its cold-start
+iteration; on a real device after the first warm one: Note [Warm-up iteration] in
+:mod:`~.trace`), when a job leaves, and when a job's measured iteration time has drifted by more
+than ``drift`` since the plan was made (Note [Drift of a median] in :mod:`~.trace`). The executor calls :meth:`Scheduler.replan` between two
 rounds when :attr:`Scheduler.replan_reasons` is not empty; the plan is made on a planning thread
 from a snapshot of the access sequences and installed by :meth:`Scheduler.poll` when it is
 ready, so jobs never wait for the planner.
@@ -221,7 +222,7 @@ class Scheduler:
         # the global planner's curves: the planning thread's (and the executor's, on the simulated
         # device, where a plan is made while the executor waits: a refund)
         self._curves: dict = {}
-        self._plan_times: dict[int, np.ndarray] = {}
+        self._plan_times: dict[int, AccessSequence] = {}   # job id -> the snapshot its plan was made from
         self._plan_iteration: dict[int, int] = {}         # job id -> its iterations at the last plan
         self._planning = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-plan")
         if not self.deterministic:              # large offset plans go to the planning process too
@@ -247,7 +248,8 @@ class Scheduler:
     def admit(self, job) -> None:
         self._restart_pool_headroom()
         self.jobs[job.id] = job
-        self.sequences[job.id] = AccessSequence(job.program)
+        # a real device's cold start pays one-time costs; the simulated device's does not
+        self.sequences[job.id] = AccessSequence(job.program, warm_up=not self.deterministic)
         self.reactive.track(job.id, job.program)
         job.policy = self.policy
         job.schedule = self.policy if self.policy in UNPLANNED_POLICIES else "cold start"
@@ -267,7 +269,7 @@ class Scheduler:
         be recomputed (:meth:`iterations_per_period`)."""
         seq = self.sequences[job.id]
         seq.end_iteration()
-        if seq.iterations == 1:
+        if seq.iterations == seq.measured_iterations:
             self._want_replan(f"job {job.id} measured")
         elif (job.id in self._plan_times and seq.drift(self._plan_times[job.id]) > self.drift
                 and seq.iterations - self._plan_iteration[job.id] >= self.drift_every):
@@ -462,7 +464,7 @@ class Scheduler:
         self.plan_seconds += seconds
         self.modelled_plan_seconds += request.modelled_s
         self.plans_made += plan is not None
-        self._plan_times = {t.job_id: t.sequence.times_s for t in request.traces
+        self._plan_times = {t.job_id: t.sequence for t in request.traces
                             if t.job_id in request.iterations}      # estimated ones re-plan when measured
         self._plan_iteration = request.iterations
         for j in self.jobs.values():

@@ -14,9 +14,46 @@ start: a wall-clock op time on a shared machine only gains from contention (anot
 holding the GIL, the copy thread, other processes; a job measured in its cold start while a plan
 was being made read ten times its later time), and the cold start adds first-touch costs. The
 estimate is *settled* after :data:`SETTLE_ITERATIONS` iterations.
+
+Note [Warm-up iteration]
+------------------------
+Rationale: on a real device the cold-start iteration pays one-time costs: the first touch of the
+arena's pages, the BLAS's threads starting, on a GPU the kernels' loading and compilation. The
+MLP of ``bench/throughput.py`` measured 6.6 ms of op time in its cold start and 3.3 ms an
+iteration afterwards. A plan made on the cold start's times places its swaps against twice the
+compute there is to hide them behind, and stays in force until the moving average has drifted
+past the scheduler's ``drift`` (a relative change of 0.5 here, which the average of a halved time
+only just reaches): then, at least ``drift_every`` iterations later, a re-plan and a new offset
+plan of the planned pool follow, on the CPU the jobs run on.
+
+Approach: a sequence made with ``warm_up`` (the scheduler's, on every device but the simulated
+one, whose cold start costs what its other iterations cost) treats the cold start's times as
+provisional: the first warm iteration's times replace them instead of entering the moving
+average, and the sequence is :attr:`~AccessSequence.measured` (plannable, and the reason for the
+re-plan that follows a cold start) only after that iteration. Limitations: the job runs one
+more iteration under the arrangement of its cold start (the reactive fallback, or a plan on
+estimated times); a job of one iteration is never planned; a first warm iteration slowed by
+something else (a plan of another job being made) is planned on as it was, until it drifts.
+
+Note [Drift of a median]
+------------------------
+Rationale: the drift that asks for a re-plan was read off the moving average of the op times,
+which one slow iteration moves far: an op measured while a planning thread holds the GIL reads
+up to ten times its time, and the planned pool's offset search stalled iterations of that MLP
+at 50 to 120 ms each (against 5 ms). In one run here the average then drifted past the
+threshold twice, each re-plan dissolved the pool, and each new offset plan stalled the job again.
+
+Approach: :meth:`AccessSequence.drift` compares the median of the latest :data:`DRIFT_WINDOW`
+iterations' measured seconds (the sum of their op times) with the same median in the snapshot a
+plan was made from. Nine iterations: more than twice the boundaries a planned pool's plan may
+take on its thread (:data:`~tensile_db.memory.planned.PLAN_WAIT_PERIODS`), so the stalls of one
+plan do not move it, while a change of the job's own times moves it within five iterations. The
+planners still read the moving average.
 """
 
 from __future__ import annotations
+
+import collections
 
 import numpy as np
 import scipy.optimize
@@ -25,6 +62,8 @@ from ..runtime.program import Program
 
 #: iterations (the cold start included) after which :attr:`AccessSequence.best_iteration_s` is used
 SETTLE_ITERATIONS = 4
+#: the latest iterations whose median :meth:`AccessSequence.drift` reads (Note [Drift of a median])
+DRIFT_WINDOW = 9
 
 
 class AccessSequence:
@@ -35,37 +74,56 @@ class AccessSequence:
         times_s: (ops,) float64, smoothed op times in seconds; NaN until first measured.
         best_s: (ops,) float64, each op's least time in seconds after the cold start; NaN before.
         iterations: complete iterations recorded.
+        warm_up: whether the cold start's times are provisional (Note [Warm-up iteration]).
     """
 
-    def __init__(self, program: Program, smoothing: float = 0.2):
+    def __init__(self, program: Program, smoothing: float = 0.2, warm_up: bool = False):
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.program = program
         self.smoothing = smoothing
+        self.warm_up = warm_up
         self.times_s = np.full(len(program.ops), np.nan)
         self.best_s = np.full(len(program.ops), np.nan)
         self.iterations = 0
+        self.recent_s: collections.deque = collections.deque(maxlen=DRIFT_WINDOW)   # seconds of each
+        self._this_s = 0.0                                  # the iteration's measured seconds so far
 
     def snapshot(self) -> "AccessSequence":
         """A copy whose times no longer change (the program is shared)."""
-        copy = AccessSequence(self.program, self.smoothing)
+        copy = AccessSequence(self.program, self.smoothing, self.warm_up)
         copy.times_s, copy.best_s, copy.iterations = self.times_s.copy(), self.best_s.copy(), self.iterations
+        copy.recent_s.extend(self.recent_s)
         return copy
 
     def record(self, position: int, seconds: float) -> None:
-        """Fold one measured time of op ``position`` (seconds) into the moving average."""
+        """Fold one measured time of op ``position`` (seconds) into the moving average; in the
+        first iteration after a provisional cold start (:attr:`warm_up`), the time replaces the
+        cold start's."""
         old = self.times_s[position]
-        self.times_s[position] = seconds if np.isnan(old) else old + self.smoothing * (seconds - old)
+        first = np.isnan(old) or (self.warm_up and self.iterations == 1)
+        self.times_s[position] = seconds if first else old + self.smoothing * (seconds - old)
         if self.iterations > 0:
             self.best_s[position] = np.fmin(self.best_s[position], seconds)
+        self._this_s += seconds
 
     def end_iteration(self) -> None:
+        if self.iterations > 0:                             # after the cold start, as best_s
+            self.recent_s.append(self._this_s)
+        self._this_s = 0.0
         self.iterations += 1
 
     @property
+    def measured_iterations(self) -> int:
+        """Iterations after which the op times stand for the job's: the cold start, and with
+        :attr:`warm_up` the first warm iteration too."""
+        return 2 if self.warm_up else 1
+
+    @property
     def measured(self) -> bool:
-        """True once every op has a measured time (after the cold-start iteration)."""
-        return self.iterations > 0 and not np.isnan(self.times_s).any()
+        """True once every op has a measured time that stands for the job's (after
+        :attr:`measured_iterations` iterations)."""
+        return self.iterations >= self.measured_iterations and not np.isnan(self.times_s).any()
 
     @property
     def settled(self) -> bool:
@@ -82,10 +140,18 @@ class AccessSequence:
         """Seconds of one iteration, from each op's least time after the cold start."""
         return float(np.nansum(self.best_s))
 
-    def drift(self, reference_s: np.ndarray) -> float:
-        """Relative change of the iteration time since ``reference_s`` (the times a plan used)."""
-        ref = float(np.sum(reference_s))
-        return abs(self.iteration_s - ref) / ref if ref > 0 else 0.0
+    @property
+    def typical_iteration_s(self) -> float:
+        """Seconds of one iteration as :meth:`drift` reads them: the median of the measured
+        seconds of the latest :data:`DRIFT_WINDOW` iterations after the cold start (before
+        any, :attr:`iteration_s`)."""
+        return float(np.median(self.recent_s)) if self.recent_s else self.iteration_s
+
+    def drift(self, reference: "AccessSequence") -> float:
+        """Relative change of the typical iteration time (:attr:`typical_iteration_s`) since
+        ``reference``, the snapshot a plan was made from (Note [Drift of a median])."""
+        ref = reference.typical_iteration_s
+        return abs(self.typical_iteration_s - ref) / ref if ref > 0 else 0.0
 
 
 def estimated(program: Program, measured: list[AccessSequence]) -> AccessSequence | None:
