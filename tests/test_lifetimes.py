@@ -114,7 +114,7 @@ def test_the_two_placements_give_the_same_offsets(seed, monkeypatch):
         segments = [(start, start + int(rng.integers(0, 20)))]
         if rng.random() < 0.2:
             segments = [(0, int(rng.integers(0, 4))), (int(rng.integers(5, 50)), 60)]
-        allocs.append(Allocation(i, int(rng.choice([1, 2, 3, 8, 16])) * U, tuple(segments)))
+        allocs.append(Allocation(i, int(rng.choice([0, 1, 2, 3, 8, 16])) * U, tuple(segments)))
     fixed = {allocs[0].key: 5 * U}
     searched = [allocs[i] for i in rng.permutation(len(allocs))]
     plans = []
@@ -125,6 +125,18 @@ def test_the_two_placements_give_the_same_offsets(seed, monkeypatch):
                       for order in [*ORDERS, searched]
                       for p in (plan_offsets(allocs, strategy, order), plan_offsets(allocs, strategy, order, fixed))])
     assert plans[0] == plans[1]
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["in Python", "vectorised"])
+def test_blocks_at_one_offset_are_read_in_the_order_they_were_placed(small, monkeypatch):
+    """Two blocks at one offset, the second empty: the gap after them starts at the end of the
+    first, whichever of the two placements runs (an empty allocation fits the 5-unit gap there,
+    not the empty one between the two)."""
+    monkeypatch.setattr(lifetimes, "SMALL_TRACE", 128 if small else 0)
+    whole = ((0, 9),)
+    allocs = [alloc("b", 5, *whole), alloc("z", 0, *whole), alloc("c", 3, *whole), alloc("n", 0, *whole)]
+    plan = plan_offsets(allocs, "best_fit", allocs, fixed={"b": 10 * U, "z": 10 * U, "c": 20 * U})
+    assert plan.offsets["n"] == 15 * U
 
 
 @pytest.mark.parametrize("seed", range(6))

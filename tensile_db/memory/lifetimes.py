@@ -153,10 +153,11 @@ def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="la
     before the others (the caller keeps them apart: blocks live together where they lie now).
     ``overlaps``: :func:`overlaps_of` ``allocs``, for a caller that places the same allocations
     in many orders (used up to :data:`SMALL_TRACE` allocations; Note [Two placements of one
-    rule]). Returns a :class:`PoolPlan`; O(n * s) in n allocations and s segments.
+    rule]). Returns a :class:`PoolPlan`; vectorised O(n * s) in n allocations and s segments,
+    in Python O(e * d) in e overlapping pairs and d the most allocations one overlaps.
 
     Raises:
-        ValueError: an unknown strategy or order.
+        ValueError: an unknown strategy or order, or ``overlaps`` not of ``allocs``' length.
     """
     if strategy not in ("best_fit", "first_fit"):
         raise ValueError(f"unknown strategy {strategy!r}; use 'best_fit' or 'first_fit'")
@@ -170,6 +171,9 @@ def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="la
     if kept:
         ordered = kept + [a for a in ordered if a.key not in fixed]
         name += "/kept"
+    if overlaps is not None and len(overlaps) != len(allocs):
+        raise ValueError(f"overlaps of {len(overlaps)} allocations for a trace of {len(allocs)}: pass "
+                         "overlaps_of(allocs) of the same list")
     if len(allocs) <= SMALL_TRACE:
         offsets = _place_small(allocs, ordered, strategy, len(kept), fixed, overlaps or overlaps_of(allocs))
     else:
@@ -182,10 +186,11 @@ def _place_small(allocs: list[Allocation], ordered: list[Allocation], strategy: 
                  fixed: dict | None, overlaps: list[list[int]]) -> dict:
     """:func:`plan_offsets`' placement over the overlaps of each allocation, in Python: key ->
     offset. The first ``n_kept`` of ``ordered`` lie at their offsets in ``fixed``. Each placed
-    allocation enters the (sorted) list of every allocation it overlaps, so a placement reads
-    only the blocks in its way."""
+    allocation enters the list of every allocation it overlaps, sorted by offset and then by
+    placement (as the vectorised placement's stable sort has them), so a placement reads only the
+    blocks in its way."""
     index = {a.key: i for i, a in enumerate(allocs)}
-    in_way: list[list[tuple[int, int]]] = [[] for _ in allocs]     # (offset, end) of placed overlaps
+    in_way: list[list[tuple[int, int, int]]] = [[] for _ in allocs]   # (offset, placed as, end)
     out = {}
     for k, a in enumerate(ordered):
         i = index[a.key]
@@ -193,7 +198,7 @@ def _place_small(allocs: list[Allocation], ordered: list[Allocation], strategy: 
             at = fixed[a.key]
         else:
             below, at, best_gap = 0, None, None
-            for lo, hi in in_way[i]:
+            for lo, _, hi in in_way[i]:
                 gap = lo - below
                 if gap >= a.nbytes and (best_gap is None or gap < best_gap):
                     at, best_gap = below, gap
@@ -204,7 +209,7 @@ def _place_small(allocs: list[Allocation], ordered: list[Allocation], strategy: 
             if at is None:
                 at = below
         out[a.key] = at
-        block = (at, at + a.nbytes)
+        block = (at, k, at + a.nbytes)
         for j in overlaps[i]:
             bisect.insort(in_way[j], block)
     return out

@@ -75,6 +75,8 @@ class AccessSequence:
         best_s: (ops,) float64, each op's least time in seconds after the cold start; NaN before.
         iterations: complete iterations recorded.
         warm_up: whether the cold start's times are provisional (Note [Warm-up iteration]).
+        recent_s: the measured seconds (sums of op times) of the latest :data:`DRIFT_WINDOW`
+            iterations after the cold start, oldest first.
     """
 
     def __init__(self, program: Program, smoothing: float = 0.2, warm_up: bool = False):
@@ -86,7 +88,7 @@ class AccessSequence:
         self.times_s = np.full(len(program.ops), np.nan)
         self.best_s = np.full(len(program.ops), np.nan)
         self.iterations = 0
-        self.recent_s: collections.deque = collections.deque(maxlen=DRIFT_WINDOW)   # seconds of each
+        self.recent_s: collections.deque = collections.deque(maxlen=DRIFT_WINDOW)
         self._this_s = 0.0                                  # the iteration's measured seconds so far
 
     def snapshot(self) -> "AccessSequence":
