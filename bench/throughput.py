@@ -18,9 +18,9 @@ of every configuration alternate within each repeat (the order reversed every ot
 drift of the machine falls on all of them alike.
 
 samples/s counts the iterations after a run's first (the first touches a fresh arena and is the
-scheduler's cold start: it is timed on neither side; our second, whose op times the first plan is
-made on, runs under the cold start's arrangement too, and is timed). Printed per workload: the median
-samples/s over the repeats with its spread (min to max), ours / PyTorch per repeat (median,
+scheduler's cold start: it is timed on neither side; our second, whose op times the first plan
+is made on, runs under the cold start's arrangement too, and is timed). Printed per workload: the
+median samples/s over the repeats with its spread (min to max), ours / PyTorch per repeat (median,
 min to max), budget, peak device bytes, bytes swapped out and recomputes per iteration; then the
 target lines (ours / PyTorch at least 0.8 on the MLP and 0.6 on the CNN, unlimited; at half the
 peak at most 1.3 times the unlimited time per iteration, repeat by repeat; decided only when the

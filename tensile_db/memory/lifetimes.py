@@ -127,20 +127,39 @@ def _bound_order(allocs: list[Allocation]) -> list[Allocation]:
 SMALL_TRACE = 128
 
 
+def _segments(allocs: list[Allocation]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(owner, first event, last event) of every lifetime segment of ``allocs``, in their order:
+    int64 arrays; the owner is the allocation's index."""
+    owner = np.array([i for i, a in enumerate(allocs) for _ in a.segments], dtype=np.int64)
+    start = np.array([s for a in allocs for s, _ in a.segments], dtype=np.int64)
+    end = np.array([e for a in allocs for _, e in a.segments], dtype=np.int64)
+    return owner, start, end
+
+
+def _hit(a: Allocation, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Which of the segments ``start``..``end`` (inclusive) overlap a lifetime segment of ``a``."""
+    hit = np.zeros(len(start), dtype=bool)
+    for s, e in a.segments:
+        hit |= (start <= e) & (s <= end)
+    return hit
+
+
 def overlaps_of(allocs: list[Allocation]) -> list[list[int]]:
     """For each allocation of ``allocs``, by index, the indices of the others whose lifetimes
     overlap its own (ascending): the same for every order :func:`plan_offsets` places them in."""
-    seg_owner = np.array([i for i, a in enumerate(allocs) for _ in a.segments], dtype=np.int64)
-    seg_start = np.array([s for a in allocs for s, _ in a.segments], dtype=np.int64)
-    seg_end = np.array([e for a in allocs for _, e in a.segments], dtype=np.int64)
+    owner, start, end = _segments(allocs)
     out = []
     for i, a in enumerate(allocs):
-        hit = np.zeros(len(seg_owner), dtype=bool)
-        for s, e in a.segments:
-            hit |= (seg_start <= e) & (s <= seg_end)
-        owners = np.unique(seg_owner[hit])
+        owners = np.unique(owner[_hit(a, start, end)])
         out.append(owners[owners != i].tolist())
     return out
+
+
+def small_overlaps(allocs: list[Allocation]) -> list[list[int]] | None:
+    """:func:`overlaps_of` ``allocs`` where :func:`plan_offsets` places them in Python (up to
+    :data:`SMALL_TRACE` allocations), else None: what a caller that places one trace in several
+    orders passes to each."""
+    return overlaps_of(allocs) if len(allocs) <= SMALL_TRACE else None
 
 
 def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="largest",
@@ -175,7 +194,7 @@ def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="la
         raise ValueError(f"overlaps of {len(overlaps)} allocations for a trace of {len(allocs)}: pass "
                          "overlaps_of(allocs) of the same list")
     if len(allocs) <= SMALL_TRACE:
-        offsets = _place_small(allocs, ordered, strategy, len(kept), fixed, overlaps or overlaps_of(allocs))
+        offsets = _place_small(allocs, ordered, strategy, len(kept), fixed, overlaps or small_overlaps(allocs))
     else:
         offsets = _place_vectorised(ordered, strategy, len(kept), fixed)
     arena = max((offsets[a.key] + a.nbytes for a in ordered), default=0)
@@ -218,9 +237,7 @@ def _place_small(allocs: list[Allocation], ordered: list[Allocation], strategy: 
 def _place_vectorised(ordered: list[Allocation], strategy: str, n_kept: int, fixed: dict | None) -> dict:
     """:func:`plan_offsets`' placement vectorised over the placed segments: key -> offset. The
     first ``n_kept`` of ``ordered`` lie at their offsets in ``fixed``."""
-    seg_owner = np.array([i for i, a in enumerate(ordered) for _ in a.segments], dtype=np.int64)
-    seg_start = np.array([s for a in ordered for s, _ in a.segments], dtype=np.int64)
-    seg_end = np.array([e for a in ordered for _, e in a.segments], dtype=np.int64)
+    seg_owner, seg_start, seg_end = _segments(ordered)
     sizes = np.array([a.nbytes for a in ordered], dtype=np.int64)
     offsets = np.zeros(len(ordered), dtype=np.int64)
     placed = np.zeros(len(seg_owner), dtype=bool)
@@ -228,10 +245,7 @@ def _place_vectorised(ordered: list[Allocation], strategy: str, n_kept: int, fix
     first_seg = sum(len(a.segments) for a in ordered[:n_kept])
     placed[:first_seg] = True
     for i, a in enumerate(ordered[n_kept:], n_kept):
-        hit = np.zeros(len(seg_owner), dtype=bool)
-        for s, e in a.segments:
-            hit |= (seg_start <= e) & (s <= seg_end)
-        owners = seg_owner[hit & placed]                 # ascending: segments are in placement order
+        owners = seg_owner[_hit(a, seg_start, seg_end) & placed]                 # ascending: segments are in placement order
         owners = owners[np.concatenate(([True], owners[1:] != owners[:-1]))] if len(owners) else owners
         lo = offsets[owners]
         rank = np.argsort(lo, kind="stable")
@@ -254,8 +268,7 @@ def best_fixed_order(allocs: list[Allocation], strategy: str, bound_nbytes: int,
     """The smallest arena of :func:`plan_offsets` over the orders of :data:`ORDERS` (``fixed`` and
     ``overlaps`` as there), in their order; the first that reaches ``bound_nbytes`` (the lower
     bound, :func:`max_live_nbytes`) at once, since none of the others can be smaller."""
-    if overlaps is None and len(allocs) <= SMALL_TRACE:
-        overlaps = overlaps_of(allocs)
+    overlaps = small_overlaps(allocs) if overlaps is None else overlaps
     best = None
     for order in ORDERS:
         plan = plan_offsets(allocs, strategy, order, fixed=fixed, overlaps=overlaps)
@@ -267,7 +280,7 @@ def best_fixed_order(allocs: list[Allocation], strategy: str, bound_nbytes: int,
 
 
 def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s: float = 0.0,
-                  seed: int = 0, max_tries: int | None = None) -> PoolPlan:
+                  seed: int = 0, max_tries: int | None = None, overlaps: list[list[int]] | None = None) -> PoolPlan:
     """The smallest arena of :func:`plan_offsets` over every order of :data:`ORDERS`, then, for up
     to ``search_s`` seconds, over randomised orders: by size, or by size times lifetime, each
     scaled by a seeded random factor in [0.25, 1.75). Fixed greedy orders can miss by 20% or more
@@ -277,9 +290,9 @@ def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s
     randomised orders when given. Before the search, one more order (:func:`_bound_order`) is
     tried, and taken only where it reaches the bound, which no search can beat. Deterministic
     for a given ``seed`` and number of tries (so with ``max_tries`` and an unbounded
-    ``search_s``)."""
+    ``search_s``). ``overlaps``: as for :func:`plan_offsets` (worked out here when None)."""
     bound = max_live_nbytes(allocs)
-    overlaps = overlaps_of(allocs) if len(allocs) <= SMALL_TRACE else None
+    overlaps = small_overlaps(allocs) if overlaps is None else overlaps
     best = best_fixed_order(allocs, strategy, bound, overlaps=overlaps)
     if best.arena_nbytes <= bound:
         return best

@@ -82,6 +82,7 @@ from .lifetimes import (
     packing_figures,
     period_allocations,
     plan_smallest,
+    small_overlaps,
 )
 
 log = logging.getLogger(__name__)
@@ -385,14 +386,15 @@ def _plan(allocs: list[Allocation], search_s: float = SEARCH_S, max_tries: int |
     """On the planning thread: (the allocations, their offsets (checked), the figures reported
     for them, the packing with the blocks of ``keep`` (key -> arena offset) where they lie (Note
     [Blocks kept in place]; None without ``keep``, or above :data:`KEPT_MAX_RATIO`), ``keep``)."""
-    plan = plan_smallest(allocs, "best_fit", search_s, max_tries=max_tries)
+    overlaps = small_overlaps(allocs)                  # once, for both packings
+    plan = plan_smallest(allocs, "best_fit", search_s, max_tries=max_tries, overlaps=overlaps)
     check_plan(allocs, plan)
     figures = packing_figures(allocs, plan)
     kept = None
     end = max((e for a in allocs for _, e in a.segments), default=0)
     fixed = {a.key: keep[a.key] for a in allocs if a.key in (keep or {}) and a.segments == ((0, end),)}
     if fixed:
-        kept = best_fixed_order(allocs, "best_fit", figures["max_live_nbytes"], fixed)
+        kept = best_fixed_order(allocs, "best_fit", figures["max_live_nbytes"], fixed, overlaps)
         check_plan(allocs, kept)
         if kept.arena_nbytes > KEPT_MAX_RATIO * figures["max_live_nbytes"]:
             kept = None

@@ -19,8 +19,8 @@ plan reserves for it: its unscheduled peak; under ``tensile``, planned on estima
 Note [Estimated cold starts]), when a job's op times are measured (after its cold-start
 iteration; on a real device after the first warm one: Note [Warm-up iteration] in
 :mod:`~.trace`), when a job leaves, and when a job's measured iteration time has drifted by more
-than ``drift`` since the plan was made (Note [Drift of a median] in :mod:`~.trace`). The executor calls :meth:`Scheduler.replan` between two
-rounds when :attr:`Scheduler.replan_reasons` is not empty; the plan is made on a planning thread
+than ``drift`` since the plan was made (Note [Drift of a median] in :mod:`~.trace`). The
+executor calls :meth:`Scheduler.replan` between two rounds when :attr:`Scheduler.replan_reasons` is not empty; the plan is made on a planning thread
 from a snapshot of the access sequences and installed by :meth:`Scheduler.poll` when it is
 ready, so jobs never wait for the planner.
 
@@ -222,7 +222,7 @@ class Scheduler:
         # the global planner's curves: the planning thread's (and the executor's, on the simulated
         # device, where a plan is made while the executor waits: a refund)
         self._curves: dict = {}
-        self._plan_times: dict[int, AccessSequence] = {}   # job id -> the snapshot its plan was made from
+        self._plan_sequences: dict[int, AccessSequence] = {}   # job id -> the snapshot its plan was made from
         self._plan_iteration: dict[int, int] = {}         # job id -> its iterations at the last plan
         self._planning = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-plan")
         if not self.deterministic:              # large offset plans go to the planning process too
@@ -271,7 +271,7 @@ class Scheduler:
         seq.end_iteration()
         if seq.iterations == seq.measured_iterations:
             self._want_replan(f"job {job.id} measured")
-        elif (job.id in self._plan_times and seq.drift(self._plan_times[job.id]) > self.drift
+        elif (job.id in self._plan_sequences and seq.drift(self._plan_sequences[job.id]) > self.drift
                 and seq.iterations - self._plan_iteration[job.id] >= self.drift_every):
             self._want_replan(f"op times of job {job.id} drifted")
             self._plan_iteration[job.id] = seq.iterations    # not again until drift_every more
@@ -464,7 +464,7 @@ class Scheduler:
         self.plan_seconds += seconds
         self.modelled_plan_seconds += request.modelled_s
         self.plans_made += plan is not None
-        self._plan_times = {t.job_id: t.sequence for t in request.traces
+        self._plan_sequences = {t.job_id: t.sequence for t in request.traces
                             if t.job_id in request.iterations}      # estimated ones re-plan when measured
         self._plan_iteration = request.iterations
         for j in self.jobs.values():
