@@ -54,6 +54,9 @@ class CopyEngine:
     (:mod:`tensile_db.scheduler.timeline`)."""
 
     duplex = False
+    #: The largest copy to or from host memory done on the caller's thread, done when the call
+    #: returns (0: none; the cost model puts such copies on the compute stream).
+    INLINE_NBYTES = 0
 
     def to_host(self, array) -> Transfer:
         """Start copying the device array ``array`` into a new host array (``Transfer.host``)."""

@@ -45,6 +45,41 @@ copies run, and assumes every copy runs beside a kernel (a copy during a stall r
 speed); two engines busy at once lose once, so the busier one's seconds are counted. The measure
 is of one machine at one moment, like the bandwidths: on a loaded ``cpu`` another program's work
 can read as contention, hence the cap (:data:`MAX_CONTENTION`).
+
+Note [Issue cost]
+-----------------
+Rationale: the executor carries out a plan's swaps on its own thread, between ops: a swap-out's
+issue, the release of its block, the swap-in's issue and the acquire that makes it resident again
+are the memory manager's bookkeeping and the copy's launch, and each op waits for the ones before
+it (an op is timed to its end on every device, so no kernel runs meanwhile). A cost model of
+copies alone priced a swap whose copies hide behind the kernels at nothing: at the largest working
+set of ``bench/throughput.py``'s MLP (``cpu``), the plan swapped 29 tensors an iteration, 16 of
+them biases and their Adam moments of 512 to 2,048 bytes, and each iteration ran 2 to 3 ms over
+its 3.3 to 5 ms of ops. One swap cycle of a 512-byte tensor (out, release, in, acquire) took 15
+to 20 µs of the thread on this project's 2-core machine, 127 to 169 µs on an NVIDIA H200 with
+CuPy (three runs of 180 cycles, 512 bytes to 1 MiB); a kernel and its synchronisation there took
+18 µs.
+
+Approach: :attr:`CostModel.issue_s` is half the median cycle, measured at start-up through a
+memory manager of the probe's own (:func:`measure_issue`), each copy waited for outside the
+timing (the copies are priced apart); the planners' simulation adds it to the compute stream at
+each swap-out and each swap-in it issues. On ``cpu`` a copy of at most
+:attr:`~tensile_db.runtime.device.CopyEngine.INLINE_NBYTES` runs on the executor's thread
+(:class:`~tensile_db.runtime.device.CpuCopyEngine`): :attr:`CostModel.inline_nbytes`, whose
+copies the simulation puts on the compute stream too, done when issued, and not on a copy
+channel (so without contention). On this project's machine the probe measures 7.6 to 7.9 µs
+per action. The planner then weighs a small swap by what it costs the executor: at 70% of the
+MLP's peak its plan took 8 swaps, none under 10,240 bytes, instead of 11 (three of 1,024 and
+2,048 bytes).
+
+Limitations: the simulated device charges no issue cost (its clock advances only with kernels
+and copies), so it measures none and its plans are priced as before: its swaps are cheaper than
+the real coordinator's. The cost is taken as one figure per action, whatever the tensor's size
+(on the H200, a swap-out of 16 MiB took longer to issue: pinned host memory for it), and the
+probe runs with its few objects in the caches: between a job's ops a swap costs the thread more
+(the 29 swaps above, about 70 µs each against the probe's 15 a cycle). Where the
+plan must take every byte at a peak (a budget at the largest working set), there is no choice to
+weigh, and the cost is only predicted.
 """
 
 from __future__ import annotations
@@ -56,7 +91,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import DiskError, DiskFull, InvalidArgument
+from ..memory.manager import MemoryManager
 from ..memory.spill import ALIGN_NBYTES
+from ..runtime.program import Kind, Slot
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +112,10 @@ MAX_CONTENTION = 0.2
 #: in its loop (Note [Contention])
 CONTENTION_KERNEL_S = 200e-6
 MAX_CONTENTION_LOOPS = 256
+#: The tensor of the issue cost's probe, in float32 elements, and the swap cycles it times (Note
+#: [Issue cost]): a small copy, so that the cycle is the bookkeeping
+ISSUE_PROBE_ELEMENTS = 128
+ISSUE_CYCLES = 64
 
 
 @dataclass(frozen=True)
@@ -86,13 +127,17 @@ class CostModel:
     ``contention``: how much slower a kernel runs while a copy is in flight, and a copy while a
     kernel runs, as a fraction (0.05: 5% slower; Note [Contention]).
 
+    ``issue_s``: seconds of the executor's thread, and so of the compute stream, per swap-out and
+    per swap-in it carries out; ``inline_nbytes``: copies to and from the host tier of at most
+    this many bytes run on that thread, done when issued (Note [Issue cost]).
+
     ``host_budget_nbytes``: bytes of swapped-out tensors the host tier holds at most, None for
     no limit (Note [Tiers]); with one, ``disk_read_bytes_per_s`` and ``disk_write_bytes_per_s``
     (the spill file's, :func:`measure_disk`) price the swaps that go to the disk tier.
 
     Raises:
-        InvalidArgument: a negative contention, a negative host budget, or a host budget without
-            both disk bandwidths (positive).
+        InvalidArgument: a negative contention, issue cost or inline size, a negative host
+            budget, or a host budget without both disk bandwidths (positive).
     """
 
     h2d_bytes_per_s: float
@@ -103,11 +148,16 @@ class CostModel:
     disk_read_bytes_per_s: float | None = None
     disk_write_bytes_per_s: float | None = None
     contention: float = 0.0
+    issue_s: float = 0.0
+    inline_nbytes: int = 0
 
     def __post_init__(self):
         if not self.contention >= 0:
             raise InvalidArgument(f"contention {self.contention!r} is not a fraction >= 0; give how much slower a "
                                   f"kernel runs while a copy is in flight (0.05: 5%), or 0")
+        if not self.issue_s >= 0 or self.inline_nbytes < 0:
+            raise InvalidArgument(f"issue_s {self.issue_s!r} and inline_nbytes {self.inline_nbytes!r} must be >= 0 "
+                                  f"(the executor's seconds per swap, the largest copy it makes itself)")
         if self.host_budget_nbytes is None:
             return
         if self.host_budget_nbytes < 0:
@@ -160,8 +210,10 @@ def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) 
     :meth:`~tensile_db.runtime.device.Device.copy_engine`): the best of ``repeats`` copies of
     ``nbytes`` bytes each way, and the latency (best of a 512-byte copy each way); the bandwidth
     is the slope between the two sizes, or ``nbytes`` over the large copy's time when noise makes
-    the slope meaningless; and the contention of a copy and a kernel at once (Note
-    [Contention]). Returns a :class:`CostModel` with an unbounded host tier.
+    the slope meaningless; the contention of a copy and a kernel at once (Note
+    [Contention]); the executor's seconds per swap action on ``device`` and the engine's largest
+    copy on the caller's thread (Note [Issue cost]). Returns a :class:`CostModel` with an
+    unbounded host tier.
     """
     host = device.host_empty((nbytes,), np.uint8)
     host[...] = 1
@@ -185,7 +237,41 @@ def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) 
         return nbytes / seconds
 
     return CostModel(h2d_bytes_per_s=bandwidth(h2d), d2h_bytes_per_s=bandwidth(d2h), latency_s=latency,
-                     duplex=engine.duplex, contention=_contention(device, engine, dev, repeats))
+                     duplex=engine.duplex, contention=_contention(device, engine, dev, repeats),
+                     issue_s=measure_issue(device), inline_nbytes=engine.INLINE_NBYTES)
+
+
+def measure_issue(device, cycles: int = ISSUE_CYCLES) -> float:
+    """Note [Issue cost]: seconds of the calling thread per swap action, half the median over
+    ``cycles`` of one swap cycle (swap-out, release, swap-in, acquire) of a tensor of
+    :data:`ISSUE_PROBE_ELEMENTS` float32 elements, through a memory manager of its own on
+    ``device`` (closed before it returns), each copy waited for outside the timing. 0 on a device
+    whose clock is virtual (``sim``: its clock charges no bookkeeping)."""
+    if device.virtual_time:
+        return 0.0
+    probe = MemoryManager(device, 1 << 20, pool="general")
+    try:
+        probe.register_job(1)
+        (t,) = probe.acquire(1, [], [Slot("issue_probe", Kind.ACTIVATION, (ISSUE_PROBE_ELEMENTS,))])
+        probe.unpin([t])
+        cycle_s = []
+        for _ in range(cycles):
+            start = device.now()
+            probe.swap_out(t)
+            out_s = device.now() - start
+            t.transfer.wait()
+            start = device.now()
+            probe.release(t)
+            probe.swap_in(t)
+            in_s = device.now() - start
+            t.transfer.wait()
+            start = device.now()
+            probe.acquire(1, [t], [])
+            probe.unpin([t])
+            cycle_s.append(out_s + in_s + device.now() - start)
+        return float(np.median(cycle_s)) / 2
+    finally:
+        probe.close()
 
 
 def _contention(device, engine, dev, repeats: int) -> float:

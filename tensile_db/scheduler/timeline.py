@@ -295,7 +295,10 @@ class Simulator:
 
     At an event, in this order: the releases wait for their swap-outs, the swap-ins are issued,
     the op waits for the swap-ins it needs, the recomputes run, the op runs, the swap-outs are
-    issued; each in the order of the decisions. Only the events with such actions are visited one
+    issued; each in the order of the decisions. Issuing a swap-out or a swap-in costs the compute
+    stream ``cost.issue_s``, and a copy to or from the host tier of at most
+    ``cost.inline_nbytes`` runs on the compute stream, done when issued, not on a copy channel
+    (Note [Issue cost] in :mod:`~tensile_db.scheduler.cost`). Only the events with such actions are visited one
     by one; between them the clock adds the ops' times in order (the same sums, to the last bit,
     as visiting every event). :meth:`extra_s`, a candidate's trial, needs no op's start time: it
     moves the clock between two such events by a difference of prefix sums of the ops' times, so
@@ -343,13 +346,16 @@ class Simulator:
         if d.method == "swap":
             cost, nbytes = self.cost, d.nbytes
             slow = 1.0 + cost.contention                  # beside the kernels (Note [Contention])
-            in_s, out_s = cost.swap_in_s(nbytes) * slow, cost.swap_out_s(nbytes) * slow
+            inline = nbytes <= cost.inline_nbytes         # on the compute stream: no kernel beside it
+            in_s, out_s = cost.swap_in_s(nbytes), cost.swap_out_s(nbytes)
+            if not inline:
+                in_s, out_s = in_s * slow, out_s * slow
             if cost.host_budget_nbytes is None:           # one tier: the disk's seconds are never read
                 disk_in_s, disk_out_s = in_s, out_s
             else:
                 disk_in_s, disk_out_s = cost.swap_in_s(nbytes, disk=True) * slow, cost.swap_out_s(nbytes, disk=True) * slow
-            actions = [(d.free, 0, i), (d.back, 1, (i, in_s, disk_in_s, nbytes)), (d.b, 2, i),
-                       (d.a, 3, (i, out_s, disk_out_s, nbytes))]
+            actions = [(d.free, 0, i), (d.back, 1, (i, in_s, disk_in_s, nbytes, inline)), (d.b, 2, i),
+                       (d.a, 3, (i, out_s, disk_out_s, nbytes, inline))]
         else:
             actions = [(d.b, None, None)]                 # visited for its recompute
         for k, which, entry in actions:
@@ -452,6 +458,7 @@ class Simulator:
         # the compute stream's loss per second of the busier channel (Note [Contention] in
         # :mod:`~tensile_db.scheduler.cost`: c S of copies priced at S (1 + c))
         loss = self.cost.kernel_loss
+        issue = self.cost.issue_s           # the executor's seconds per swap action, on the compute stream
         # Tiers: only with a host budget; without one every swap is a host tier's, as before.
         budget = self.cost.host_budget_nbytes
         tiered = budget is not None
@@ -486,9 +493,16 @@ class Simulator:
                                 waited[i] = waited.get(i, 0.0) + out_end[i] - t
                             t = out_end[i]
                 if swap_ins:
-                    for i, seconds, disk_s, nbytes in swap_ins:
+                    for i, seconds, disk_s, nbytes, inline in swap_ins:
+                        t += issue
                         if on_disk[i]:
                             seconds = disk_s
+                        elif inline:        # copied on the compute stream, done when issued
+                            t += seconds
+                            in_end[i] = t
+                            if tiered:
+                                bisect.insort(frees, (t, nbytes), lo=freed)
+                            continue
                         free[0] = (free[0] if free[0] > t else t) + seconds
                         busy[0] += seconds
                         in_end[i] = free[0]
@@ -506,7 +520,8 @@ class Simulator:
                     starts.append(t)
                 t += durations[k]
                 if swap_outs:
-                    for i, seconds, disk_s, nbytes in swap_outs:
+                    for i, seconds, disk_s, nbytes, inline in swap_outs:
+                        t += issue
                         if tiered:
                             while freed < len(frees) and frees[freed][0] <= t:
                                 held -= frees[freed][1]
@@ -517,6 +532,10 @@ class Simulator:
                                 spilled += nbytes
                             else:
                                 held += nbytes
+                        if inline and not on_disk[i]:
+                            t += seconds
+                            out_end[i] = t
+                            continue
                         free[out] = (free[out] if free[out] > t else t) + seconds
                         busy[out] += seconds
                         out_end[i] = free[out]

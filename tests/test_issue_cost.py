@@ -1,0 +1,122 @@
+"""The executor's seconds per swap action (Note [Issue cost] in ``tensile_db.scheduler.cost``):
+
+- the planners' simulation adds the issue cost to the compute stream at each swap-out and each
+  swap-in, and puts a copy the executor makes itself (``inline_nbytes``) on the compute stream,
+  not on a copy channel and not slowed by contention; a swap to the disk tier is never inline;
+- a plan made knowing the issue cost takes fewer swaps and is predicted faster under it;
+- the start-up measurement finds a cost on ``cpu`` and the copies its engine makes inline, none
+  on the simulated device, and closes its own memory manager however it ends; a negative cost
+  is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tensile_db.errors import InvalidArgument
+from tensile_db.memory.manager import MemoryManager
+from tensile_db.runtime.device import CpuCopyEngine, CpuDevice
+from tensile_db.runtime.simulated import SimDevice
+from tensile_db.scheduler import cost as cost_module
+from tensile_db.scheduler.cost import CostModel, measure_bandwidth, measure_issue
+from tensile_db.scheduler.timeline import Decision, simulate
+from tensile_db.scheduler.worker import make_plan
+from test_contention import PLAIN, N, timeline
+
+ISSUE_S = 20e-6
+# out after event 2, released before 5, in before 18, needed at 22: 1 ms copies with room to hide
+HIDDEN = Decision(1, "t", N, "swap", 2, 22, 5, 18)
+
+
+def test_each_swap_costs_the_compute_stream_two_issues():
+    tl = timeline()
+    plain, issued = simulate(tl, [HIDDEN], PLAIN), simulate(tl, [HIDDEN], replace(PLAIN, issue_s=ISSUE_S))
+    assert plain.extra_s == pytest.approx(0.0, abs=1e-12)
+    assert issued.extra_s == pytest.approx(2 * ISSUE_S, rel=1e-9)
+    assert issued.channel_busy_s == plain.channel_busy_s and issued.stall_s == 0.0
+
+
+@pytest.mark.parametrize("contention", [0.0, 0.2])
+def test_an_inline_copy_runs_on_the_compute_stream_at_its_own_speed(contention):
+    tl = timeline()
+    cost = replace(PLAIN, contention=contention, inline_nbytes=N)
+    sim = simulate(tl, [HIDDEN], cost)
+    assert sim.channel_busy_s == 0.0 and sim.stall_s == 0.0
+    assert sim.extra_s == pytest.approx(PLAIN.swap_out_s(N) + PLAIN.swap_in_s(N), rel=1e-9)
+    # one byte more than inline: on the channel, hidden again, but for the contention's loss
+    wider = simulate(tl, [replace(HIDDEN, nbytes=N + 1)], cost).extra_s
+    assert wider == pytest.approx(contention * PLAIN.swap_out_s(N + 1), rel=1e-9, abs=1e-12)
+
+
+def test_a_swap_to_the_disk_tier_is_never_inline():
+    tl = timeline()
+    tiers = dict(host_budget_nbytes=0, disk_read_bytes_per_s=1e9, disk_write_bytes_per_s=1e9)
+    sim = simulate(tl, [HIDDEN], replace(PLAIN, inline_nbytes=N, **tiers))
+    assert sim.disk_nbytes == N and sim.channel_busy_s > 0.0
+
+
+def test_a_plan_made_knowing_the_issue_cost_takes_fewer_swaps_and_runs_faster_under_it():
+    costly = replace(PLAIN, issue_s=ISSUE_S)
+    target = int(0.5 * timeline().vanilla_peak_nbytes())
+    plans = {}
+    for name, cost in (("blind", PLAIN), ("knowing", costly)):
+        tl = timeline()
+        decisions = make_plan("tensile", tl, cost, target, None, {}).decisions
+        assert tl.usage(decisions).max() <= target
+        plans[name] = ([d for d in decisions if d.method == "swap"], simulate(tl, decisions, costly).extra_s)
+    assert len(plans["knowing"][0]) < len(plans["blind"][0])
+    assert plans["knowing"][1] < plans["blind"][1]
+
+
+def test_the_measurement_finds_a_cost_on_cpu_and_its_inline_copies():
+    device = CpuDevice()
+    manager = MemoryManager(device, 64 << 20)
+    try:
+        cost = measure_bandwidth(device, manager.engine, nbytes=4 << 20, repeats=2)
+    finally:
+        manager.close()
+    assert 0.0 < cost.issue_s < 0.01
+    assert cost.inline_nbytes == CpuCopyEngine.INLINE_NBYTES > 0
+
+
+def test_the_simulated_device_measures_no_issue_cost_and_no_inline_copy():
+    device = SimDevice("h100", jitter=0.0)
+    assert measure_issue(device) == 0.0
+    cost = measure_bandwidth(device, MemoryManager(device, 1 << 30).engine)
+    assert cost.issue_s == 0.0 and cost.inline_nbytes == 0
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_probe_closes_its_manager_even_when_a_swap_fails(monkeypatch, fails):
+    made = []
+
+    class Recorded(MemoryManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.closed = False
+            made.append(self)
+
+        def swap_out(self, t):
+            if fails:
+                raise OSError("the copy failed")
+            super().swap_out(t)
+
+        def close(self):
+            self.closed = True
+            super().close()
+
+    monkeypatch.setattr(cost_module, "MemoryManager", Recorded)
+    if fails:
+        with pytest.raises(OSError, match="the copy failed"):
+            measure_issue(CpuDevice(), cycles=4)
+    else:
+        assert measure_issue(CpuDevice(), cycles=4) > 0.0
+    assert len(made) == 1 and made[0].closed
+
+
+@pytest.mark.parametrize("field, value", [("issue_s", -1e-6), ("inline_nbytes", -1)])
+def test_a_negative_issue_cost_or_inline_size_is_refused(field, value):
+    with pytest.raises(InvalidArgument, match=f"{field} {value!r}"):
+        CostModel(h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, **{field: value})
