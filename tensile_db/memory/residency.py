@@ -67,6 +67,7 @@ class Residencies:
             if t.residency is Residency.DEVICE and not t.pins:
                 if self._host_room(t.nbytes):
                     self.host_tier.pending_nbytes += t.nbytes
+                    self.host_tier.note_peak()
                     t.transfer = self.engine.to_host(self.array(t))
                 else:
                     file, offset = where = self.host_tier.slot(t)
@@ -216,14 +217,18 @@ class Residencies:
         bytes; the host tier's ``nbytes`` and ``disk_nbytes`` totals with them) and the
         cumulative ``counts`` (deltas of :class:`JobMemory` fields)."""
         j = self.jobs[t.job_id]
-        j.device_nbytes += device
-        j.host_nbytes += host
-        j.disk_nbytes += disk
-        self.host_tier.nbytes += host
-        self.host_tier.disk_nbytes += disk
+        if device:
+            j.device_nbytes += device
+            if j.device_nbytes > j.peak_nbytes:
+                j.peak_nbytes = j.device_nbytes
+        if host or disk:
+            j.host_nbytes += host
+            j.disk_nbytes += disk
+            self.host_tier.nbytes += host
+            self.host_tier.disk_nbytes += disk
+            if host > 0:
+                self.host_tier.note_peak()
         assert j.device_nbytes >= 0 and j.host_nbytes >= 0 and j.disk_nbytes >= 0
-        self.host_tier.note_peak()
-        j.peak_nbytes = max(j.peak_nbytes, j.device_nbytes)
         for name, delta in counts.items():
             setattr(j, name, getattr(j, name) + delta)
 

@@ -61,6 +61,8 @@ class HostTier:
         return self.budget_nbytes is None or self.used_nbytes() + nbytes <= self.budget_nbytes
 
     def note_peak(self) -> None:
+        """Raise ``peak_nbytes`` to the bytes held now: called wherever they grow (a copy in
+        flight, a swapped-out copy, a cached copy, a job's copy of its weights)."""
         self.peak_nbytes = max(self.peak_nbytes, self.used_nbytes())
 
     def keep(self, t: Tensor) -> None:

@@ -23,6 +23,7 @@ Everything here needs a GPU and CuPy; ``TENSILE_TEST_DEVICE=cuda`` runs the runt
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 import weakref
 
@@ -65,7 +66,7 @@ def _cupy():
 def pinned_empty(cupy, shape, dtype) -> np.ndarray:  # pragma: no cover - cuda only
     """A host array in page-locked memory (from CuPy's pinned memory pool)."""
     dtype = np.dtype(dtype)
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)                        # Python ints: no NumPy call per swap-out
     mem = cupy.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
     return np.frombuffer(mem, dtype, count).reshape(shape)
 
@@ -127,6 +128,12 @@ class CudaDevice(Device):  # pragma: no cover - cuda only
 
     def arena_buffer(self, nbytes: int):
         return self.xp.empty(nbytes, dtype=self.xp.uint8)
+
+    def view(self, buffer, offset: int, shape: tuple[int, ...], dtype) -> object:
+        """As :meth:`Device.view`, in one CuPy call: a slice, a view and a reshape of the arena
+        took about 10 µs of the executor's thread per tensor, twice in a swap's cycle (Note
+        [Issue cost] in :mod:`tensile_db.scheduler.cost`)."""
+        return self.xp.ndarray(shape, dtype, buffer.data + offset)
 
     def host_empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
         return pinned_empty(self.xp, shape, dtype)
