@@ -57,8 +57,8 @@ set of ``bench/throughput.py``'s MLP (``cpu``), the plan swapped 29 tensors an i
 them biases and their Adam moments of 512 to 2,048 bytes, and each iteration ran 2 to 3 ms over
 its 3.3 to 5 ms of ops. One swap cycle of a 512-byte tensor (out, release, in, acquire) took 15
 to 20 µs of the thread on this project's 2-core machine, 127 to 169 µs on an NVIDIA H200 with
-CuPy (three runs of 180 cycles, 512 bytes to 1 MiB); a kernel and its synchronisation there took
-18 µs.
+CuPy (three runs of 180 cycles, 512 bytes to 1 MiB; 104 to 110 µs once a tensor's view of the
+arena took one CuPy call instead of three); a kernel and its synchronisation there took 18 µs.
 
 Approach: :attr:`CostModel.issue_s` is half the median cycle, measured at start-up through a
 memory manager of the probe's own (:func:`measure_issue`), each copy waited for outside the
@@ -67,8 +67,8 @@ each swap-out and each swap-in it issues. On ``cpu`` a copy of at most
 :attr:`~tensile_db.runtime.device.CopyEngine.INLINE_NBYTES` runs on the executor's thread
 (:class:`~tensile_db.runtime.device.CpuCopyEngine`): :attr:`CostModel.inline_nbytes`, whose
 copies the simulation puts on the compute stream too, done when issued, and not on a copy
-channel (so without contention). On this project's machine the probe measures 7.6 to 7.9 µs
-per action. The planner then weighs a small swap by what it costs the executor: at 70% of the
+channel (so without contention). The probe measures 6.8 µs per action on this project's
+machine, 34 to 35 µs on the H200. The planner then weighs a small swap by what it costs the executor: at 70% of the
 MLP's peak its plan took 8 swaps, none under 10,240 bytes, instead of 11 (three of 1,024 and
 2,048 bytes).
 
