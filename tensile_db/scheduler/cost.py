@@ -68,18 +68,18 @@ each swap-out and each swap-in it issues. On ``cpu`` a copy of at most
 (:class:`~tensile_db.runtime.device.CpuCopyEngine`): :attr:`CostModel.inline_nbytes`, whose
 copies the simulation puts on the compute stream too, done when issued, and not on a copy
 channel (so without contention). The probe measures 6.8 µs per action on this project's
-machine, 34 to 35 µs on the H200. The planner then weighs a small swap by what it costs the executor: at 70% of the
-MLP's peak its plan took 8 swaps, none under 10,240 bytes, instead of 11 (three of 1,024 and
-2,048 bytes).
+machine, 34 to 35 µs on the H200. The planner then weighs a small swap by what it costs the
+executor: at 70% of the MLP's peak its plan took 8 swaps, none under 10,240 bytes, instead of 11
+(three of 1,024 and 2,048 bytes).
 
 Limitations: the simulated device charges no issue cost (its clock advances only with kernels
 and copies), so it measures none and its plans are priced as before: its swaps are cheaper than
 the real coordinator's. The cost is taken as one figure per action, whatever the tensor's size
 (on the H200, a swap-out of 16 MiB took longer to issue: pinned host memory for it), and the
 probe runs with its few objects in the caches: between a job's ops a swap costs the thread more
-(the 29 swaps above, about 70 µs each against the probe's 15 a cycle). Where the
-plan must take every byte at a peak (a budget at the largest working set), there is no choice to
-weigh, and the cost is only predicted.
+(the 29 swaps above, about 70 µs each against the probe's 15 a cycle). Where the plan must take
+every byte at a peak (a budget at the largest working set), there is no choice to weigh, and the
+cost is only predicted.
 """
 
 from __future__ import annotations

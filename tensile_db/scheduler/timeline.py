@@ -296,14 +296,14 @@ class Simulator:
     At an event, in this order: the releases wait for their swap-outs, the swap-ins are issued,
     the op waits for the swap-ins it needs, the recomputes run, the op runs, the swap-outs are
     issued; each in the order of the decisions. Issuing a swap-out or a swap-in costs the compute
-    stream ``cost.issue_s``, and a copy to or from the host tier of at most
-    ``cost.inline_nbytes`` runs on the compute stream, done when issued, not on a copy channel
-    (Note [Issue cost] in :mod:`~tensile_db.scheduler.cost`). Only the events with such actions are visited one
-    by one; between them the clock adds the ops' times in order (the same sums, to the last bit,
-    as visiting every event). :meth:`extra_s`, a candidate's trial, needs no op's start time: it
-    moves the clock between two such events by a difference of prefix sums of the ops' times, so
-    a trial costs the events with actions only, not every event of two periods (the same
-    seconds but for rounding, about 1e-16 of a period).
+    stream ``cost.issue_s``, and a copy to or from the host tier of at most ``cost.inline_nbytes``
+    runs on the compute stream, done when issued, not on a copy channel (Note [Issue cost] in
+    :mod:`~tensile_db.scheduler.cost`). Only the events with such actions are visited one by one;
+    between them the clock adds the ops' times in order (the same sums, to the last bit, as
+    visiting every event). :meth:`extra_s`, a candidate's trial, needs no op's start time: it
+    moves the clock between two such events by a difference of prefix sums of the ops' times, so a
+    trial costs the events with actions only, not every event of two periods (the same seconds but
+    for rounding, about 1e-16 of a period).
 
     Tiers (Note [Tiers] in :mod:`~tensile_db.scheduler.cost`), with ``cost.host_budget_nbytes``
     set: at each swap-out, in the order they are issued on the clock, the bytes the host tier
