@@ -185,6 +185,58 @@ def test_the_child_exits_with_its_parent():
         pytest.fail(f"the planning process {child} outlived its parent")
 
 
+_QUEUED_BEHIND = textwrap.dedent("""
+    import os, signal, sys, time
+    from concurrent.futures import CancelledError
+    from concurrent.futures.process import BrokenProcessPool
+    from tensile_db.runtime.builder import build_training_program
+    from tensile_db.runtime.model import ModelSpec, TrainOptions, parse_architecture
+    from tensile_db.scheduler.cost import CostModel
+    from tensile_db.scheduler.timeline import JobTrace
+    from tensile_db.scheduler.trace import AccessSequence
+    from tensile_db.scheduler.worker import PlanningProcess
+
+    def traces(layers):     # a request of megabytes: larger than the pipe's buffer
+        spec = ModelSpec(parse_architecture({"layers": [{"dense": 16}] * layers}), 16, 2, "classification")
+        sequence = AccessSequence(build_training_program(spec, TrainOptions(optimizer="adam"), 16))
+        sequence.times_s[:] = 1e-4
+        return [JobTrace(0, sequence)]
+
+    if __name__ == "__main__":
+        cost = CostModel(2e9, 2e9, latency_s=1e-5, duplex=True)
+        process = PlanningProcess()
+        child = process.start().result(timeout=60)
+        busy = process.call(time.sleep, 60)
+        queued = process.submit("swap_score", traces(1500), None, cost, 1 << 10, None)   # megabytes
+        time.sleep(0.5)
+        if sys.argv[1] == "close":
+            process.close()
+        else:
+            os.kill(child, signal.SIGKILL)
+        for future in (busy, queued):
+            try:
+                future.result(timeout=30)
+            except (BrokenProcessPool, CancelledError):
+                pass
+        if sys.argv[1] == "kill":
+            assert process.start().result(timeout=60) != child
+        print("done", flush=True)
+""")
+
+
+@pytest.mark.parametrize("death", ["close", "kill"])
+def test_a_child_that_dies_with_a_large_request_queued_leaves_nothing_waiting(death):
+    """Note [A pipe with no reader]: the child dies, closed or killed, while a request of
+    megabytes waits behind the call it is running; the futures fail, a new child starts after a
+    kill, and the process exits (before, the pool's shutdown waited forever)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        done = subprocess.run([sys.executable, "-c", _QUEUED_BEHIND, death], stdout=out, stderr=err, text=True,
+                              timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        out.seek(0), err.seek(0)
+        output, errors = out.read(), err.read()
+    assert done.returncode == 0 and output.strip() == "done", errors
+
+
 def _alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie no parent has reaped yet has exited)."""
     try:

@@ -42,6 +42,25 @@ plans of more than :data:`~tensile_db.memory.planned.OFFLOAD_MIN_ALLOCATIONS` al
 process-wide child (:func:`shared`); smaller ones are made in the caller's planning thread, whose
 GIL holds stay short, so that short jobs do not wait for a child to start.
 
+Note [A pipe with no reader]
+----------------------------
+Rationale: a request is pickled into a pipe to the child by a feeder thread of the pool. When
+the child dies (killed by :meth:`~PlanningProcess.close`, or by the kernel for memory) while a
+request larger than the pipe's buffer is queued behind the plan it is making, the feeder blocks
+in its write: this process held the pipe's read end too, so the write never failed. The pool's
+shutdown then waited for the feeder forever: ``close()`` hung, and so did the interpreter's exit
+after a child's death (reproduced: a 2.2 MB request queued behind a 300-layer plan, the child
+killed, ``close()`` still waiting after 10 s). Later CPython releases stop the feeder in the
+pool itself when a worker dies; Debian's 3.11.2, which the project's PL/Python embeds, does not.
+
+Approach: once the child is started (it holds its own copies of the pipe's ends), this process
+closes its copy of the read end (:func:`_drop_request_reader`). A write to a dead child's pipe
+then fails at once with EPIPE, which the pool's queue ignores, and the shutdown completes.
+
+Limitations: the pool must never start another child, which would be handed the closed read end:
+it has one worker and no limit of tasks per child, and a new pool (with its own pipe) replaces a
+broken one.
+
 Note [Planning off the GIL]
 ---------------------------
 ``bench/fairness.py`` on ``cpu`` (budget far above the peaks, so no plan cuts anything): while a
@@ -167,7 +186,8 @@ class PlanningProcess:
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_exit_with_parent)
-            self._pid = self._pool.submit(os.getpid)
+            self._pid = self._pool.submit(os.getpid)       # spawns the child, which takes its pipe ends
+            _drop_request_reader(self._pool)
 
     def close(self) -> None:
         """End the child, and with it the plan being made: nobody waits for that one. The futures
@@ -181,6 +201,15 @@ class PlanningProcess:
         except (BrokenProcessPool, ProcessLookupError):
             pass                                    # it died already
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _drop_request_reader(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Close this process's copy of the read end of the pipe that carries requests to the child
+    (Note [A pipe with no reader]); the child, already started, holds its own. Through the
+    pool's private fields, as no public interface reaches the pipe."""
+    reader = getattr(getattr(pool, "_call_queue", None), "_reader", None)
+    if reader is not None:
+        reader.close()
 
 
 _SHARED: PlanningProcess | None = None
