@@ -17,30 +17,15 @@ import pytest
 from tensile_db.errors import InvalidArgument
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import gpus
-from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.device import CpuDevice
-from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
 from tensile_db.runtime.simulated import SimDevice
 from tensile_db.scheduler.cost import MAX_CONTENTION, CostModel, measure_bandwidth
 from tensile_db.scheduler.planners import plan_swap_score
-from tensile_db.scheduler.timeline import Decision, JobTrace, Timeline, simulate
-from tensile_db.scheduler.trace import AccessSequence
+from tensile_db.scheduler.timeline import Decision, simulate
+from timeline_helpers import PLAIN, N, timeline
 
-SPEC = ModelSpec(Architecture((Layer(96, "relu"), Layer(64, "tanh"), Layer(48, "relu"))), 16, 4, "classification")
-OPTIONS = TrainOptions(epochs=1, batch_size=64, optimizer="adam", lr=0.005, seed=11)
-OP_S = 1e-3
-N = 1_000_000                   # bytes of each hand-made swap: 1 ms each way at 1 GB/s
-PLAIN = CostModel(h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, duplex=True)
 C = 0.2
 CONTENDED = replace(PLAIN, contention=C)
-
-
-def timeline() -> Timeline:
-    seq = AccessSequence(build_training_program(SPEC, OPTIONS, 64))
-    for p in range(len(seq.program.ops)):
-        seq.record(p, OP_S)
-    seq.end_iteration()
-    return Timeline([JobTrace(1, seq)])
 
 
 @pytest.mark.parametrize("contention", [gpus.CONTENTION, 0.0])

@@ -23,7 +23,7 @@ from tensile_db.scheduler import cost as cost_module
 from tensile_db.scheduler.cost import CostModel, measure_bandwidth, measure_issue
 from tensile_db.scheduler.timeline import Decision, simulate
 from tensile_db.scheduler.worker import make_plan
-from test_contention import PLAIN, N, timeline
+from timeline_helpers import PLAIN, N, timeline
 
 ISSUE_S = 20e-6
 # out after event 2, released before 5, in before 18, needed at 22: 1 ms copies with room to hide
@@ -50,11 +50,30 @@ def test_an_inline_copy_runs_on_the_compute_stream_at_its_own_speed(contention):
     assert wider == pytest.approx(contention * PLAIN.swap_out_s(N + 1), rel=1e-9, abs=1e-12)
 
 
+TIERS = dict(disk_read_bytes_per_s=1e9, disk_write_bytes_per_s=1e9)
+
+
 def test_a_swap_to_the_disk_tier_is_never_inline():
     tl = timeline()
-    tiers = dict(host_budget_nbytes=0, disk_read_bytes_per_s=1e9, disk_write_bytes_per_s=1e9)
-    sim = simulate(tl, [HIDDEN], replace(PLAIN, inline_nbytes=N, **tiers))
-    assert sim.disk_nbytes == N and sim.channel_busy_s > 0.0
+    cost = replace(PLAIN, inline_nbytes=N, host_budget_nbytes=0, **TIERS)
+    sim = simulate(tl, [HIDDEN], cost)
+    assert sim.disk_nbytes == N
+    assert sim.channel_busy_s == pytest.approx(cost.swap_out_s(N, disk=True) + cost.swap_in_s(N, disk=True), rel=1e-9)
+
+
+def test_an_inline_swap_in_frees_its_host_bytes_when_done_though_an_earlier_one_is_still_copying():
+    # X (5 MB, on the copy channel) is swapped in from before event 9 and lands after event 13;
+    # Y (0.5 MB, inline) is swapped in at event 11, done at once. Z (0.5 MB) is swapped out
+    # after event 12: with Y's bytes back, X and Z fit the host tier; with them still held, Z
+    # goes to disk.
+    tl = timeline()
+    x = Decision(1, "x", 5 * N, "swap", 0, 20, 6, 9)
+    y = Decision(1, "y", N // 2, "swap", 2, 16, 3, 11)
+    z = Decision(1, "z", N // 2, "swap", 12, 21, 13, 19)
+    cost = replace(PLAIN, inline_nbytes=N, host_budget_nbytes=5 * N + N // 2, **TIERS)
+    assert simulate(tl, [x, y, z], cost).disk_nbytes == 0
+    # Y on the channel, behind X: neither lands before Z's swap-out
+    assert simulate(tl, [x, y, z], replace(cost, inline_nbytes=0)).disk_nbytes == N // 2
 
 
 def test_a_plan_made_knowing_the_issue_cost_takes_fewer_swaps_and_runs_faster_under_it():
@@ -84,8 +103,20 @@ def test_the_measurement_finds_a_cost_on_cpu_and_its_inline_copies():
 def test_the_simulated_device_measures_no_issue_cost_and_no_inline_copy():
     device = SimDevice("h100", jitter=0.0)
     assert measure_issue(device) == 0.0
-    cost = measure_bandwidth(device, MemoryManager(device, 1 << 30).engine)
+    manager = MemoryManager(device, 1 << 30)
+    try:
+        cost = measure_bandwidth(device, manager.engine)
+    finally:
+        manager.close()
     assert cost.issue_s == 0.0 and cost.inline_nbytes == 0
+
+
+def test_without_inline_copies_an_empty_swap_is_on_the_channel():
+    tl = timeline()
+    slow = replace(PLAIN, latency_s=1e-3, contention=0.2)
+    empty = replace(HIDDEN, nbytes=0)
+    # hidden behind the kernels: only the contention's loss of its 1 ms copies
+    assert simulate(tl, [empty], slow).extra_s == pytest.approx(0.2 * 1e-3, rel=1e-9)
 
 
 @pytest.mark.parametrize("fails", [False, True])

@@ -103,7 +103,9 @@ def test_simulation_without_decisions_has_no_extra_time():
     CostModel(h2d_bytes_per_s=4e6, d2h_bytes_per_s=2e6, duplex=True),
     CostModel(h2d_bytes_per_s=4e6, d2h_bytes_per_s=4e6, host_budget_nbytes=40_000,   # some swaps to disk
               disk_read_bytes_per_s=1e6, disk_write_bytes_per_s=1e6),
-], ids=["one channel", "duplex", "tiers"])
+    CostModel(h2d_bytes_per_s=4e6, d2h_bytes_per_s=4e6, host_budget_nbytes=40_000,   # and small ones inline
+              disk_read_bytes_per_s=1e6, disk_write_bytes_per_s=1e6, issue_s=2e-5, inline_nbytes=4096),
+], ids=["one channel", "duplex", "tiers", "tiers, issued, inline"])
 def test_a_trial_weighs_a_candidate_as_its_full_simulation_does(cost):
     # Simulator.extra_s, the planners' trial, skips the op start times; it must price every
     # candidate (swaps wrapping around the period, recomputes, copies to disk) as simulate does.

@@ -61,14 +61,15 @@ CuPy (three runs of 180 cycles, 512 bytes to 1 MiB; 104 to 110 µs once a tensor
 arena took one CuPy call instead of three); a kernel and its synchronisation there took 18 µs.
 
 Approach: :attr:`CostModel.issue_s` is half the median cycle, measured at start-up through a
-memory manager of the probe's own (:func:`measure_issue`), each copy waited for outside the
-timing (the copies are priced apart); the planners' simulation adds it to the compute stream at
-each swap-out and each swap-in it issues. On ``cpu`` a copy of at most
+memory manager of the probe's own (:func:`measure_issue`), less the copies, which the simulation
+prices apart: a copy on a copy engine is waited for outside the timing, and one the executor's
+thread makes itself (``cpu``) is taken off at the measured latency. The planners' simulation adds
+it to the compute stream at each swap-out and each swap-in it issues. On ``cpu`` a copy of at most
 :attr:`~tensile_db.runtime.device.CopyEngine.INLINE_NBYTES` runs on the executor's thread
 (:class:`~tensile_db.runtime.device.CpuCopyEngine`): :attr:`CostModel.inline_nbytes`, whose
 copies the simulation puts on the compute stream too, done when issued, and not on a copy
 channel (so without contention). The probe measures 6.8 µs per action on this project's
-machine, 34 to 35 µs on the H200. The planner then weighs a small swap by what it costs the
+machine (about 2 µs of it the inline copy), 34 to 35 µs on the H200. The planner then weighs a small swap by what it costs the
 executor: at 70% of the MLP's peak its plan took 8 swaps, none under 10,240 bytes, instead of 11
 (three of 1,024 and 2,048 bytes).
 
@@ -238,15 +239,27 @@ def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) 
 
     return CostModel(h2d_bytes_per_s=bandwidth(h2d), d2h_bytes_per_s=bandwidth(d2h), latency_s=latency,
                      duplex=engine.duplex, contention=_contention(device, engine, dev, repeats),
-                     issue_s=measure_issue(device), inline_nbytes=engine.INLINE_NBYTES)
+                     issue_s=_issue_less_copies(measure_issue(device), latency, engine),
+                     inline_nbytes=engine.INLINE_NBYTES)
+
+
+def _issue_less_copies(issue_s: float, latency_s: float, engine) -> float:
+    """The probe's seconds per action without its copy where the caller's thread made the copy
+    (an engine whose :attr:`~tensile_db.runtime.device.CopyEngine.INLINE_NBYTES` holds the probe's
+    tensor: ``cpu``): the simulation prices that copy apart, at ``latency_s`` and up (Note [Issue
+    cost])."""
+    if 4 * ISSUE_PROBE_ELEMENTS <= engine.INLINE_NBYTES:
+        return max(issue_s - latency_s, 0.0)
+    return issue_s
 
 
 def measure_issue(device, cycles: int = ISSUE_CYCLES) -> float:
     """Note [Issue cost]: seconds of the calling thread per swap action, half the median over
     ``cycles`` of one swap cycle (swap-out, release, swap-in, acquire) of a tensor of
     :data:`ISSUE_PROBE_ELEMENTS` float32 elements, through a memory manager of its own on
-    ``device`` (closed before it returns), each copy waited for outside the timing. 0 on a device
-    whose clock is virtual (``sim``: its clock charges no bookkeeping)."""
+    ``device`` (closed before it returns), each copy on a copy engine waited for outside the
+    timing (one the caller's thread makes, on ``cpu``, is inside it). 0 on a device whose clock is
+    virtual (``sim``: its clock charges no bookkeeping)."""
     if device.virtual_time:
         return 0.0
     probe = MemoryManager(device, 1 << 20, pool="general")

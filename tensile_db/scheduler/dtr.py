@@ -112,8 +112,9 @@ class Rematerialization:
         return float(mine.sum())
 
     def swap_s(self, nbytes: int) -> float:
-        """Seconds to copy ``nbytes`` out and back in (the host tier)."""
-        return self._cost.swap_out_s(nbytes) + self._cost.swap_in_s(nbytes)
+        """Seconds to copy ``nbytes`` out and back in (the host tier), and to issue both (Note
+        [Issue cost] in :mod:`~tensile_db.scheduler.cost`)."""
+        return self._cost.swap_out_s(nbytes) + self._cost.swap_in_s(nbytes) + 2 * self._cost.issue_s
 
     def _complete_recipe(self, tensor) -> tuple[int, ...] | None:
         """The recipe of ``tensor`` if it is droppable (see :meth:`drops`), else None."""

@@ -322,7 +322,8 @@ class Simulator:
         self.decisions: list[Decision] = []
         # (event, releases, swap-ins, waits for a swap-in, swap-outs) for every event with an
         # action, by event: decision indices, and for the two that issue a copy (decision index,
-        # the copy's seconds from or to the host tier, and from or to the disk tier, its bytes)
+        # the copy's seconds from or to the host tier, and from or to the disk tier, its bytes,
+        # whether a copy from or to the host tier runs on the compute stream: Note [Issue cost])
         # (None for none). The lists are never changed in place, so a copy of the list may be
         # changed apart.
         self._steps: list[tuple] = []
@@ -346,7 +347,7 @@ class Simulator:
         if d.method == "swap":
             cost, nbytes = self.cost, d.nbytes
             slow = 1.0 + cost.contention                  # beside the kernels (Note [Contention])
-            inline = nbytes <= cost.inline_nbytes         # on the compute stream: no kernel beside it
+            inline = 0 < cost.inline_nbytes and nbytes <= cost.inline_nbytes   # on the compute stream
             in_s, out_s = cost.swap_in_s(nbytes), cost.swap_out_s(nbytes)
             if not inline:
                 in_s, out_s = in_s * slow, out_s * slow
