@@ -297,7 +297,9 @@ def main() -> None:
           "other elementwise kernels run on one thread). Our runs: the coordinator's executor, with its BLAS "
           "environment, "
           f"policy {POLICY}, swaps to host memory at {cost.d2h_bytes_per_s / 1e9:.1f} GB/s out and "
-          f"{cost.h2d_bytes_per_s / 1e9:.1f} GB/s in (measured once). Wall-clock times: noisy where other "
+          f"{cost.h2d_bytes_per_s / 1e9:.1f} GB/s in, {cost.issue_s * 1e6:.1f} us of the executor's thread to issue "
+          f"each, copies of up to {cost.inline_nbytes:,} bytes on that thread (measured once). Wall-clock times: "
+          "noisy where other "
           "work shares the machine; hence medians and spreads over interleaved repeats.")
     for w in loads:
         report(w, runs[w.name])
