@@ -113,9 +113,9 @@ MAX_CONTENTION = 0.2
 #: in its loop (Note [Contention])
 CONTENTION_KERNEL_S = 200e-6
 MAX_CONTENTION_LOOPS = 256
-#: The tensor of the issue cost's probe, in float32 elements, and the swap cycles it times (Note
+#: The bytes of the issue cost's probe tensor (float32), and the swap cycles it times (Note
 #: [Issue cost]): a small copy, so that the cycle is the bookkeeping
-ISSUE_PROBE_ELEMENTS = 128
+ISSUE_PROBE_NBYTES = 512
 ISSUE_CYCLES = 64
 
 
@@ -248,7 +248,7 @@ def _issue_less_copies(issue_s: float, latency_s: float, engine) -> float:
     (an engine whose :attr:`~tensile_db.runtime.device.CopyEngine.INLINE_NBYTES` holds the probe's
     tensor: ``cpu``): the simulation prices that copy apart, at ``latency_s`` and up (Note [Issue
     cost])."""
-    if 4 * ISSUE_PROBE_ELEMENTS <= engine.INLINE_NBYTES:
+    if ISSUE_PROBE_NBYTES <= engine.INLINE_NBYTES:
         return max(issue_s - latency_s, 0.0)
     return issue_s
 
@@ -256,7 +256,7 @@ def _issue_less_copies(issue_s: float, latency_s: float, engine) -> float:
 def measure_issue(device, cycles: int = ISSUE_CYCLES) -> float:
     """Note [Issue cost]: seconds of the calling thread per swap action, half the median over
     ``cycles`` of one swap cycle (swap-out, release, swap-in, acquire) of a tensor of
-    :data:`ISSUE_PROBE_ELEMENTS` float32 elements, through a memory manager of its own on
+    :data:`ISSUE_PROBE_NBYTES` bytes (float32), through a memory manager of its own on
     ``device`` (closed before it returns), each copy on a copy engine waited for outside the
     timing (one the caller's thread makes, on ``cpu``, is inside it). 0 on a device whose clock is
     virtual (``sim``: its clock charges no bookkeeping)."""
@@ -265,7 +265,7 @@ def measure_issue(device, cycles: int = ISSUE_CYCLES) -> float:
     probe = MemoryManager(device, 1 << 20, pool="general")
     try:
         probe.register_job(1)
-        (t,) = probe.acquire(1, [], [Slot("issue_probe", Kind.ACTIVATION, (ISSUE_PROBE_ELEMENTS,))])
+        (t,) = probe.acquire(1, [], [Slot("issue_probe", Kind.ACTIVATION, (ISSUE_PROBE_NBYTES // 4,))])
         probe.unpin([t])
         cycle_s = []
         for _ in range(cycles):

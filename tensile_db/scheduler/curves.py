@@ -199,7 +199,7 @@ def _carry(curve: Curve, timeline: Timeline, job_id: int, start: int = 0) -> dic
     absences] in :mod:`~.planners`)."""
     trace, n_prog = timeline.traces[job_id], timeline.n_program_ops(job_id)
     out, index, widened = [], [], []
-    earlier = {widened_key(d): d for d in curve.decisions[:start] if d.method == "swap"}
+    earlier = {key: d for d in curve.decisions[:start] if (key := widened_key(d)) is not None}
     for i, d in enumerate(curve.decisions[start:], start):
         key = widened_key(d)
         before = earlier.get(key)

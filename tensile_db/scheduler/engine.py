@@ -16,13 +16,13 @@ pace it runs with :meth:`Scheduler.paced` (a change of pace is a reason to re-pl
 Re-planning (TENSILE, arXiv 2105.13336, section 4.3): the scheduler asks for a new plan when a job
 arrives (the new job then runs its cold-start iteration under the reactive policy, in bytes the
 plan reserves for it: its unscheduled peak; under ``tensile``, planned on estimated op times:
-Note [Estimated cold starts]), when a job's op times are measured (after its cold-start
-iteration; on a real device after the first warm one: Note [Warm-up iteration] in
-:mod:`~.trace`), when a job leaves, and when a job's measured iteration time has drifted by more
-than ``drift`` since the plan was made (Note [Drift of a median] in :mod:`~.trace`). The
-executor calls :meth:`Scheduler.replan` between two rounds when :attr:`Scheduler.replan_reasons` is not empty; the plan is made on a planning thread
-from a snapshot of the access sequences and installed by :meth:`Scheduler.poll` when it is
-ready, so jobs never wait for the planner.
+Note [Estimated cold starts]), when a job's op times are measured (after its cold-start iteration;
+on a real device after the first warm one: Note [Warm-up iteration] in :mod:`~.trace`), when a job
+leaves, and when a job's measured iteration time has drifted by more than ``drift`` since the plan
+was made (Note [Drift of a median] in :mod:`~.trace`). The executor calls :meth:`Scheduler.replan`
+between two rounds when :attr:`Scheduler.replan_reasons` is not empty; the plan is made on a
+planning thread from a snapshot of the access sequences and installed by :meth:`Scheduler.poll`
+when it is ready, so jobs never wait for the planner.
 
 Note [Estimated cold starts]
 ----------------------------
