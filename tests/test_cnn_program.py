@@ -36,6 +36,7 @@ from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.manager import JobMemory, MemoryManager, Residency
 from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.devices import make_device
+from tensile_db.runtime.layout import channels_first
 from tensile_db.runtime.model import ModelSpec, TrainOptions
 from tensile_db.runtime.network import INPUT
 from tensile_db.runtime.program import Kind, Op, Program
@@ -115,7 +116,8 @@ def test_every_node_and_parameter_has_its_ops(program):
             assert names.index(f"{node.op}{node.index}_backward") < names.index(f"{options.optimizer}_{p}")
     params = [p for node in spec.network.nodes for p in node.params]
     assert names[-len(params):] == [f"{options.optimizer}_{p}" for p in params]
-    assert prog.slots["x"].shape == (BATCH, *spec.network.input_shape)
+    c, h, w = spec.network.input_shape                      # images are stored channels last
+    assert prog.slots["x"].shape == (BATCH, h, w, c)
 
 
 def test_a_gradient_is_whole_before_it_is_read(program):
@@ -189,7 +191,8 @@ def test_gradients_equal_torch_autograd(program, dtype, rtol):
     x, y = batch_of(spec, BATCH, seed=6)
     arrays = forward_backward(spec, prog, weights, x, y, dtype)
 
-    masks = {int(k[4:]): v for k, v in arrays.items() if k.startswith("mask")}
+    # the program's dropout masks, an image's stored channels last, in PyTorch's axes
+    masks = {int(k[4:]): (channels_first(v) if v.ndim == 4 else v) for k, v in arrays.items() if k.startswith("mask")}
     loss, grads, stats = torch_reference(spec, weights, x.astype(dtype), y, masks,
                                          torch.float64 if dtype == np.float64 else torch.float32)
     assert arrays["loss"].dtype == dtype

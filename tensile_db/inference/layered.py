@@ -42,6 +42,7 @@ import numpy as np
 
 from ..errors import DeviceOutOfMemory, InvalidArgument, JobCancelled
 from ..memory.manager import MemoryManager, Tensor
+from ..runtime import layout
 from ..runtime import model as models
 from ..runtime.network import INPUT, Network, Node, evaluate
 from ..runtime.program import Kind, Slot
@@ -230,7 +231,8 @@ def run(mm: MemoryManager, model: ServedModel, x: np.ndarray, window: int, batch
             n = rows.stop - rows.start
             if i == 0:
                 xs = models.standardize(model.scaling, x[rows])        # one batch's scaled inputs
-                acts[INPUT] = mm.adopt(INFERENCE_JOB, "x", Kind.INPUT, xs.reshape(n, *model.spec.network.input_shape))
+                acts[INPUT] = mm.adopt(INFERENCE_JOB, "x", Kind.INPUT,
+                                      layout.images_from_rows(xs, model.spec.network.input_shape))
                 del xs
             for s in segments[i]:
                 if cancelled is not None and cancelled():
@@ -278,7 +280,7 @@ def _step(mm: MemoryManager, model: ServedModel, s: Step, n: int, acts: dict[int
     node = s.node
     layer = model.layers[s.layer] if s.layer is not None else None
     tensors = ([layer] if layer is not None else []) + [acts[v] for v in dict.fromkeys(node.inputs)]
-    slots = [Slot(f"h{node.index}", Kind.ACTIVATION, (n, *node.shape))]
+    slots = [Slot(f"h{node.index}", Kind.ACTIVATION, (n, *layout.stored(node.shape)))]
     if node.workspace_nelems(n):
         slots.append(Slot(f"ws{node.index}", Kind.WORKSPACE, (node.workspace_nelems(n),)))
     if layer is not None and layer.offset is None:     # not prefetched (no room) or evicted since: loaded now

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 from . import conv_kernels as ck
-from . import kernels
+from . import kernels, layout
 from .layers.base import ACTIVATIONS
 from .model import ModelSpec, TrainOptions
 from .network import INPUT, Node
@@ -82,7 +82,9 @@ class ProgramBuilder:
         return math.prod(self.slots[slot].shape)
 
     def rows(self, shape) -> tuple[int, ...]:
-        return (self.batch, *shape)
+        """The stored shape of a batch of rows of per-row ``shape`` (images channels last:
+        :func:`.layout.stored`)."""
+        return (self.batch, *layout.stored(shape))
 
     # -- the whole iteration ----------------------------------------------------------------------
 
@@ -94,7 +96,7 @@ class ProgramBuilder:
                       "int32" if classification else "float32")
 
         def load(a, ctx):
-            ctx.device.to_device(ctx.batch_x.reshape(a[x].shape), a[x])
+            ctx.device.to_device(layout.images_from_rows(ctx.batch_x, self.net.input_shape), a[x])
             ctx.device.to_device(ctx.batch_y, a[y])
 
         self.op("load_batch", (), (x, y), load, unit="load")

@@ -8,19 +8,22 @@ included: :class:`ConvGeometry` says how many elements its forward and backward 
 (the weights as a matrix, the padded input, the im2col matrix and the product of a chunk of the
 batch; backward also two weight gradients a worker adds its chunks' into), and the caller
 allocates them as arena tensors. Temporaries are per-channel vectors and,
-in pooling, masks of the output's size. Layout is NCHW: ``x`` (B, C, H, W). Kernels are
+in pooling, masks of the output's size. Images are stored channels last (Note [Channels last] in
+:mod:`.layout`): ``x`` (B, H, W, C), and a (C,) vector broadcasts over the last axis. Kernels are
 dtype-generic (float32 in training, float64 in the gradient tests) and array-module generic.
 
 Convolution is lowered to matrix products (im2col; Chellapilla, Puri and Simard, "High
-Performance Convolutional Neural Networks for Document Processing", 2006), channels last: a chunk
-of the batch is padded into (B, HP, WP, C), and each window of one group becomes a row of a
-(B·OH·OW, KH·KW·C/g) matrix in one strided copy whose innermost run is the window's KW·C
-adjacent elements (with the channels first, the copy ran an image row or, with the kernel
-innermost, three elements at a time). The forward pass is one product per group with the weights
-as a (O, KH·KW·C/g) matrix, the weight gradient another; the input gradient is, with stride 1,
-the forward lowering of ``dy`` with the flipped, transposed weights (the rows of the product in
-the order of ``dx``, no scatter), else a product and a scatter-add of the columns back into the
-padded input (col2im, one strided add per kernel offset). On the CPU the chunks are cache-sized
+Performance Convolutional Neural Networks for Document Processing", 2006): a chunk of the batch is
+padded into (B, HP, WP, C), and each window of one group becomes a row of a (B·OH·OW, KH·KW·C/g)
+matrix in one strided copy whose innermost run is the window's KW·C adjacent elements (with the
+channels first, the copy ran an image row or, with the kernel innermost, three elements at a
+time). The forward pass is one product per group with the weights as a (O, KH·KW·C/g) matrix,
+written into the output's rows (B·OH·OW, O) where there is one group; the weight gradient is
+another; the input gradient is, with stride 1, the forward lowering of ``dy`` with the flipped,
+transposed weights (the rows of the product in the order of ``dx``, no scatter), else a product
+and a scatter-add of the columns back into the padded input (col2im, one strided add per kernel
+offset). A 1x1 convolution of stride 1 without padding needs no lowering: its input's rows are
+its columns. On the CPU the chunks are cache-sized
 and run on all cores (Note [Chunk pipelines on the CPU] in :mod:`.workers`). The backward kernels
 compute gradients of a scalar loss ``L``: given ``dy = dL/dy`` they write ``dx = dL/dx`` and the
 parameter gradients.
@@ -32,13 +35,13 @@ channels last, im2col) for the weight gradient, and ``dy`` for the input gradien
 transposed convolution, besides copying ``dy`` channels last for the first product.
 
 Approach: the columns of ``dy``'s lowering are, for each input position ``(b, u, v)``, the
-``dy`` values under the flipped kernel's taps, ``dy[b, o, u + i·D − P', v + j·D − P']`` with
-``P' = D·(K − 1) − P``; so ``x`` channels last, (B·H·W, C/g), transposed, times those columns is
-``Σ_{b,u,v} x[b, c, u, v] · dy[b, o, u + i·D − P', v + j·D − P']``, the weight gradient at
+``dy`` values under the flipped kernel's taps, ``dy[b, u + i·D − P', v + j·D − P', o]`` with
+``P' = D·(K − 1) − P``; so ``x`` as a matrix, (B·H·W, C/g), transposed, times those columns is
+``Σ_{b,u,v} x[b, u, v, c] · dy[b, u + i·D − P', v + j·D − P', o]``, the weight gradient at
 ``(o, c, K − 1 − i, K − 1 − j)``: the weight gradient in the transposed weight matrix's layout
-(:func:`_transposed_weight_matrix`). One lowering, of ``dy``, then serves both products; ``x``
-channels last goes into the product workspace, which the input gradient's product fills after
-the weight gradient's has read it, so the workspace is what it was. The network's first layer
+(:func:`_transposed_weight_matrix`). One lowering, of ``dy``, then serves both products; with
+groups, a group's channels of ``x`` go into the product workspace, which the input gradient's
+product fills after the weight gradient's has read it. The network's first layer
 (no ``dx``) and strided convolutions keep the lowering of ``x``. A chunk of the small CNN's
 16 -> 16 3x3 convolution at 32x32 (two rows of the batch, one thread, medians of 101 calls, three
 alternated runs): 509-541 -> 406-425 µs; of its 24 -> 32 one at 16x16 (five rows): 638-661 ->
@@ -71,8 +74,9 @@ def _pair(v) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class ConvGeometry:
-    """The shapes of one 2-D convolution (or pooling window): input (B, C, H, W), kernel
-    (KH, KW), stride, padding (zeros on both sides), dilation, groups, output channels O.
+    """The shapes of one 2-D convolution (or pooling window): input of B rows of C channels of
+    H x W (stored (B, H, W, C): :attr:`in_shape`), kernel (KH, KW), stride, padding (zeros on
+    both sides), dilation, groups, output channels O.
 
     Raises ValueError for a kernel that does not fit the padded input, or channels that the
     groups do not divide."""
@@ -98,7 +102,8 @@ class ConvGeometry:
 
     @classmethod
     def of(cls, x_shape, out_channels: int, kernel, stride=1, padding=0, dilation=1, groups: int = 1):
-        b, c, h, w = x_shape
+        """The geometry of a stored input of shape ``x_shape`` (B, H, W, C)."""
+        b, h, w, c = x_shape
         return cls(b, c, h, w, out_channels, _pair(kernel), _pair(stride), _pair(padding), _pair(dilation), groups)
 
     def _out(self, size: int, k: int, s: int, p: int, d: int) -> int:
@@ -113,9 +118,19 @@ class ConvGeometry:
         return self._out(self.width, self.kernel[1], self.stride[1], self.padding[1], self.dilation[1])
 
     @property
+    def in_shape(self) -> tuple[int, int, int, int]:
+        """The stored input, (B, H, W, C)."""
+        return self.batch, self.height, self.width, self.channels
+
+    @property
     def out_shape(self) -> tuple[int, int, int, int]:
-        """(B, O, OH, OW)."""
-        return self.batch, self.out_channels, self.out_height, self.out_width
+        """The stored output, (B, OH, OW, O)."""
+        return self.batch, self.out_height, self.out_width, self.out_channels
+
+    @property
+    def out_image(self) -> tuple[int, int, int]:
+        """The output's per-row shape as a network names it, (O, OH, OW)."""
+        return self.out_channels, self.out_height, self.out_width
 
     @property
     def weight_shape(self) -> tuple[int, int, int, int]:
@@ -124,9 +139,8 @@ class ConvGeometry:
 
     @property
     def padded_shape(self) -> tuple[int, int, int, int]:
-        """The zero-padded input (B, C, H + 2·PH, W + 2·PW): the workspace of a pooling window; a
-        convolution keeps the same elements channels last, (B, H + 2·PH, W + 2·PW, C)."""
-        return self.batch, self.channels, self.height + 2 * self.padding[0], self.width + 2 * self.padding[1]
+        """The padded input (B, H + 2·PH, W + 2·PW, C): a lowering's and a pooling window's workspace."""
+        return self.batch, self.height + 2 * self.padding[0], self.width + 2 * self.padding[1], self.channels
 
     @property
     def cols_shape(self) -> tuple[int, int]:
@@ -139,6 +153,12 @@ class ConvGeometry:
     def product_shape(self) -> tuple[int, int]:
         """Workspace: one group's matrix product (B·OH·OW, O/g), channels last."""
         return self.batch * self.out_height * self.out_width, self.out_channels // self.groups
+
+    @property
+    def pointwise(self) -> bool:
+        """A 1x1 convolution of stride 1 without padding in one group: its input's rows are its
+        columns, lowered by no copy."""
+        return self.kernel == (1, 1) and self.stride == (1, 1) and self.padding == (0, 0) and self.groups == 1
 
     @property
     def workspace_nelems(self) -> int:
@@ -202,17 +222,23 @@ class ConvGeometry:
         return 3 * self.weight_nelems + self.rows_per_chunk * self.row_nelems(backward=True)
 
     def tap(self, padded, i: int, j: int):
-        """(B, C, OH, OW): the input element under kernel offset (i, j) of every window, as a
-        strided view of ``padded``."""
+        """(B, OH, OW, C): the input element under kernel offset (i, j) of every window, as a
+        strided view of ``padded`` (B, HP, WP, C)."""
         (sh, sw), (dh, dw) = self.stride, self.dilation
         oh, ow = self.out_height, self.out_width
-        return padded[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh, j * dw:j * dw + sw * (ow - 1) + 1:sw]
+        return padded[:, i * dh:i * dh + sh * (oh - 1) + 1:sh, j * dw:j * dw + sw * (ow - 1) + 1:sw]
+
+    def interior(self, padded):
+        """The input's elements of ``padded`` (B, HP, WP, C): a (B, H, W, C) view."""
+        ph, pw = self.padding
+        return padded[:, ph:ph + self.height, pw:pw + self.width]
 
 
 def _pad_into(x, padded, geometry: ConvGeometry, fill=0) -> None:
-    ph, pw = geometry.padding
-    padded.fill(fill)
-    padded[:, :, ph:ph + geometry.height, pw:pw + geometry.width] = x
+    """``x`` (B, H, W, C) into ``padded`` (B, HP, WP, C), ``fill`` around it."""
+    if any(geometry.padding):
+        padded.fill(fill)
+    geometry.interior(padded)[...] = x
 
 
 # --- convolution ---------------------------------------------------------------------------------
@@ -247,22 +273,13 @@ def _worker_room(geometry: ConvGeometry, rows: int, backward: bool, input_gradie
 
 def _lowering_views(geometry: ConvGeometry, flat):
     """The lowering workspaces of ``geometry`` as views of the flat array ``flat`` from its start:
-    the padded input channels last (B, HP, WP, C), the columns and the product."""
-    b, c, hp, wp = geometry.padded_shape
+    the padded input (B, HP, WP, C), the columns and the product."""
     views, start = [], 0
-    for shape in ((b, hp, wp, c), geometry.cols_shape, geometry.product_shape):
+    for shape in (geometry.padded_shape, geometry.cols_shape, geometry.product_shape):
         n = math.prod(shape)
         views.append(flat[start:start + n].reshape(shape))
         start += n
     return views
-
-
-def _pad_channels_last(x, padded, geometry: ConvGeometry) -> None:
-    """Zero-pad ``x`` (B, C, H, W) into ``padded`` (B, HP, WP, C)."""
-    ph, pw = geometry.padding
-    if ph or pw:
-        padded.fill(0)
-    padded[:, ph:ph + geometry.height, pw:pw + geometry.width] = x.transpose(0, 2, 3, 1)
 
 
 def _windows(geometry: ConvGeometry, padded, group: int):
@@ -274,7 +291,7 @@ def _windows(geometry: ConvGeometry, padded, group: int):
     source = padded[..., group * cg:(group + 1) * cg]
     sb, sh, sw, sc = source.strides
     (th, tw), (dh, dw) = geometry.stride, geometry.dilation
-    b, _, oh, ow = geometry.out_shape
+    b, oh, ow, _ = geometry.out_shape
     return xp.lib.stride_tricks.as_strided(source, (b, oh, ow, *geometry.kernel, cg),
                                            (sb, sh * th, sw * tw, sh * dh, sw * dw, sc))
 
@@ -307,35 +324,79 @@ def _transposed_weight_matrix(w, geometry: ConvGeometry, out) -> None:
 
 
 def _lowered(x, geometry: ConvGeometry, flat):
-    """Pad ``x`` (the rows of ``geometry``) into the lowering workspaces of ``flat``, then for
-    each group fill the columns with its windows and yield (group, columns, product workspace)."""
+    """For each group of ``geometry``, yield (group, columns, product workspace): the group's
+    windows of ``x`` (the rows of ``geometry``, (B, H, W, C)) as rows, in the lowering workspaces
+    of ``flat`` after padding ``x`` into them; or, for a pointwise convolution
+    (:attr:`ConvGeometry.pointwise`), ``x`` itself as a (B·H·W, C) matrix."""
     padded, cols, product = _lowering_views(geometry, flat)
-    _pad_channels_last(x, padded, geometry)
-    bsz, _, oh, ow = geometry.out_shape
+    if geometry.pointwise:
+        yield 0, x.reshape(cols.shape), product
+        return
+    _pad_into(x, padded, geometry)
+    bsz, oh, ow, _ = geometry.out_shape
     for g in range(geometry.groups):
         cols.reshape(bsz, oh, ow, *geometry.kernel, -1)[...] = _windows(geometry, padded, g)
         yield g, cols, product
 
 
+def _group_matrix(a, group: int, groups: int, workspace):
+    """One group's channels of ``a`` (B, H, W, C) as a (B·H·W, C/g) matrix: ``a`` itself where
+    there is one group, else a copy into ``workspace`` (at least that many elements, C-order)."""
+    rows, channels = math.prod(a.shape[:-1]), a.shape[-1]
+    if groups == 1:
+        return a.reshape(rows, channels)
+    cg = channels // groups
+    matrix = workspace.reshape(-1)[:rows * cg].reshape(rows, cg)
+    matrix.reshape(*a.shape[:-1], cg)[...] = a[..., group * cg:(group + 1) * cg]
+    return matrix
+
+
+def add_per_channel(a, v) -> None:
+    """``a += v`` over the last axis: ``a`` (..., C) C-contiguous, ``v`` (C,). An image is added
+    to as a (B·H, W·C) matrix with ``v`` tiled W times: a broadcast over a last axis of a few
+    channels took twice as long (Note [Channels last] in :mod:`.layout`)."""
+    matrix = _tiled_rows(a)
+    array_module(a).add(matrix, _tile_for(v, matrix), out=matrix)
+
+
+def _scale_per_channel(a, v, out) -> None:
+    """``out = a · v`` over the last axis, as :func:`add_per_channel` adds."""
+    matrix = _tiled_rows(a)
+    array_module(a).multiply(matrix, _tile_for(v, matrix), out=_tiled_rows(out))
+
+
+def _tile_for(v, matrix):
+    """The (C,) vector ``v`` tiled to the length of ``matrix``'s rows (:func:`_tiled_rows`)."""
+    if matrix.shape[-1] == v.shape[0]:
+        return v
+    return array_module(v).tile(v, matrix.shape[-1] // v.shape[0])
+
+
+def _tiled_rows(a):
+    """``a`` (..., C), C-contiguous, as a matrix whose rows are its last two axes' elements (one
+    row of an image, W·C), or ``a`` itself when it has at most two axes; a view, never a copy
+    (ValueError otherwise: a write into a copy would be lost)."""
+    if a.ndim <= 2:
+        return a
+    if not a.flags.c_contiguous:
+        raise ValueError(f"an array of shape {a.shape} and strides {a.strides} is not C-contiguous")
+    return a.reshape(-1, a.shape[-2] * a.shape[-1])
+
+
 def _forward_rows(x, wmat, b, out, geometry: ConvGeometry, flat) -> None:
     """``out = conv2d(x, w) + b`` for the rows of ``geometry``, ``wmat`` the weights as a matrix
-    (:func:`_weight_matrix`), ``flat`` room for its lowering workspaces."""
+    (:func:`_weight_matrix`), ``flat`` room for its lowering workspaces. With one group the
+    product is written into ``out`` as its (B·OH·OW, O) matrix."""
     xp = array_module(x)
     og = geometry.out_channels // geometry.groups
-    bsz, _, oh, ow = geometry.out_shape
     for g, cols, product in _lowered(x, geometry, flat):
-        xp.matmul(cols, wmat[g * og:(g + 1) * og].T, out=product)
-        out[:, g * og:(g + 1) * og] = product.reshape(bsz, oh, ow, og).transpose(0, 3, 1, 2)
+        if geometry.groups == 1:
+            xp.matmul(cols, wmat.T, out=out.reshape(product.shape))
+        else:
+            xp.matmul(cols, wmat[g * og:(g + 1) * og].T, out=product)
+            out[..., g * og:(g + 1) * og] = product.reshape(*out.shape[:-1], og)
     if b is not None:
-        xp.add(out, b.reshape(1, -1, 1, 1), out=out)
-
-
-def _dy_channels_last(dy, product, geometry: ConvGeometry, group: int):
-    """One group's output gradient channels last, (B·OH·OW, O/g), in the product workspace."""
-    og = geometry.out_channels // geometry.groups
-    bsz, _, oh, ow = geometry.out_shape
-    product.reshape(bsz, oh, ow, og)[...] = dy[:, group * og:(group + 1) * og].transpose(0, 2, 3, 1)
-    return product
+        add_per_channel(out, b)
 
 
 def _weight_gradient_rows(x, dy, dwmat, geometry: ConvGeometry, flat) -> None:
@@ -344,7 +405,7 @@ def _weight_gradient_rows(x, dy, dwmat, geometry: ConvGeometry, flat) -> None:
     xp = array_module(dy)
     og = geometry.out_channels // geometry.groups
     for g, cols, product in _lowered(x, geometry, flat):
-        xp.matmul(_dy_channels_last(dy, product, geometry, g).T, cols, out=dwmat[g * og:(g + 1) * og])
+        xp.matmul(_group_matrix(dy, g, geometry.groups, product).T, cols, out=dwmat[g * og:(g + 1) * og])
 
 
 def _gradients_transposed_rows(x, dy, wmat_t, dx, dwmat_t, geometry: ConvGeometry, flat) -> None:
@@ -353,15 +414,15 @@ def _gradients_transposed_rows(x, dy, wmat_t, dx, dwmat_t, geometry: ConvGeometr
     for both gradients]). ``wmat_t``: the weights as :func:`_transposed_weight_matrix` lays them
     out; ``dwmat_t`` (C, KH·KW·O/g): the weight gradient of these rows alone, in that layout."""
     xp = array_module(dy)
-    reverse = geometry.transposed
     cg = geometry.channels // geometry.groups
-    bsz, h, w = geometry.batch, geometry.height, geometry.width
-    for g, cols, product in _lowered(dy, reverse, flat):
-        channels_last = product.reshape(bsz, h, w, cg)      # group g of x, then of dx, channels last
-        channels_last[...] = x[:, g * cg:(g + 1) * cg].transpose(0, 2, 3, 1)
-        xp.matmul(product.T, cols, out=dwmat_t[g * cg:(g + 1) * cg])
-        xp.matmul(cols, wmat_t[g * cg:(g + 1) * cg].T, out=product)
-        dx[:, g * cg:(g + 1) * cg] = channels_last.transpose(0, 3, 1, 2)
+    for g, cols, product in _lowered(dy, geometry.transposed, flat):
+        xg = _group_matrix(x, g, geometry.groups, product)      # group g of x, then of dx
+        xp.matmul(xg.T, cols, out=dwmat_t[g * cg:(g + 1) * cg])
+        if geometry.groups == 1:
+            xp.matmul(cols, wmat_t.T, out=dx.reshape(xg.shape))
+        else:
+            xp.matmul(cols, wmat_t[g * cg:(g + 1) * cg].T, out=xg)
+            dx[..., g * cg:(g + 1) * cg] = xg.reshape(*dx.shape[:-1], cg)
 
 
 def _input_gradient_col2im(dy, wmat, dx, geometry: ConvGeometry, flat) -> None:
@@ -372,18 +433,17 @@ def _input_gradient_col2im(dy, wmat, dx, geometry: ConvGeometry, flat) -> None:
     padded, cols, product = _lowering_views(geometry, flat)
     padded.fill(0)                                           # the padded input's gradient meanwhile
     og, cg = geometry.out_channels // geometry.groups, geometry.channels // geometry.groups
-    bsz, _, oh, ow = geometry.out_shape
+    bsz, oh, ow, _ = geometry.out_shape
     (th, tw), (dh, dw) = geometry.stride, geometry.dilation
     for g in range(geometry.groups):
-        xp.matmul(_dy_channels_last(dy, product, geometry, g), wmat[g * og:(g + 1) * og], out=cols)
+        xp.matmul(_group_matrix(dy, g, geometry.groups, product), wmat[g * og:(g + 1) * og], out=cols)
         windows = cols.reshape(bsz, oh, ow, *geometry.kernel, cg)
         target = padded[..., g * cg:(g + 1) * cg]
         for i in range(geometry.kernel[0]):
             for j in range(geometry.kernel[1]):
                 target[:, i * dh:i * dh + th * (oh - 1) + 1:th, j * dw:j * dw + tw * (ow - 1) + 1:tw] += windows[
                     :, :, :, i, j]
-    ph, pw = geometry.padding
-    dx[...] = padded[:, ph:ph + geometry.height, pw:pw + geometry.width].transpose(0, 3, 1, 2)
+    dx[...] = geometry.interior(padded)
 
 
 def _chunks_of(worker: int, workers_n: int, rows: int, batch: int):
@@ -393,7 +453,7 @@ def _chunks_of(worker: int, workers_n: int, rows: int, batch: int):
 
 def conv2d_forward(x, w, b, out, geometry: ConvGeometry, flat) -> None:
     """``out = conv2d(x, w) + b``, lowered to matrix products chunk by chunk (:func:`chunk_plan`).
-    x: (B, C, H, W), w: (O, C/g, KH, KW), b: (O,) or None, out: (B, O, OH, OW), all of one float
+    x: (B, H, W, C), w: (O, C/g, KH, KW), b: (O,) or None, out: (B, OH, OW, O), all of one float
     dtype; ``flat``: a workspace of :attr:`ConvGeometry.forward_workspace_nelems` elements."""
     rows, n = chunk_plan(geometry, flat.size, False, array_module(x))
     wn = geometry.weight_nelems
@@ -411,7 +471,7 @@ def conv2d_forward(x, w, b, out, geometry: ConvGeometry, flat) -> None:
 
 def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) -> None:
     """Gradients of :func:`conv2d_forward` at input ``x``: dw (O, C/g, KH, KW), db (O,) unless
-    None, dx (B, C, H, W) unless None (the network's input), from dy (B, O, OH, OW); ``flat``: a
+    None, dx (B, H, W, C) unless None (the network's input), from dy (B, OH, OW, O); ``flat``: a
     workspace of :attr:`ConvGeometry.backward_workspace_nelems` elements. Where the stride is 1,
     ``dx`` is the convolution of ``dy`` with the transposed weights
     (:attr:`ConvGeometry.transposed`) and the weight gradient a product with the same lowering of
@@ -420,7 +480,7 @@ def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) -> None:
     gradients, and the workers' sums are added in worker order."""
     xp = array_module(dy)
     if db is not None:
-        xp.sum(dy, axis=(0, 2, 3), out=db)
+        channel_sum(dy, db)
     rows, n = chunk_plan(geometry, flat.size, True, xp, input_gradient=dx is not None)
     wn, reverse = geometry.weight_nelems, geometry.transposed
     one_lowering = dx is not None and reverse is not None
@@ -468,8 +528,8 @@ def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) -> None:
 
 
 def max_pool_forward(x, out, argmax, geometry: ConvGeometry, padded) -> None:
-    """Max over each window (padding counts as -inf, as in PyTorch). x: (B, C, H, W), out and
-    argmax: (B, C, OH, OW), argmax an integer array (the window's flat offset, for the backward
+    """Max over each window (padding counts as -inf, as in PyTorch). x: (B, H, W, C), out and
+    argmax: (B, OH, OW, C), argmax an integer array (the window's flat offset, for the backward
     pass; None at inference);
     ``geometry``: a window geometry whose output channels are C; ``padded``: its padded-input
     workspace."""
@@ -514,12 +574,12 @@ def max_pool_backward(dy, argmax, dx, geometry: ConvGeometry, padded) -> None:
     padded.fill(0)
     for offset in range(kh * kw):
         geometry.tap(padded, offset // kw, offset % kw)[...] += dy * (argmax == offset)
-    ph, pw = geometry.padding
-    dx[...] = padded[:, :, ph:ph + geometry.height, pw:pw + geometry.width]
+    dx[...] = geometry.interior(padded)
 
 
 def avg_pool_forward(x, out, geometry: ConvGeometry, padded) -> None:
-    """Mean over each window, zero padding counted (PyTorch's ``count_include_pad=True``)."""
+    """Mean over each window, zero padding counted (PyTorch's ``count_include_pad=True``). x: (B,
+    H, W, C), out: (B, OH, OW, C)."""
     if any(geometry.padding):
         _pad_into(x, padded, geometry)
     else:
@@ -540,55 +600,67 @@ def avg_pool_backward(dy, dx, geometry: ConvGeometry, padded) -> None:
     for i in range(kh):
         for j in range(kw):
             geometry.tap(padded, i, j)[...] += share
-    ph, pw = geometry.padding
-    dx[...] = padded[:, :, ph:ph + geometry.height, pw:pw + geometry.width]
+    dx[...] = geometry.interior(padded)
 
 
 def global_avg_pool_forward(x, out) -> None:
-    """``out = mean over H, W``. x: (B, C, H, W), out: (B, C)."""
-    array_module(x).mean(x, axis=(2, 3), out=out)
+    """``out = mean over H, W``. x: (B, H, W, C), out: (B, C)."""
+    array_module(x).mean(x, axis=(1, 2), out=out)
 
 
 def global_avg_pool_backward(dy, dx) -> None:
-    """dy: (B, C) -> dx: (B, C, H, W), each position dy / (H·W)."""
-    dx[...] = (dy / (dx.shape[2] * dx.shape[3]))[:, :, None, None]
+    """dy: (B, C) -> dx: (B, H, W, C), each position dy / (H·W)."""
+    dx[...] = (dy / (dx.shape[1] * dx.shape[2]))[:, None, None, :]
 
 
 # --- batch normalisation ---------------------------------------------------------------------------
 
 
-def _bn_axes(x) -> tuple[int, ...]:
-    return (0,) if x.ndim == 2 else (0, 2, 3)
+def channel_sum(a, out) -> None:
+    """``out`` (C,): the sum of ``a`` (..., C), C-contiguous, over every axis but the last; an
+    image's row sums (:func:`_tiled_rows`) are folded over its width."""
+    xp = array_module(a)
+    matrix = _tiled_rows(a)
+    if matrix.shape[1] == out.shape[0]:
+        xp.sum(matrix, axis=0, out=out)
+    else:
+        out[...] = matrix.sum(axis=0).reshape(-1, out.shape[0]).sum(axis=0)
 
 
-def _channel_dot(xp, a, b):
-    """(C,): the sum over every axis but the channel axis of ``a · b``, without an (a · b) temporary."""
-    return xp.einsum("nc,nc->c", a, b) if a.ndim == 2 else xp.einsum("nchw,nchw->c", a, b)
-
-
-def _per_channel(v, x):
-    return v.reshape(1, -1) if x.ndim == 2 else v.reshape(1, -1, 1, 1)
+def _channel_dot(a, b, out) -> None:
+    """``out`` (C,): the sum over every axis but the last of ``a · b``, without an (a · b)
+    temporary of ``a``'s size."""
+    xp = array_module(a)
+    rows_a, rows_b = _tiled_rows(a), _tiled_rows(b)
+    dot = xp.einsum("nc,nc->c", rows_a, rows_b)
+    out[...] = dot if dot.shape[0] == out.shape[0] else dot.reshape(-1, out.shape[0]).sum(axis=0)
 
 
 def _by_channels(kernel, x, per_channel: tuple, rest: tuple = ()) -> None:
-    """``kernel(*tensors, *vectors, *rest)`` on channel ranges at once on the CPU's workers
-    (:func:`.workers.split`): the tensors of ``per_channel`` (x's shape, or None) sliced on axis
-    1, its (C,) vectors (or None) on axis 0. Batch normalisation is independent per channel (a
-    channel's sums may add in another order in a range than in the whole: equal to rounding)."""
-    def channels(a: int, b: int) -> None:
-        kernel(*(None if t is None else (t[:, a:b] if t.ndim == x.ndim else t[a:b]) for t in per_channel), *rest)
+    """``kernel(*tensors, *vectors, *rest)``; for vectors (B, C), on channel ranges at once on the
+    CPU's workers (:func:`.workers.split`): the tensors of ``per_channel`` (x's shape, or None)
+    sliced on the last axis, its (C,) vectors (or None) likewise. Batch normalisation is
+    independent per channel (a channel's sums may add in another order in a range than in the
+    whole: equal to rounding). An image's channels are its innermost axis, so a range of them is
+    strided: an image runs in one call, its arithmetic on whole rows (:func:`_tiled_rows`)."""
+    if x.ndim != 2:
+        kernel(*per_channel, *rest)
+        return
 
-    workers.split(channels, x.shape[1], x.size, array_module(x))
+    def channels(a: int, b: int) -> None:
+        kernel(*(None if t is None else t[..., a:b] for t in per_channel), *rest)
+
+    workers.split(channels, x.shape[-1], x.size, array_module(x))
 
 
 def batch_norm_forward(x, gamma, beta, out, mean, invstd, running_mean=None, running_var=None,
                        momentum: float = 0.1, eps: float = 1e-5) -> None:
     """Training: normalise over the batch (and H, W) per channel, ``out = gamma · (x − mean) ·
-    invstd + beta`` (Ioffe and Szegedy, 2015). x: (B, C) or (B, C, H, W); gamma, beta, mean,
+    invstd + beta`` (Ioffe and Szegedy, 2015). x: (B, C) or (B, H, W, C); gamma, beta, mean,
     invstd: (C,). Writes the batch statistics ``mean`` and ``invstd = 1 / sqrt(var + eps)``
     (biased variance) for the backward pass and for a recompute that must give identical values,
     and, when given, updates ``running_mean`` / ``running_var`` in place with ``momentum`` and the
-    unbiased variance, as PyTorch does. Channel ranges run at once on the CPU's workers."""
+    unbiased variance, as PyTorch does. Vectors' channel ranges run at once on the CPU's workers."""
     _by_channels(_batch_norm_forward, x, (x, gamma, beta, out, mean, invstd, running_mean, running_var),
                  (momentum, eps))
 
@@ -596,20 +668,33 @@ def batch_norm_forward(x, gamma, beta, out, mean, invstd, running_mean=None, run
 def _batch_norm_forward(x, gamma, beta, out, mean, invstd, running_mean, running_var, momentum: float,
                         eps: float) -> None:
     xp = array_module(x)
-    axes = _bn_axes(x)
-    n = x.size // x.shape[1]
-    xp.mean(x, axis=axes, out=mean)
-    xp.subtract(x, _per_channel(mean, x), out=out)          # out holds x - mean meanwhile
-    var = _channel_dot(xp, out, out) / n
+    n = x.size // x.shape[-1]
+    channel_sum(x, mean)
+    mean /= n
+    _normalise(x, mean, None, None, out)                    # out holds x - mean meanwhile
+    var = xp.empty_like(mean)
+    _channel_dot(out, out, var)
+    var /= n
     xp.sqrt(var + eps, out=invstd)
     xp.divide(1.0, invstd, out=invstd)
-    xp.multiply(out, _per_channel(invstd * gamma, x), out=out)
-    xp.add(out, _per_channel(beta, x), out=out)
+    _scale_per_channel(out, invstd * gamma, out)
+    add_per_channel(out, beta)
     if running_mean is not None:
         running_mean *= 1 - momentum
         running_mean += momentum * mean
         running_var *= 1 - momentum
         running_var += momentum * var * (n / max(n - 1, 1))
+
+
+def _normalise(x, mean, scale, shift, out) -> None:
+    """``out = (x − mean) · scale + shift`` per channel (``scale``, ``shift``: (C,), or None to
+    leave that step out)."""
+    matrix = _tiled_rows(out)
+    array_module(x).subtract(_tiled_rows(x), _tile_for(mean, matrix), out=matrix)
+    if scale is not None:
+        _scale_per_channel(out, scale, out)
+    if shift is not None:
+        add_per_channel(out, shift)
 
 
 def batch_norm_apply(x, gamma, beta, mean, invstd, out) -> None:
@@ -620,10 +705,7 @@ def batch_norm_apply(x, gamma, beta, mean, invstd, out) -> None:
 
 
 def _batch_norm_apply(x, gamma, beta, mean, invstd, out) -> None:
-    xp = array_module(x)
-    xp.subtract(x, _per_channel(mean, x), out=out)
-    xp.multiply(out, _per_channel(invstd * gamma, x), out=out)
-    xp.add(out, _per_channel(beta, x), out=out)
+    _normalise(x, mean, invstd * gamma, beta, out)
 
 
 def batch_norm_backward(x, gamma, mean, invstd, dy, dx, dgamma, dbeta) -> None:
@@ -634,18 +716,17 @@ def batch_norm_backward(x, gamma, mean, invstd, dy, dx, dgamma, dbeta) -> None:
 
 def _batch_norm_backward(x, gamma, mean, invstd, dy, dx, dgamma, dbeta) -> None:
     xp = array_module(x)
-    n = x.size // x.shape[1]
+    n = x.size // x.shape[-1]
     xhat = dx if dx is not None else xp.empty_like(x)       # dx holds x̂ meanwhile
-    xp.subtract(x, _per_channel(mean, x), out=xhat)
-    xp.multiply(xhat, _per_channel(invstd, x), out=xhat)
-    xp.sum(dy, axis=_bn_axes(x), out=dbeta)
-    dgamma[...] = _channel_dot(xp, dy, xhat)
+    _normalise(x, mean, invstd, None, xhat)
+    channel_sum(dy, dbeta)
+    _channel_dot(dy, xhat, dgamma)
     if dx is not None:       # dx = gamma · invstd · (dy − (dbeta + x̂ · dgamma) / n)
-        xp.multiply(dx, _per_channel(dgamma, x), out=dx)
-        xp.add(dx, _per_channel(dbeta, x), out=dx)
+        _scale_per_channel(dx, dgamma, dx)
+        add_per_channel(dx, dbeta)
         xp.multiply(dx, -1.0 / n, out=dx)
         xp.add(dx, dy, out=dx)
-        xp.multiply(dx, _per_channel(gamma * invstd, x), out=dx)
+        _scale_per_channel(dx, gamma * invstd, dx)
 
 
 # --- graph structure -------------------------------------------------------------------------------
@@ -657,25 +738,34 @@ def add_forward(a, b, out) -> None:
 
 
 def concat_forward(inputs, out) -> None:
-    """Channel concatenation of (B, C_i, H, W) inputs into out: (B, ΣC_i, H, W)."""
+    """Channel concatenation of (B, H, W, C_i) inputs into out: (B, H, W, ΣC_i)."""
     start = 0
     for a in inputs:
-        out[:, start:start + a.shape[1]] = a
-        start += a.shape[1]
+        out[..., start:start + a.shape[-1]] = a
+        start += a.shape[-1]
 
 
 def concat_backward(dy, dxs) -> None:
-    """Split dy: (B, ΣC_i, H, W) into the inputs' gradients, in order."""
+    """Split dy: (B, H, W, ΣC_i) into the inputs' gradients, in order."""
     start = 0
     for dx in dxs:
-        dx[...] = dy[:, start:start + dx.shape[1]]
-        start += dx.shape[1]
+        dx[...] = dy[..., start:start + dx.shape[-1]]
+        start += dx.shape[-1]
 
 
 def flatten_forward(x, out) -> None:
-    """(B, C, H, W) -> (B, C·H·W), C-order (as ``torch.flatten(x, 1)``)."""
-    out[...] = x.reshape(x.shape[0], -1)
+    """(B, H, W, C) -> (B, C·H·W), each row in the order of (C, H, W) (as ``torch.flatten(x, 1)``
+    of the image in PyTorch's axes): a transposing copy. Vectors and other shapes: a copy."""
+    if x.ndim == 4:
+        out.reshape(x.shape[0], x.shape[3], x.shape[1], x.shape[2])[...] = x.transpose(0, 3, 1, 2)
+    else:
+        out[...] = x.reshape(out.shape)
 
 
 def flatten_backward(dy, dx) -> None:
-    dx[...] = dy.reshape(dx.shape)
+    """The gradient of :func:`flatten_forward`: dy (B, C·H·W) back to dx's shape."""
+    if dx.ndim == 4:
+        b, h, w, c = dx.shape
+        dx[...] = dy.reshape(b, c, h, w).transpose(0, 2, 3, 1)
+    else:
+        dx[...] = dy.reshape(dx.shape)

@@ -9,8 +9,9 @@ in the coordinator (:mod:`tensile_db.inference.layered`) all read this one graph
 (parsing, shapes, weights, inference and training ops) is one module of :mod:`.layers`; this module
 names none of them.
 
-Layout is NCHW: an image row is (C, H, W); a vector row is (F,). The last node is always the
-output layer, a dense layer to the task's outputs, which the architecture does not list.
+An image row is named (C, H, W) and stored (H, W, C) (:mod:`.layout`); a vector row is (F,).
+The last node is always the output layer, a dense layer to the task's outputs, which the
+architecture does not list.
 
 Parameters are named by node index ``i`` (counting nodes from 0 in execution order): ``W{i}`` and
 ``b{i}`` for a dense layer (W (I, O)) or a convolution (W (O, C/groups, KH, KW), b only with a
@@ -27,6 +28,7 @@ from functools import cached_property
 import numpy as np
 
 from ..errors import InvalidArgument
+from . import layout
 from .layers import base
 from .layers.base import (  # noqa: F401  (re-exported: the parsed layers' module is where users look)
     INPUT,
@@ -109,10 +111,10 @@ class Network:
         outs = []
         for start in range(0, len(x), chunk_rows):
             part = np.asarray(x[start:start + chunk_rows], np.float32)
-            values: dict[int, np.ndarray] = {INPUT: part.reshape(len(part), *self.input_shape)}
+            values: dict[int, np.ndarray] = {INPUT: layout.images_from_rows(part, self.input_shape)}
             left = {k: len(v) for k, v in self.consumers.items()}
             for node in self.nodes:
-                out = np.empty((len(part), *node.shape), np.float32)
+                out = np.empty((len(part), *layout.stored(node.shape)), np.float32)
                 ws = np.empty(node.workspace_nelems(len(part)), np.float32)
                 evaluate(node, [values[j] for j in node.inputs], weights, out, ws)
                 values[node.index] = out
@@ -125,9 +127,9 @@ class Network:
 
 
 def evaluate(node: Node, inputs: list, weights: dict, out, workspace) -> None:
-    """One node at inference, into ``out`` (B, *node.shape): its op (:meth:`.layers.base.NodeOp.evaluate`:
+    """One node at inference, into ``out`` (B, *:func:`.layout.stored` (node.shape)): its op (:meth:`.layers.base.NodeOp.evaluate`:
     batch norm with its running statistics, dropout as the identity), then its activation in
-    place. ``inputs``: the arrays of ``node.inputs`` (B, *shape); ``weights``: at least the node's
+    place. ``inputs``: the arrays of ``node.inputs`` (B, *stored shape); ``weights``: at least the node's
     arrays by name (:attr:`Node.weights`); ``workspace``: a flat float32 array of at least
     :meth:`Node.workspace_nelems` elements. NumPy or CuPy arrays."""
     node.kind.evaluate(node, inputs, weights, out, workspace)

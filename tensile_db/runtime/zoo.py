@@ -2,7 +2,7 @@
 writing their layers.
 
 This module owns the layer structures of the named models and their options; it produces the
-same architecture JSON a user could write by hand (a list of layer objects, NCHW, per-row input
+same architecture JSON a user could write by hand (a list of layer objects, per-row input
 shape ``[C, H, W]``), which the network parser then checks and builds like any other. The models:
 
 - ``vgg16``: Simonyan and Zisserman, "Very Deep Convolutional Networks for Large-Scale Image

@@ -255,7 +255,7 @@ class Node:
 
 class NodeOp:
     """What the nodes of one op are: the defaults are those of a node without weights whose
-    output is its input's values (flatten, an activation node): a copy forward, a copy of the
+    output is its input's values (an activation node): a copy forward, a copy of the
     gradient backward.
 
     The training methods take ``tb``, the program being built
@@ -280,7 +280,8 @@ class NodeOp:
         return {}
 
     def evaluate(self, node: Node, inputs: list, weights: dict, out, workspace) -> None:
-        """Inference into ``out`` (B, *node.shape), before the node's activation."""
+        """Inference into ``out`` (B, *node.shape stored: :func:`.layout.stored`), before the
+        node's activation."""
         out[...] = inputs[0].reshape(out.shape)
 
     def forward(self, tb, node: Node, ins: list[str], h: str) -> None:
@@ -313,12 +314,24 @@ def node_op(name: str):
 
 @node_op("flatten")
 class FlattenOp(NodeOp):
-    """(C, H, W) -> (C·H·W,), C-order: a copy (the node of a ``flatten`` layer, and the one a dense
-    layer or the output layer puts before itself on images)."""
+    """(C, H, W) -> (C·H·W,), C-order: a transposing copy of the stored image (the node of a
+    ``flatten`` layer, and the one a dense layer or the output layer puts before itself on
+    images; :func:`.conv_kernels.flatten_forward`)."""
+
+    def evaluate(self, node, inputs, weights, out, workspace):
+        ck.flatten_forward(inputs[0], out)
+
+    def forward(self, tb, node, ins, h):
+        inp = ins[0]
+        tb.op(f"flatten{node.index}", (inp,), (h,), lambda a, ctx: ck.flatten_forward(a[inp], a[h]))
+
+    def backward(self, tb, node, g, inp, dx):
+        tb.op(f"flatten{node.index}_backward", (g,), (dx,) if dx else (),
+              lambda a, ctx: ck.flatten_backward(a[g], a[dx]))
 
 
 def copy_into(src, dst) -> None:
-    """``dst[...] = src`` in ``dst``'s shape (flatten, and the gradients of a join)."""
+    """``dst[...] = src`` in ``dst``'s shape (a node that passes its input on, and the gradients of a join)."""
     dst[...] = src.reshape(dst.shape)
 
 

@@ -119,6 +119,6 @@ class ConcatOp(_JoinOp):
             start = 0
             for t, shape in zip(targets, shapes):
                 if t:
-                    a[t][...] = a[g][:, start:start + shape[1]]
-                start += shape[1]
+                    a[t][...] = a[g][..., start:start + shape[-1]]
+                start += shape[-1]
         return run

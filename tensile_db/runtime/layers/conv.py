@@ -1,4 +1,4 @@
-"""2-D convolutions: ``{"conv": O}``, NCHW, weight ``W{i}`` (O, C/groups, KH, KW) and, with a bias,
+"""2-D convolutions: ``{"conv": O}`` on images (C, H, W) stored channels last, weight ``W{i}`` (O, C/groups, KH, KW) and, with a bias,
 ``b{i}`` (O,); forward and backward by im2col in chunks of the batch (:mod:`..conv_kernels`)."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Conv:
                                   f"output channels ({self.channels})")
         g = window_geometry(where, c, h, w, self.channels, self.kernel, self.stride, self.padding, self.dilation,
                             self.groups)
-        return b.add("conv", [j], g.out_shape[1:], where, self.activation, layer=self)
+        return b.add("conv", [j], g.out_image, where, self.activation, layer=self)
 
 
 @node_op("conv")
@@ -114,6 +114,6 @@ class ConvOp(NodeOp):
 
 
 def conv_flops(tb, out: str, w: str) -> int:
-    """Multiply-adds of a convolution, times two: each output element (``out``: B, OC, OH, OW)
+    """Multiply-adds of a convolution, times two: each output element (``out``: B, OH, OW, OC)
     takes a dot product over the kernel's ``C/g * KH * KW`` taps (``w``: OC, C/g, KH, KW)."""
     return 2 * tb.numel(out) * math.prod(tb.slots[w].shape[1:])

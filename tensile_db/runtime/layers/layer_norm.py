@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import layout
 from ..kernels import array_module
 from ..program import Kind
 from .base import NodeOp, activation_option, layer_kind, node_op, number_option, options_object
@@ -99,29 +100,41 @@ class LayerNormOp(NodeOp):
         return 2 * batch * math.prod(node.shape[:-1])
 
     def evaluate(self, node, inputs, weights, out, workspace):
-        i, stats = node.index, out.shape[:-1]
+        v = _normalised_axes(node)
+        i, stats = node.index, v(out).shape[:-1]
         n = math.prod(stats)
-        layer_norm_forward(inputs[0], weights[f"gamma{i}"], weights[f"beta{i}"], out,
+        layer_norm_forward(v(inputs[0]), weights[f"gamma{i}"], weights[f"beta{i}"], v(out),
                            workspace[:n].reshape(stats), workspace[n:2 * n].reshape(stats), node.layer.eps)
 
     def forward(self, tb, node, ins, h):
-        i, inp, eps = node.index, ins[0], node.layer.eps
+        i, inp, eps, v = node.index, ins[0], node.layer.eps, _normalised_axes(node)
         tb.params(node)
         gamma, beta = f"gamma{i}", f"beta{i}"
         lm = tb.slot(f"lm{i}", Kind.ACTIVATION, tb.rows(node.shape[:-1]))
         ls = tb.slot(f"ls{i}", Kind.ACTIVATION, tb.rows(node.shape[:-1]))
         replay = tb.make_op(f"layer_norm{i}_replay", (inp, gamma, beta, lm, ls), (h,),
-                            lambda a, ctx: layer_norm_apply(a[inp], a[gamma], a[beta], a[lm], a[ls], a[h]),
+                            lambda a, ctx: layer_norm_apply(v(a[inp]), a[gamma], a[beta], a[lm], a[ls], v(a[h])),
                             flops=4 * tb.numel(h))
         tb.op(f"layer_norm{i}", (inp, gamma, beta), (h, lm, ls),
-              lambda a, ctx: layer_norm_forward(a[inp], a[gamma], a[beta], a[h], a[lm], a[ls], eps), replay,
+              lambda a, ctx: layer_norm_forward(v(a[inp]), a[gamma], a[beta], v(a[h]), a[lm], a[ls], eps), replay,
               flops=8 * tb.numel(h))
 
     def backward(self, tb, node, g, inp, dx):
-        i = node.index
+        i, v = node.index, _normalised_axes(node)
         gamma, lm, ls = f"gamma{i}", f"lm{i}", f"ls{i}"
         dgamma, dbeta = tb.gradients(node)
         tb.op(f"layer_norm{i}_backward", (inp, gamma, lm, ls, g), (dgamma, dbeta) + ((dx,) if dx else ()),
-              lambda a, ctx: layer_norm_backward(a[inp], a[gamma], a[lm], a[ls], a[g], a[dx] if dx else None,
+              lambda a, ctx: layer_norm_backward(v(a[inp]), a[gamma], a[lm], a[ls], v(a[g]), v(a[dx]) if dx else None,
                                                  a[dgamma], a[dbeta]),
               flops=12 * tb.numel(g))
+
+
+def _normalised_axes(node):
+    """How the node's arrays are read: an image's stored (B, H, W, C) in the network's axes
+    (:func:`.layout.channels_first`), whose last, the width, is the one normalised; other
+    shapes as they are."""
+    return layout.channels_first if layout.is_image(node.shape) else _as_is
+
+
+def _as_is(a):
+    return a

@@ -37,7 +37,7 @@ class Pool:
             raise InvalidArgument(f'{where}."padding" {list(self.padding)} must be at most half the window '
                                   f"{list(self.kernel)}")
         g = window_geometry(where, c, h, w, c, self.kernel, self.stride, self.padding, (1, 1), 1)
-        return b.add(f"{self.kind}_pool", [j], g.out_shape[1:], where, layer=self)
+        return b.add(f"{self.kind}_pool", [j], g.out_image, where, layer=self)
 
 
 @layer_kind("global_avg_pool")
@@ -58,7 +58,7 @@ class GlobalAvgPool:
 
 
 def pool_workspace(geometry: ck.ConvGeometry, flat):
-    """The padded input's view (B, C, H + 2p, W + 2p) of a flat workspace."""
+    """The padded input's view (B, H + 2p, W + 2p, C) of a flat workspace."""
     return flat[:math.prod(geometry.padded_shape)].reshape(geometry.padded_shape)
 
 
