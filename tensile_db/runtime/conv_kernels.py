@@ -359,12 +359,6 @@ def add_per_channel(a, v) -> None:
     array_module(a).add(matrix, _tile_for(v, matrix), out=matrix)
 
 
-def _scale_per_channel(a, v, out) -> None:
-    """``out = a · v`` over the last axis, as :func:`add_per_channel` adds."""
-    matrix = _tiled_rows(a)
-    array_module(a).multiply(matrix, _tile_for(v, matrix), out=_tiled_rows(out))
-
-
 def _tile_for(v, matrix):
     """The (C,) vector ``v`` tiled to the length of ``matrix``'s rows (:func:`_tiled_rows`)."""
     if matrix.shape[-1] == v.shape[0]:
@@ -617,68 +611,64 @@ def global_avg_pool_backward(dy, dx) -> None:
 
 
 def channel_sum(a, out) -> None:
-    """``out`` (C,): the sum of ``a`` (..., C), C-contiguous, over every axis but the last; an
-    image's row sums (:func:`_tiled_rows`) are folded over its width."""
-    xp = array_module(a)
-    matrix = _tiled_rows(a)
-    if matrix.shape[1] == out.shape[0]:
-        xp.sum(matrix, axis=0, out=out)
-    else:
-        out[...] = matrix.sum(axis=0).reshape(-1, out.shape[0]).sum(axis=0)
+    """``out`` (C,): the sum of ``a`` (..., C), C-contiguous, over every axis but the last."""
+    out[...] = _fold([_tiled_rows(a).sum(axis=0)], out.shape[0])
 
 
-def _channel_dot(a, b, out) -> None:
-    """``out`` (C,): the sum over every axis but the last of ``a · b``, without an (a · b)
-    temporary of ``a``'s size."""
-    xp = array_module(a)
-    rows_a, rows_b = _tiled_rows(a), _tiled_rows(b)
-    dot = xp.einsum("nc,nc->c", rows_a, rows_b)
-    out[...] = dot if dot.shape[0] == out.shape[0] else dot.reshape(-1, out.shape[0]).sum(axis=0)
+def _fold(partials: list, channels: int):
+    """(C,): the row sums ``partials`` (vectors of a :func:`_tiled_rows` row, W·C), added in
+    order, then over the width."""
+    total = partials[0]
+    for p in partials[1:]:
+        total = total + p
+    return total.reshape(-1, channels).sum(axis=0)
 
 
-def _by_channels(kernel, x, per_channel: tuple, rest: tuple = ()) -> None:
-    """``kernel(*tensors, *vectors, *rest)``; for vectors (B, C), on channel ranges at once on the
-    CPU's workers (:func:`.workers.split`): the tensors of ``per_channel`` (x's shape, or None)
-    sliced on the last axis, its (C,) vectors (or None) likewise. Batch normalisation is
-    independent per channel (a channel's sums may add in another order in a range than in the
-    whole: equal to rounding). An image's channels are its innermost axis, so a range of them is
-    strided: an image runs in one call, its arithmetic on whole rows (:func:`_tiled_rows`)."""
-    if x.ndim != 2:
-        kernel(*per_channel, *rest)
-        return
+def _row_parts(x, work) -> list:
+    """``work(start, stop)`` on ranges of the rows of ``x`` as :func:`_tiled_rows` gives them, at
+    once on the CPU's workers (:func:`.workers.split`); returns what each returned, in row order.
+    Batch normalisation's arithmetic is elementwise on rows and sums over them: parts of the rows
+    give the bits of one call elementwise, and sums equal to rounding (added part by part, in the
+    same order on every run with the same workers)."""
+    results = {}
 
-    def channels(a: int, b: int) -> None:
-        kernel(*(None if t is None else t[..., a:b] for t in per_channel), *rest)
+    def part(start: int, stop: int) -> None:
+        results[start] = work(start, stop)
 
-    workers.split(channels, x.shape[-1], x.size, array_module(x))
+    workers.split(part, _tiled_rows(x).shape[0], x.size, array_module(x))
+    return [results[k] for k in sorted(results)]
 
 
 def batch_norm_forward(x, gamma, beta, out, mean, invstd, running_mean=None, running_var=None,
                        momentum: float = 0.1, eps: float = 1e-5) -> None:
     """Training: normalise over the batch (and H, W) per channel, ``out = gamma · (x − mean) ·
-    invstd + beta`` (Ioffe and Szegedy, 2015). x: (B, C) or (B, H, W, C); gamma, beta, mean,
-    invstd: (C,). Writes the batch statistics ``mean`` and ``invstd = 1 / sqrt(var + eps)``
-    (biased variance) for the backward pass and for a recompute that must give identical values,
-    and, when given, updates ``running_mean`` / ``running_var`` in place with ``momentum`` and the
-    unbiased variance, as PyTorch does. Vectors' channel ranges run at once on the CPU's workers."""
-    _by_channels(_batch_norm_forward, x, (x, gamma, beta, out, mean, invstd, running_mean, running_var),
-                 (momentum, eps))
+    invstd + beta`` (Ioffe and Szegedy, 2015). x: (B, C) or (B, H, W, C), C-contiguous; gamma,
+    beta, mean, invstd: (C,). Writes the batch statistics ``mean`` and ``invstd = 1 / sqrt(var +
+    eps)`` (biased variance) for the backward pass and for a recompute that must give identical
+    values (:func:`batch_norm_apply`), and, when given, updates ``running_mean`` / ``running_var``
+    in place with ``momentum`` and the unbiased variance, as PyTorch does. An image's rows are
+    its W·C elements, the vectors tiled to them (Note [Channels last] in :mod:`.layout`); ranges
+    of rows run at once on the CPU's workers (:func:`_row_parts`)."""
+    xp, c = array_module(x), x.shape[-1]
+    n = x.size // c
+    rows, into = _tiled_rows(x), _tiled_rows(out)
+    mean[...] = _fold(_row_parts(x, lambda a, b: rows[a:b].sum(axis=0)), c) / n
+    centre = _tile_for(mean, rows)
 
+    def centred(a: int, b: int):                             # out holds x - mean meanwhile
+        xp.subtract(rows[a:b], centre, out=into[a:b])
+        return xp.einsum("nc,nc->c", into[a:b], into[a:b])
 
-def _batch_norm_forward(x, gamma, beta, out, mean, invstd, running_mean, running_var, momentum: float,
-                        eps: float) -> None:
-    xp = array_module(x)
-    n = x.size // x.shape[-1]
-    channel_sum(x, mean)
-    mean /= n
-    _normalise(x, mean, None, None, out)                    # out holds x - mean meanwhile
-    var = xp.empty_like(mean)
-    _channel_dot(out, out, var)
-    var /= n
+    var = _fold(_row_parts(x, centred), c) / n
     xp.sqrt(var + eps, out=invstd)
     xp.divide(1.0, invstd, out=invstd)
-    _scale_per_channel(out, invstd * gamma, out)
-    add_per_channel(out, beta)
+    scale, shift = _tile_for(invstd * gamma, rows), _tile_for(beta, rows)
+
+    def affine(a: int, b: int) -> None:
+        xp.multiply(into[a:b], scale, out=into[a:b])
+        xp.add(into[a:b], shift, out=into[a:b])
+
+    _row_parts(x, affine)
     if running_mean is not None:
         running_mean *= 1 - momentum
         running_mean += momentum * mean
@@ -686,47 +676,53 @@ def _batch_norm_forward(x, gamma, beta, out, mean, invstd, running_mean, running
         running_var += momentum * var * (n / max(n - 1, 1))
 
 
-def _normalise(x, mean, scale, shift, out) -> None:
-    """``out = (x − mean) · scale + shift`` per channel (``scale``, ``shift``: (C,), or None to
-    leave that step out)."""
-    matrix = _tiled_rows(out)
-    array_module(x).subtract(_tiled_rows(x), _tile_for(mean, matrix), out=matrix)
-    if scale is not None:
-        _scale_per_channel(out, scale, out)
-    if shift is not None:
-        add_per_channel(out, shift)
-
-
 def batch_norm_apply(x, gamma, beta, mean, invstd, out) -> None:
     """``out = gamma · (x − mean) · invstd + beta`` with given statistics: the saved batch
-    statistics in a recompute (bit-identical to the forward pass), or ``invstd = 1 / sqrt(
-    running_var + eps)`` with the running mean at inference."""
-    _by_channels(_batch_norm_apply, x, (x, gamma, beta, mean, invstd, out))
+    statistics in a recompute (bit-identical to :func:`batch_norm_forward`: the same three
+    elementwise steps), or ``invstd = 1 / sqrt(running_var + eps)`` with the running mean at
+    inference."""
+    xp = array_module(x)
+    rows, into = _tiled_rows(x), _tiled_rows(out)
+    centre, scale, shift = (_tile_for(v, rows) for v in (mean, invstd * gamma, beta))
 
+    def normalise(a: int, b: int) -> None:
+        xp.subtract(rows[a:b], centre, out=into[a:b])
+        xp.multiply(into[a:b], scale, out=into[a:b])
+        xp.add(into[a:b], shift, out=into[a:b])
 
-def _batch_norm_apply(x, gamma, beta, mean, invstd, out) -> None:
-    _normalise(x, mean, invstd * gamma, beta, out)
+    _row_parts(x, normalise)
 
 
 def batch_norm_backward(x, gamma, mean, invstd, dy, dx, dgamma, dbeta) -> None:
     """Gradients of the training-mode :func:`batch_norm_forward` from its saved statistics.
     Writes dgamma, dbeta: (C,) and dx (shape of x) unless None."""
-    _by_channels(_batch_norm_backward, x, (x, gamma, mean, invstd, dy, dx, dgamma, dbeta))
+    xp, c = array_module(x), x.shape[-1]
+    n = x.size // c
+    rows, grads = _tiled_rows(x), _tiled_rows(dy)
+    xhat = _tiled_rows(dx) if dx is not None else xp.empty_like(rows)    # dx holds x̂ meanwhile
+    centre, spread = _tile_for(mean, rows), _tile_for(invstd, rows)
 
+    def sums(a: int, b: int):
+        xp.subtract(rows[a:b], centre, out=xhat[a:b])
+        xp.multiply(xhat[a:b], spread, out=xhat[a:b])
+        return grads[a:b].sum(axis=0), xp.einsum("nc,nc->c", grads[a:b], xhat[a:b])
 
-def _batch_norm_backward(x, gamma, mean, invstd, dy, dx, dgamma, dbeta) -> None:
-    xp = array_module(x)
-    n = x.size // x.shape[-1]
-    xhat = dx if dx is not None else xp.empty_like(x)       # dx holds x̂ meanwhile
-    _normalise(x, mean, invstd, None, xhat)
-    channel_sum(dy, dbeta)
-    _channel_dot(dy, xhat, dgamma)
-    if dx is not None:       # dx = gamma · invstd · (dy − (dbeta + x̂ · dgamma) / n)
-        _scale_per_channel(dx, dgamma, dx)
-        add_per_channel(dx, dbeta)
-        xp.multiply(dx, -1.0 / n, out=dx)
-        xp.add(dx, dy, out=dx)
-        _scale_per_channel(dx, gamma * invstd, dx)
+    parts = _row_parts(x, sums)
+    dbeta[...] = _fold([p[0] for p in parts], c)
+    dgamma[...] = _fold([p[1] for p in parts], c)
+    if dx is None:
+        return
+    g, b, k = (_tile_for(v, rows) for v in (dgamma, dbeta, gamma * invstd))
+
+    def input_gradient(lo: int, hi: int) -> None:     # dx = gamma · invstd · (dy − (dbeta + x̂ · dgamma) / n)
+        d = xhat[lo:hi]
+        xp.multiply(d, g, out=d)
+        xp.add(d, b, out=d)
+        xp.multiply(d, -1.0 / n, out=d)
+        xp.add(d, grads[lo:hi], out=d)
+        xp.multiply(d, k, out=d)
+
+    _row_parts(x, input_gradient)
 
 
 # --- graph structure -------------------------------------------------------------------------------
