@@ -351,7 +351,7 @@ def _group_matrix(a, group: int, groups: int, workspace):
     return matrix
 
 
-def add_per_channel(a, v) -> None:
+def _add_per_channel(a, v) -> None:
     """``a += v`` over the last axis: ``a`` (..., C) C-contiguous, ``v`` (C,). An image is added
     to as a (B·H, W·C) matrix with ``v`` tiled W times: a broadcast over a last axis of a few
     channels took twice as long (Note [Channels last] in :mod:`.layout`)."""
@@ -390,7 +390,7 @@ def _forward_rows(x, wmat, b, out, geometry: ConvGeometry, flat) -> None:
             xp.matmul(cols, wmat[g * og:(g + 1) * og].T, out=product)
             out[..., g * og:(g + 1) * og] = product.reshape(*out.shape[:-1], og)
     if b is not None:
-        add_per_channel(out, b)
+        _add_per_channel(out, b)
 
 
 def _weight_gradient_rows(x, dy, dwmat, geometry: ConvGeometry, flat) -> None:
@@ -474,7 +474,7 @@ def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) -> None:
     gradients, and the workers' sums are added in worker order."""
     xp = array_module(dy)
     if db is not None:
-        channel_sum(dy, db)
+        _channel_sum(dy, db)
     rows, n = chunk_plan(geometry, flat.size, True, xp, input_gradient=dx is not None)
     wn, reverse = geometry.weight_nelems, geometry.transposed
     one_lowering = dx is not None and reverse is not None
@@ -610,7 +610,7 @@ def global_avg_pool_backward(dy, dx) -> None:
 # --- batch normalisation ---------------------------------------------------------------------------
 
 
-def channel_sum(a, out) -> None:
+def _channel_sum(a, out) -> None:
     """``out`` (C,): the sum of ``a`` (..., C), C-contiguous, over every axis but the last."""
     out[...] = _fold([_tiled_rows(a).sum(axis=0)], out.shape[0])
 
