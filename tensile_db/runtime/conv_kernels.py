@@ -379,7 +379,8 @@ def _tiled_rows(a):
 
 def _forward_rows(x, wmat, b, out, geometry: ConvGeometry, flat) -> None:
     """``out = conv2d(x, w) + b`` for the rows of ``geometry``, ``wmat`` the weights as a matrix
-    (:func:`_weight_matrix`), ``flat`` room for its lowering workspaces. With one group the
+    (:func:`_weight_matrix`), ``b`` (O,) or tiled to a row of ``out`` (:func:`_tile_for`), or
+    None, ``flat`` room for its lowering workspaces. With one group the
     product is written into ``out`` as its (B·OH·OW, O) matrix."""
     xp = array_module(x)
     og = geometry.out_channels // geometry.groups
@@ -454,11 +455,12 @@ def conv2d_forward(x, w, b, out, geometry: ConvGeometry, flat) -> None:
     wmat = flat[:wn].reshape(geometry.out_channels, -1)
     _weight_matrix(w, geometry, wmat)
     room = _worker_room(geometry, rows, backward=False)
+    bias = None if b is None else _tile_for(b, _tiled_rows(out))      # tiled once, for every chunk
 
     def work(k: int) -> None:
         region = flat[wn + k * room:wn + (k + 1) * room]
         for start, stop in _chunks_of(k, n, rows, geometry.batch):
-            _forward_rows(x[start:stop], wmat, b, out[start:stop], replace(geometry, batch=stop - start), region)
+            _forward_rows(x[start:stop], wmat, bias, out[start:stop], replace(geometry, batch=stop - start), region)
 
     workers.run(work, n)
 
