@@ -143,6 +143,20 @@ def test_relu_gradient_at_zero_and_nan_is_pytorchs(rng):
     np.testing.assert_array_equal(dx, xt.grad.numpy())
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_relu_of_many_rows_is_max_of_x_and_zero_nan_included(rng, dtype):
+    """A tensor of more elements than the zero row, and not a multiple of it: the rows against
+    the zero row and the tail against the scalar give ``max(x, 0)``, NaN kept, in place too."""
+    x = rng.standard_normal((3, K.ZERO_ROW_NELEMS // 2 + 5)).astype(dtype)
+    x[0, 1], x[2, -1], x[1, 3] = np.nan, np.nan, -0.0
+    out = np.full_like(x, 7.0)
+    K.relu_forward(x, out)
+    np.testing.assert_array_equal(out, np.maximum(x, 0))
+    assert np.isnan(out[2, -1]) and np.isnan(out[0, 1]) and out[1, 3] == 0
+    K.relu_forward(x, x)
+    np.testing.assert_array_equal(x, out)
+
+
 @pytest.mark.parametrize("name", sorted(K.ACTIVATIONS))
 def test_activation_matches_finite_differences(rng, name):
     forward, backward = K.ACTIVATIONS[name]

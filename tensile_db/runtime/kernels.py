@@ -14,6 +14,8 @@ it may (dropout's may).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import workers
@@ -55,11 +57,36 @@ def dense_backward(x, w, dy, dx, dw, db) -> None:
 # --- activations (backward from the forward output y, which is what the layer keeps) ------------
 
 
+#: Elements of the zero row :func:`relu_forward` compares against on the CPU.
+ZERO_ROW_NELEMS = 1 << 14
+
+
+@functools.lru_cache(maxsize=None)
+def _zero_row(dtype) -> np.ndarray:
+    row = np.zeros(ZERO_ROW_NELEMS, dtype)
+    row.flags.writeable = False
+    return row
+
+
+def _relu_flat(x, out) -> None:
+    """``out = max(x, 0)`` of 1-D contiguous NumPy arrays, as rows of :data:`ZERO_ROW_NELEMS`
+    against a row of zeros: NumPy 2.4's maximum of float32 against a scalar took 0.39 ms for
+    2^20 elements, against 0.15 ms with the zeros as an array (the tail, with the scalar)."""
+    full = x.size - x.size % ZERO_ROW_NELEMS
+    if full:
+        np.maximum(x[:full].reshape(-1, ZERO_ROW_NELEMS), _zero_row(x.dtype),
+                   out=out[:full].reshape(-1, ZERO_ROW_NELEMS))
+    np.maximum(x[full:], 0, out=out[full:])
+
+
 def relu_forward(x, out) -> None:
-    """``out = max(x, 0)``, elementwise; x and out of one shape (on the CPU, a large one split by
-    rows over the workers: :func:`.workers.split`)."""
+    """``out = max(x, 0)``, elementwise (a NaN stays NaN); x and out of one shape (on the CPU,
+    a large one split by rows over the workers: :func:`.workers.split`)."""
     xp = array_module(x)
-    workers.split(lambda a, b: xp.maximum(x[a:b], 0, out=out[a:b]), len(x), x.size, xp)
+    if xp is np and x.flags.c_contiguous and out.flags.c_contiguous:
+        workers.split(lambda a, b: _relu_flat(x[a:b].reshape(-1), out[a:b].reshape(-1)), len(x), x.size, xp)
+    else:
+        workers.split(lambda a, b: xp.maximum(x[a:b], 0, out=out[a:b]), len(x), x.size, xp)
 
 
 def relu_backward(y, dy, dx) -> None:
