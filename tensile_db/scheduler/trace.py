@@ -54,6 +54,8 @@ planners still read the moving average.
 from __future__ import annotations
 
 import collections
+import math
+import statistics
 
 import numpy as np
 import scipy.optimize
@@ -102,11 +104,11 @@ class AccessSequence:
         """Fold one measured time of op ``position`` (seconds) into the moving average; in the
         first iteration after a provisional cold start (:attr:`warm_up`), the time replaces the
         cold start's."""
-        old = self.times_s[position]
-        first = np.isnan(old) or (self.warm_up and self.iterations == 1)
+        old = float(self.times_s[position])           # Python floats: this runs after every op
+        first = math.isnan(old) or (self.warm_up and self.iterations == 1)
         self.times_s[position] = seconds if first else old + self.smoothing * (seconds - old)
-        if self.iterations > 0:
-            self.best_s[position] = np.fmin(self.best_s[position], seconds)
+        if self.iterations > 0 and not self.best_s[position] <= seconds:     # NaN: none yet
+            self.best_s[position] = seconds
         self._this_s += seconds
 
     def end_iteration(self) -> None:
@@ -147,7 +149,7 @@ class AccessSequence:
         """Seconds of one iteration as :meth:`drift` reads them: the median of the measured
         seconds of the latest :data:`DRIFT_WINDOW` iterations after the cold start (before
         any, :attr:`iteration_s`)."""
-        return float(np.median(self.recent_s)) if self.recent_s else self.iteration_s
+        return statistics.median(self.recent_s) if self.recent_s else self.iteration_s
 
     def drift(self, reference: "AccessSequence") -> float:
         """Relative change of the typical iteration time (:attr:`typical_iteration_s`) since
