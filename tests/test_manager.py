@@ -73,6 +73,24 @@ def test_acquire_array_release_free():
         mm.unpin([t])                                  # no longer pinned
 
 
+def test_a_block_taken_again_is_seen_in_the_new_tensors_shape_and_dtype():
+    """Views of the arena are kept for reuse by offset, shape and dtype: a tensor that takes
+    the block of a freed one of another shape or dtype sees its own, over the same bytes."""
+    mm = make(4)
+    (a,) = mm.acquire(1, [], [Slot("a", ACT, (4, 2), "float32")])
+    mm.array(a)[...] = np.arange(8, dtype=np.float32).reshape(4, 2)
+    offset, view = a.offset, mm.array(a)
+    assert mm.array(a) is view
+    mm.unpin([a])
+    mm.free(a)
+    (b,) = mm.acquire(1, [], [Slot("b", ACT, (8,), "int32")])
+    assert b.offset == offset
+    assert mm.array(b).shape == (8,) and mm.array(b).dtype == np.int32
+    assert np.array_equal(mm.array(b), np.arange(8, dtype=np.float32).view(np.int32))
+    mm.unpin([b])
+    mm.close()
+
+
 def test_to_host_is_a_copy():
     mm = make(4)
     t = new(mm, 1, "a", fill=pattern(F32_PER_UNIT, 0))

@@ -91,6 +91,7 @@ class MemoryManager(Residencies):
         self.budget_nbytes = self.allocator.capacity_nbytes  # constant
         self.limit_nbytes = self.budget_nbytes   # set by the scheduler (before the first op, and with each plan); read under _lock
         self.buffer = device.arena_buffer(self.budget_nbytes)   # constant
+        self._views: dict = {}         # (offset, shape, dtype) -> a view of the buffer (Residencies.array)
         self.compactions = 0           # times the arena was defragmented; guarded by _lock
         self.compacted_nbytes = 0      # bytes moved by defragmenting, cumulative; guarded by _lock
         self.next_use: NextUse = next_use or (lambda t: math.inf)   # set by the scheduler before the first op
