@@ -250,7 +250,7 @@ def test_a_small_network_of_these_kernels_matches_torch_end_to_end(rng):
 @pytest.mark.parametrize("groups, bias, stride", [(1, True, 1), (2, False, 1), (1, False, 2)])
 def test_chunked_convolution_matches_torch_with_bounded_workspace(rng, groups, bias, stride, monkeypatch):
     """A bounded workspace holds fewer rows than the batch; the CPU lowers cache-sized chunks of
-    them on two workers (weight gradients added per worker, then over workers), the transposed
+    them on two workers (weight gradients added in chunk order), the transposed
     convolution (stride 1) or col2im (stride 2) giving dx."""
     g = ConvGeometry.of((20, 6, 6, 2), 4, 3, stride, 1, 1, groups)
     assert g.rows_per_chunk == 20                       # a small workspace is not worth chunking
@@ -291,8 +291,8 @@ def test_chunked_convolution_matches_torch_with_bounded_workspace(rng, groups, b
 
 
 def test_two_workers_give_the_gradients_of_one(rng, monkeypatch):
-    """The same backward pass on one worker and on two (cache-sized chunks of two rows): equal to
-    rounding (the weight gradient's sums are grouped by worker), and the same on every run."""
+    """The same backward pass on one worker and on two (cache-sized chunks of two rows): the same
+    bits, the weight gradients of the chunks added in chunk order whichever worker made them."""
     g = ConvGeometry.of((8, 5, 5, 3), 4, 3, padding=1)
     monkeypatch.setattr(K, "CACHE_NELEMS", 2 * g.row_nelems(backward=True))
     x, wt, dy = rng.normal(size=g.in_shape), rng.normal(size=g.weight_shape), rng.normal(size=g.out_shape)
@@ -303,9 +303,53 @@ def test_two_workers_give_the_gradients_of_one(rng, monkeypatch):
         dx, dw = empty(x.shape), empty(wt.shape)
         K.conv2d_backward(x, wt, dy, dx, dw, None, g, empty(g.backward_workspace_nelems))
         grads.setdefault(n, []).append((dx, dw))
-    np.testing.assert_allclose(grads[1][0][1], grads[2][0][1], rtol=1e-12)
-    np.testing.assert_array_equal(grads[1][0][0], grads[2][0][0])           # dx: no sums across chunks
+    np.testing.assert_array_equal(grads[1][0][1], grads[2][0][1])
+    np.testing.assert_array_equal(grads[1][0][0], grads[2][0][0])
     np.testing.assert_array_equal(grads[2][0][1], grads[2][1][1])
+
+
+def test_chunks_that_finish_out_of_order_are_added_in_order(rng, monkeypatch):
+    """Two workers take the chunks as they come free; the first chunk is the last to finish (its
+    worker is held up), so the others wait for it to be added: the weight gradient has the bits
+    of one worker all the same. A chunk that fails raises from the backward pass, and the other
+    worker stops taking chunks (no hang)."""
+    import threading
+    import time
+
+    g = ConvGeometry.of((12, 5, 5, 3), 4, 3, padding=1)
+    monkeypatch.setattr(K, "CACHE_NELEMS", 2 * g.row_nelems(backward=True))
+    x, wt, dy = rng.normal(size=g.in_shape), rng.normal(size=g.weight_shape), rng.normal(size=g.out_shape)
+    rows = K._gradients_transposed_rows
+    monkeypatch.setattr(K.workers, "count", lambda: 1)
+    alone = empty(wt.shape)
+    K.conv2d_backward(x, wt, dy, empty(x.shape), alone, None, g, empty(g.backward_workspace_nelems))
+    monkeypatch.setattr(K.workers, "count", lambda: 2)
+    others = threading.Event()
+    first_thread = []
+
+    def held_up(x_, dy_, *args):
+        if x_.base is x and x_.ctypes.data == x.ctypes.data and not first_thread:   # chunk 0
+            first_thread.append(threading.get_ident())
+            others.wait(10)                              # until the other worker has done two
+            time.sleep(0.05)
+        rows(x_, dy_, *args)
+        if threading.get_ident() not in first_thread and x_.ctypes.data == x[4:].ctypes.data:
+            others.set()
+
+    monkeypatch.setattr(K, "_gradients_transposed_rows", held_up)
+    dw = empty(wt.shape)
+    K.conv2d_backward(x, wt, dy, empty(x.shape), dw, None, g, empty(g.backward_workspace_nelems))
+    assert others.is_set()
+    np.testing.assert_array_equal(dw, alone)
+
+    def fails(x_, *args):
+        if x_.ctypes.data == x[2:].ctypes.data:
+            raise RuntimeError("chunk 1 failed")
+        rows(x_, *args)
+
+    monkeypatch.setattr(K, "_gradients_transposed_rows", fails)
+    with pytest.raises(RuntimeError, match="chunk 1 failed"):
+        K.conv2d_backward(x, wt, dy, empty(x.shape), dw, None, g, empty(g.backward_workspace_nelems))
 
 
 def test_kernels_split_over_workers_give_the_same_bits(rng, monkeypatch):

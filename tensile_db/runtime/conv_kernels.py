@@ -51,6 +51,7 @@ alternated runs): 509-541 -> 406-425 µs; of its 24 -> 32 one at 16x16 (five row
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -441,9 +442,50 @@ def _input_gradient_col2im(dy, wmat, dx, geometry: ConvGeometry, flat) -> None:
     dx[...] = geometry.interior(padded)
 
 
-def _chunks_of(worker: int, workers_n: int, rows: int, batch: int):
-    """(start, stop) of the chunks of ``rows`` rows that ``worker`` of ``workers_n`` takes."""
-    return [(start, min(start + rows, batch)) for start in range(worker * rows, batch, workers_n * rows)]
+def _chunks(rows: int, batch: int) -> list[tuple[int, int]]:
+    """(start, stop) of each chunk of ``rows`` rows of a batch of ``batch``, in order."""
+    return [(start, min(start + rows, batch)) for start in range(0, batch, rows)]
+
+
+class _InOrder:
+    """The chunks of a backward pass, handed out in order to whichever worker asks first, each
+    with a buffer for its weight gradient; the buffers are added into ``total`` in chunk order,
+    whichever worker finishes first (Note [Chunks to the first free worker] in :mod:`.workers`).
+    Chunk 0 writes into ``total`` itself; the others take one of ``spares`` and give it back once
+    added. A worker that fails calls :meth:`fail`: the others then take no more chunks."""
+
+    def __init__(self, chunks: list, total, spares: list, xp):
+        self._chunks, self._total, self._free, self._xp = chunks, total, list(spares), xp
+        self._cond = threading.Condition()
+        self._next = self._added = 0                 # the next chunk to hand out, and to add
+        self._ready: dict = {}                       # chunk -> its buffer, done, not yet added
+        self._failed = False
+
+    def take(self):
+        """(chunk index, (start, stop), buffer), or None when no chunk is left."""
+        with self._cond:
+            while self._next and not self._free and not self._failed and self._next < len(self._chunks):
+                self._cond.wait()                    # an earlier chunk, being computed, frees one
+            if self._failed or self._next >= len(self._chunks):
+                return None
+            i, self._next = self._next, self._next + 1
+            return i, self._chunks[i], self._free.pop() if i else self._total
+
+    def done(self, i: int, buffer) -> None:
+        with self._cond:
+            self._ready[i] = buffer
+            while self._added in self._ready:
+                b = self._ready.pop(self._added)
+                if self._added:
+                    self._xp.add(self._total, b, out=self._total)
+                    self._free.append(b)
+                self._added += 1
+            self._cond.notify_all()
+
+    def fail(self) -> None:
+        with self._cond:
+            self._failed = True
+            self._cond.notify_all()
 
 
 def conv2d_forward(x, w, b, out, geometry: ConvGeometry, flat) -> None:
@@ -457,9 +499,11 @@ def conv2d_forward(x, w, b, out, geometry: ConvGeometry, flat) -> None:
     room = _worker_room(geometry, rows, backward=False)
     bias = None if b is None else _tile_for(b, _tiled_rows(out))      # tiled once, for every chunk
 
+    chunks = iter(_chunks(rows, geometry.batch))      # shared: the first free worker takes the next
+
     def work(k: int) -> None:
         region = flat[wn + k * room:wn + (k + 1) * room]
-        for start, stop in _chunks_of(k, n, rows, geometry.batch):
+        for start, stop in chunks:
             _forward_rows(x[start:stop], wmat, bias, out[start:stop], replace(geometry, batch=stop - start), region)
 
     workers.run(work, n)
@@ -472,8 +516,8 @@ def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) -> None:
     ``dx`` is the convolution of ``dy`` with the transposed weights
     (:attr:`ConvGeometry.transposed`) and the weight gradient a product with the same lowering of
     ``dy`` (Note [One lowering for both gradients]); else the weight gradient is a product with
-    ``x`` lowered, and ``dx`` a product and col2im. Each worker adds up its chunks' weight
-    gradients, and the workers' sums are added in worker order."""
+    ``x`` lowered, and ``dx`` a product and col2im. The chunks' weight gradients are added in
+    chunk order, whichever worker made them (:class:`_InOrder`)."""
     xp = array_module(dy)
     if db is not None:
         _channel_sum(dy, db)
@@ -491,29 +535,33 @@ def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) -> None:
         _weight_matrix(w, geometry, wmat)
     room = _worker_room(geometry, rows, backward=True, input_gradient=dx is not None)
 
+    # each worker's room starts with two weight gradients: the first is the sum, the rest hold a chunk's
+    grads = [flat[wn + k * room + i * wn:wn + k * room + (i + 1) * wn].reshape(grad_rows, -1)
+             for k in range(n) for i in (0, 1)]
+    queue = _InOrder(_chunks(rows, geometry.batch), grads[0], grads[1:], xp) if n else None
+
     def work(k: int) -> None:
-        at = wn + k * room
-        total, part = (flat[at + i * wn:at + (i + 1) * wn].reshape(grad_rows, -1) for i in (0, 1))
-        region = flat[at + 2 * wn:at + room]
-        for index, (start, stop) in enumerate(_chunks_of(k, n, rows, geometry.batch)):
-            g = replace(geometry, batch=stop - start)
-            into = part if index else total
-            if one_lowering:
-                _gradients_transposed_rows(x[start:stop], dy[start:stop], wmat, dx[start:stop], into, g, region)
-            else:
-                _weight_gradient_rows(x[start:stop], dy[start:stop], into, g, region)
-                if dx is not None:
-                    _input_gradient_col2im(dy[start:stop], wmat, dx[start:stop], g, region)
-            if index:
-                xp.add(total, part, out=total)
+        region = flat[wn + k * room + 2 * wn:wn + (k + 1) * room]
+        try:
+            while (taken := queue.take()) is not None:
+                index, (start, stop), into = taken
+                g = replace(geometry, batch=stop - start)
+                if one_lowering:
+                    _gradients_transposed_rows(x[start:stop], dy[start:stop], wmat, dx[start:stop], into, g, region)
+                else:
+                    _weight_gradient_rows(x[start:stop], dy[start:stop], into, g, region)
+                    if dx is not None:
+                        _input_gradient_col2im(dy[start:stop], wmat, dx[start:stop], g, region)
+                queue.done(index, into)
+        except BaseException:
+            queue.fail()
+            raise
 
     workers.run(work, n)
     if n == 0:                                              # an empty batch: no chunk wrote a gradient
         dw.fill(0)
         return
     total = flat[wn:2 * wn]
-    for k in range(1, n):
-        xp.add(total, flat[wn + k * room:wn + k * room + wn], out=total)
     if one_lowering:
         dw.reshape(geometry.groups, -1, *dw.shape[1:])[...] = _transposed_matrix_as_weights(total, geometry)
     else:

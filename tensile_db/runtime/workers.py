@@ -28,9 +28,8 @@ with 2^22, 0.85, 0.83 with 2^24, 0.83, 0.86 with 2^26; the small CNN at 0.30, 0.
 default, 0.48, 0.46, 0.52 with 2^18, 0.49, 0.46, 0.46, 0.45, 0.45 with 2^22, 0.43, 0.46 with 2^24,
 0.37, 0.36 with 2^26.
 
-:func:`run` gives each worker its index; the convolution splits its chunks among them by a fixed
-rule (worker ``k`` takes chunks ``k``, ``k + n``, ...), so the sums it makes (weight gradients over
-chunks) come out the same on every run of a machine.
+:func:`run` gives each worker its index, which names its share of the workspace; which chunks a
+worker lowers is Note [Chunks to the first free worker].
 
 Limitations: the BLAS reads its environment once, when loaded, so a process that needs
 :data:`BLAS_ENVIRONMENT` starts again with it (the coordinator, the benchmarks); elsewhere (a
@@ -45,6 +44,28 @@ before other threads do (the tests) has those threads' products share the cores 
 the same results); the coordinator runs kernels on its executors' and connections' threads only.
 The threads run NumPy only, never the database's API, so a PostgreSQL backend may run these
 kernels too.
+
+Note [Chunks to the first free worker]
+--------------------------------------
+Rationale: a convolution once split its chunks among the workers by a fixed rule (worker ``k``
+took chunks ``k``, ``k + n``, ...), so its weight gradient, a sum over chunks, came out the same
+on every run. But an op then ends with its slowest worker: a core that another thread or process
+takes for a while (a copy, a planner, a PostgreSQL backend beside the coordinator) holds the whole
+op up while the other core idles. The small CNN's five convolutions alone (batch 64, two workers),
+beside a process that computes on one core 2 ms of every 4, took 21.7 to 24.7 ms forward and 36.8
+to 41.8 ms backward (median 22.5 and 40.4 ms), against 12.8 to 16.0 and 22.7 to 28.3 ms without it.
+
+Approach: the chunks go, in order, to whichever worker asks first (a shared iterator, whose
+``next`` the GIL makes atomic). A backward pass gives each chunk a buffer for its weight gradient
+and adds the buffers in chunk order as they complete, whichever worker made them (the sum of one
+worker, bit for bit, on any number of workers); a chunk finished before an earlier one waits in
+its buffer, and a worker takes a new chunk only once a buffer is free (``2n - 1`` of them beside
+the sum, in the room the fixed rule took). Beside that process the five convolutions took 16.9 to
+22.0 ms forward and 32.7 to 39.6 ms backward (median 18.4 and 36.3 ms); without it, no difference
+decided (alternated runs of the two, six each; ``bench/throughput.py`` measures them in training).
+
+Limitations: a worker whose chunk is slow still holds the op up by that one chunk; the weight
+gradients are added on whichever thread completes the chunk that allows it, under a lock.
 """
 
 from __future__ import annotations
