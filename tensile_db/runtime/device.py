@@ -14,25 +14,27 @@ never which one it is.
 
 Note [Copies in idle time]
 --------------------------
-Rationale: on ``cpu`` the swap engine's copies run on the cores that compute. A convolution
-splits its chunks over the cores in a fixed order (Note [Chunk pipelines on the CPU] in
-:mod:`.workers`), so a copy thread that takes a core from one worker holds the whole op up: the
-small CNN's 16 -> 16 convolution (forward, batch 64) took 4.2 ms alone and 7.8 ms beside a
-thread copying 4 MiB arrays without pause, and under ``bench/throughput.py`` at half the CNN's
-peak its five convolutions' forward passes took 35.8 ms an iteration against 18.3 ms unlimited
-(medians of three runs), with 16.6 MiB swapped out an iteration.
+Rationale: on ``cpu`` the swap engine's copies run on the cores that compute, and they take
+memory bandwidth and cache from the kernels as well as a core. The small CNN's 16 -> 16
+convolution (forward, batch 64, two workers) took 4.2 to 4.3 ms alone and 7.8 to 8.0 ms beside
+a thread copying 4 MiB arrays without pause at the usual priority (4.6 to 4.8 ms at nice 19;
+three runs).
 
 Approach: the copy thread runs at Linux's idle priority (``SCHED_IDLE``): it gets a core when no
-other thread wants one, which between the kernels' calls and during the executor's own Python
-is often. Beside it the convolution took 4.2 ms, and the thread still copied 1.9 GB/s (at nice
-19 instead: 4.8 ms). A copy the thread has not started when it is waited for is done by the
-waiting thread, which would otherwise only wait. At half the CNN's peak the convolutions'
-forward passes then took 2.0 to 4.6 ms more an iteration than unlimited.
+other thread wants one, which between the kernels' calls, in the executor's own Python and in
+the single-threaded kernels is often. Beside it the convolution took 4.2 to 4.4 ms, and the thread
+still copied 1.9 to 3.1 GB/s. A copy the thread has not started when it is waited for is done by
+the waiting thread, which would otherwise only wait. ``bench/throughput.py``'s CNN at its largest
+working set (68% of its peak, 16.6 MiB swapped out an iteration), 15 runs of each, the two
+priorities alternated: the time per iteration over the unlimited run's was 1.21 (1.00 to 1.69)
+at idle priority against 1.38 (1.06 to 1.76) at the usual one (medians, spreads min to max);
+66.7 against 75.8 ms an iteration. The spreads overlap: the machine is shared.
 
 Limitations: on a machine whose cores other processes keep busy, a copy the thread has started
 runs at idle weight to its end, and an op that needs it waits that long; a copy waited for is
-then done at once by the waiting thread only if it has not started. Elsewhere than Linux the
-thread runs at the usual priority.
+done at once by the waiting thread only if it has not started, and the disk tier's reads and
+writes, on the same thread, never are. Elsewhere than Linux the thread runs at the usual
+priority.
 """
 
 from __future__ import annotations
