@@ -535,7 +535,7 @@ def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) -> None:
         _weight_matrix(w, geometry, wmat)
     room = _worker_room(geometry, rows, backward=True, input_gradient=dx is not None)
 
-    # each worker's room starts with two weight gradients: the first is the sum, the rest hold a chunk's
+    # each worker's room starts with two weight gradients: worker 0's first is the sum, the others hold a chunk's
     grads = [flat[wn + k * room + i * wn:wn + k * room + (i + 1) * wn].reshape(grad_rows, -1)
              for k in range(n) for i in (0, 1)]
     queue = _InOrder(_chunks(rows, geometry.batch), grads[0], grads[1:], xp) if n else None

@@ -130,10 +130,9 @@ class CpuCopyEngine(CopyEngine):
     the two directions share it. The thread runs at idle priority (Note [Copies in idle time]).
     A copy between the arena and host memory of at most :attr:`INLINE_NBYTES` runs on the
     caller's thread instead, done when it returns; so does a larger one the copy thread has not
-    started when it is waited for. A spill
-    write reads the arena block itself, a spill read fills it (Note [Spill I/O] in
-    :mod:`tensile_db.memory.spill`); the synchronous ones (:meth:`write_now`, :meth:`read_now`)
-    run on the caller's thread."""
+    started when it is waited for. A spill write reads the arena block itself, a spill read fills
+    it (Note [Spill I/O] in :mod:`tensile_db.memory.spill`); the synchronous ones
+    (:meth:`write_now`, :meth:`read_now`) run on the caller's thread."""
 
     #: The largest copy done on the caller's thread: handing a copy to the copy thread and waiting
     #: for it took about 30 µs more than the copy itself here (59 against 29 µs at 1 MiB, 46
