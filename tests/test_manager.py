@@ -566,7 +566,7 @@ def test_cpu_copies_of_a_mebibyte_run_here_and_larger_ones_on_the_copy_thread(mo
 def test_a_cpu_copy_the_copy_thread_has_not_started_is_done_by_the_thread_that_waits(monkeypatch):
     """While the copy thread is busy, waiting for a copy queued behind its work does the copy on
     the waiting thread, exactly, once; the copy thread then skips it. The copy thread runs at
-    idle priority on Linux (Note [Copies in idle time])."""
+    idle priority on Linux (Note [Copies in idle time]); the disk tier's I/O thread does not."""
     import os
     import sys
     import threading
@@ -580,6 +580,7 @@ def test_a_cpu_copy_the_copy_thread_has_not_started_is_done_by_the_thread_that_w
     try:
         if sys.platform == "linux":
             assert engine._pool.submit(os.sched_getscheduler, 0).result() == os.SCHED_IDLE
+            assert engine._io.submit(os.sched_getscheduler, 0).result() == os.SCHED_OTHER
         engine._pool.submit(lambda: (started.set(), busy.wait(10)))
         started.wait(10)
         n = CpuCopyEngine.INLINE_NBYTES // 4 + 1

@@ -30,11 +30,14 @@ priorities alternated: the time per iteration over the unlimited run's was 1.21 
 at idle priority against 1.38 (1.06 to 1.76) at the usual one (medians, spreads min to max);
 66.7 against 75.8 ms an iteration. The spreads overlap: the machine is shared.
 
+The disk tier's reads and writes stay on a thread of the usual priority (:class:`CpuCopyEngine`):
+a read of a model file's layer verifies its checksum, arithmetic that demand layering overlaps
+with the kernels (``bench/disk_layering.py``'s prefetch window).
+
 Limitations: on a machine whose cores other processes keep busy, a copy the thread has started
 runs at idle weight to its end, and an op that needs it waits that long; a copy waited for is
-done at once by the waiting thread only if it has not started, and the disk tier's reads and
-writes, on the same thread, never are. Elsewhere than Linux the thread runs at the usual
-priority.
+done at once by the waiting thread only if it has not started. Elsewhere than Linux the thread
+runs at the usual priority.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ class CopyEngine:
     """The swap engine of a device: copies between its arena, host memory and spill files, off
     the compute path (on ``cpu``, a small one on the caller's thread: :class:`CpuCopyEngine`).
     Copies in one direction are issued in order and run one at a time (on ``cpu``, a small one
-    done at once may end before a larger one issued earlier, and its error is raised at once);
+    done at once may end before a larger one issued earlier, and its error is raised at once,
+    and the disk tier's reads and writes run beside the copies);
     :attr:`duplex` says whether the two directions overlap (a copy engine for each) or share one
     channel, which is how the scheduler's cost model sees the channels
     (:mod:`tensile_db.scheduler.timeline`)."""
@@ -125,14 +129,15 @@ def _idle_priority() -> None:
 
 
 class CpuCopyEngine(CopyEngine):
-    """``cpu``: one copy thread does the copies, the disk tier's reads and writes included (NumPy
-    releases the GIL while copying, so they overlap the executor's arithmetic on another core);
-    the two directions share it. The thread runs at idle priority (Note [Copies in idle time]).
-    A copy between the arena and host memory of at most :attr:`INLINE_NBYTES` runs on the
-    caller's thread instead, done when it returns; so does a larger one the copy thread has not
-    started when it is waited for. A spill write reads the arena block itself, a spill read fills
-    it (Note [Spill I/O] in :mod:`tensile_db.memory.spill`); the synchronous ones
-    (:meth:`write_now`, :meth:`read_now`) run on the caller's thread."""
+    """``cpu``: one copy thread does the copies between the arena and host memory (NumPy releases
+    the GIL while copying, so they overlap the executor's arithmetic on another core); the two
+    directions share it. It runs at idle priority (Note [Copies in idle time]). A copy of at most
+    :attr:`INLINE_NBYTES` runs on the caller's thread instead, done when it returns; so does a
+    larger one the copy thread has not started when it is waited for. The disk tier's reads and
+    writes (a model file's layers among them) run on an I/O thread of the usual priority, so that
+    a read and its checksum overlap the arithmetic as before: a spill write reads the arena block
+    itself, a spill read fills it (Note [Spill I/O] in :mod:`tensile_db.memory.spill`); the
+    synchronous ones (:meth:`write_now`, :meth:`read_now`) run on the caller's thread."""
 
     #: The largest copy done on the caller's thread: handing a copy to the copy thread and waiting
     #: for it took about 30 µs more than the copy itself here (59 against 29 µs at 1 MiB, 46
@@ -147,9 +152,11 @@ class CpuCopyEngine(CopyEngine):
     def __init__(self):
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-copy",
                                                            initializer=_idle_priority)
+        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-io")
 
     def _run(self, fn, *args, host=None) -> Transfer:
-        future = self._pool.submit(fn, *args)
+        """``fn(*args)``, a read or write of the disk tier, on the I/O thread."""
+        future = self._io.submit(fn, *args)
         return Transfer(future.done, future.result, host)
 
     def _copy(self, dst, src, host=None) -> Transfer:
@@ -194,6 +201,7 @@ class CpuCopyEngine(CopyEngine):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._io.shutdown(wait=True)
 
 
 #: The roofline of :meth:`Device.op_seconds` where a device has no model of its own: FLOP/s and
