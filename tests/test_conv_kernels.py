@@ -291,8 +291,9 @@ def test_chunked_convolution_matches_torch_with_bounded_workspace(rng, groups, b
 
 
 def test_two_workers_give_the_gradients_of_one(rng, monkeypatch):
-    """The same backward pass on one worker and on two (cache-sized chunks of two rows): the same
-    bits, the weight gradients of the chunks added in chunk order whichever worker made them."""
+    """The same backward pass on one worker and on two, in the same chunks (cache-sized, of two
+    rows): the same bits, the weight gradients of the chunks added in chunk order whichever worker
+    made them."""
     g = ConvGeometry.of((8, 5, 5, 3), 4, 3, padding=1)
     monkeypatch.setattr(K, "CACHE_NELEMS", 2 * g.row_nelems(backward=True))
     x, wt, dy = rng.normal(size=g.in_shape), rng.normal(size=g.weight_shape), rng.normal(size=g.out_shape)

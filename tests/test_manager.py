@@ -527,15 +527,6 @@ def test_a_region_install_that_would_stage_much_through_a_host_link_is_not_made(
     mm.close()
 
 
-def _finished(transfer):
-    """``transfer`` once done, without waiting on it (a wait may do the copy itself)."""
-    import time
-
-    while not transfer.done():
-        time.sleep(0.001)
-    return transfer
-
-
 def test_cpu_copies_of_a_mebibyte_run_here_and_larger_ones_on_the_copy_thread(monkeypatch):
     """The CPU's copy engine: a copy between the arena and host memory of at most
     ``INLINE_NBYTES`` is done when the call returns, on the caller's thread; a larger one runs on
@@ -553,47 +544,11 @@ def test_cpu_copies_of_a_mebibyte_run_here_and_larger_ones_on_the_copy_thread(mo
             inward = engine.to_device(values, arena)
             if here:
                 assert inward.done()                          # done before the call returned
-            _finished(inward).wait()
+            inward.wait()
             assert same_bits(arena, values) and (threads[-1] == threading.get_ident()) is here
             outward = engine.to_host(arena)
             if here:
                 assert outward.done()
-            assert same_bits(_finished(outward).wait().host, values) and (threads[-1] == threading.get_ident()) is here
+            assert same_bits(outward.wait().host, values) and (threads[-1] == threading.get_ident()) is here
     finally:
-        engine.close()
-
-
-def test_a_cpu_copy_the_copy_thread_has_not_started_is_done_by_the_thread_that_waits(monkeypatch):
-    """While the copy thread is busy, waiting for a copy queued behind its work does the copy on
-    the waiting thread, exactly, once; the copy thread then skips it. The copy thread runs at
-    idle priority on Linux (Note [Copies in idle time]); the disk tier's I/O thread does not."""
-    import os
-    import sys
-    import threading
-
-    from tensile_db.runtime.device import CpuCopyEngine
-
-    threads, copyto = [], np.copyto
-    monkeypatch.setattr(np, "copyto", lambda dst, src: (threads.append(threading.get_ident()), copyto(dst, src))[1])
-    engine = CpuDevice().copy_engine()
-    busy, started = threading.Event(), threading.Event()
-    try:
-        if sys.platform == "linux":
-            assert engine._pool.submit(os.sched_getscheduler, 0).result() == os.SCHED_IDLE
-            assert engine._io.submit(os.sched_getscheduler, 0).result() == os.SCHED_OTHER
-        engine._pool.submit(lambda: (started.set(), busy.wait(10)))
-        started.wait(10)
-        n = CpuCopyEngine.INLINE_NBYTES // 4 + 1
-        values, arena = pattern(n, 3), np.zeros(n, np.float32)
-        inward = engine.to_device(values, arena)
-        assert not inward.done()
-        inward.wait()
-        assert inward.done() and same_bits(arena, values) and threads == [threading.get_ident()]
-        outward = engine.to_host(arena)
-        assert same_bits(outward.wait().wait().host, values) and len(threads) == 2
-        busy.set()
-        engine._pool.submit(lambda: None).result()            # the queue has drained
-        assert len(threads) == 2 and inward.done() and outward.done()
-    finally:
-        busy.set()
         engine.close()

@@ -11,33 +11,6 @@ arrays. The devices are :class:`CpuDevice` (``cpu``: NumPy, the arena is host me
 :func:`~.devices.make_device` finds one by name. Callers ask a device what it can do
 (:attr:`Device.holds_values`, :attr:`Device.virtual_time`, :attr:`Device.arena_in_host_memory`),
 never which one it is.
-
-Note [Copies in idle time]
---------------------------
-Rationale: on ``cpu`` the swap engine's copies run on the cores that compute, and they take
-memory bandwidth and cache from the kernels as well as a core. The small CNN's 16 -> 16
-convolution (forward, batch 64, two workers) took 4.2 to 4.3 ms alone and 7.8 to 8.0 ms beside
-a thread copying 4 MiB arrays without pause at the usual priority (4.6 to 4.8 ms at nice 19;
-three runs).
-
-Approach: the copy thread runs at Linux's idle priority (``SCHED_IDLE``): it gets a core when no
-other thread wants one, which between the kernels' calls, in the executor's own Python and in
-the single-threaded kernels is often. Beside it the convolution took 4.2 to 4.4 ms, and the thread
-still copied 1.9 to 3.1 GB/s. A copy the thread has not started when it is waited for is done by
-the waiting thread, which would otherwise only wait. ``bench/throughput.py``'s CNN at its largest
-working set (68% of its peak, 16.6 MiB swapped out an iteration), 15 runs of each, the two
-priorities alternated: the time per iteration over the unlimited run's was 1.21 (1.00 to 1.69)
-at idle priority against 1.38 (1.06 to 1.76) at the usual one (medians, spreads min to max);
-66.7 against 75.8 ms an iteration. The spreads overlap: the machine is shared.
-
-The disk tier's reads and writes stay on a thread of the usual priority (:class:`CpuCopyEngine`):
-a read of a model file's layer verifies its checksum, arithmetic that demand layering overlaps
-with the kernels (``bench/disk_layering.py``'s prefetch window).
-
-Limitations: on a machine whose cores other processes keep busy, a copy the thread has started
-runs at idle weight to its end, and an op that needs it waits that long; a copy waited for is
-done at once by the waiting thread only if it has not started. Elsewhere than Linux the thread
-runs at the usual priority.
 """
 
 from __future__ import annotations
@@ -46,7 +19,6 @@ import concurrent.futures
 import contextlib
 import math
 import mmap
-import os
 import threading
 import time
 
@@ -76,8 +48,7 @@ class CopyEngine:
     """The swap engine of a device: copies between its arena, host memory and spill files, off
     the compute path (on ``cpu``, a small one on the caller's thread: :class:`CpuCopyEngine`).
     Copies in one direction are issued in order and run one at a time (on ``cpu``, a small one
-    done at once may end before a larger one issued earlier, and its error is raised at once,
-    and the disk tier's reads and writes run beside the copies);
+    done at once may end before a larger one issued earlier, and its error is raised at once);
     :attr:`duplex` says whether the two directions overlap (a copy engine for each) or share one
     channel, which is how the scheduler's cost model sees the channels
     (:mod:`tensile_db.scheduler.timeline`)."""
@@ -119,25 +90,14 @@ class CopyEngine:
         """Finish the copies in flight and stop the engine's threads."""
 
 
-def _idle_priority() -> None:
-    """Run the calling thread at idle priority (Note [Copies in idle time]); elsewhere than
-    Linux, or where the system refuses, as it was."""
-    try:
-        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
-
-
 class CpuCopyEngine(CopyEngine):
-    """``cpu``: one copy thread does the copies between the arena and host memory (NumPy releases
-    the GIL while copying, so they overlap the executor's arithmetic on another core); the two
-    directions share it. It runs at idle priority (Note [Copies in idle time]). A copy of at most
-    :attr:`INLINE_NBYTES` runs on the caller's thread instead, done when it returns; so does a
-    larger one the copy thread has not started when it is waited for. The disk tier's reads and
-    writes (a model file's layers among them) run on an I/O thread of the usual priority, so that
-    a read and its checksum overlap the arithmetic as before: a spill write reads the arena block
-    itself, a spill read fills it (Note [Spill I/O] in :mod:`tensile_db.memory.spill`); the
-    synchronous ones (:meth:`write_now`, :meth:`read_now`) run on the caller's thread."""
+    """``cpu``: one copy thread does the copies, the disk tier's reads and writes included (NumPy
+    releases the GIL while copying, so they overlap the executor's arithmetic on another core);
+    the two directions share it. A copy between the arena and host memory of at most
+    :attr:`INLINE_NBYTES` runs on the caller's thread instead, done when it returns. A spill
+    write reads the arena block itself, a spill read fills it (Note [Spill I/O] in
+    :mod:`tensile_db.memory.spill`); the synchronous ones (:meth:`write_now`, :meth:`read_now`)
+    run on the caller's thread."""
 
     #: The largest copy done on the caller's thread: handing a copy to the copy thread and waiting
     #: for it took about 30 µs more than the copy itself here (59 against 29 µs at 1 MiB, 46
@@ -150,35 +110,17 @@ class CpuCopyEngine(CopyEngine):
     INLINE_NBYTES = 1 << 20
 
     def __init__(self):
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-copy",
-                                                           initializer=_idle_priority)
-        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-io")
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-copy")
 
     def _run(self, fn, *args, host=None) -> Transfer:
-        """``fn(*args)``, a read or write of the disk tier, on the I/O thread."""
-        future = self._io.submit(fn, *args)
+        future = self._pool.submit(fn, *args)
         return Transfer(future.done, future.result, host)
 
     def _copy(self, dst, src, host=None) -> Transfer:
-        """Copy ``src`` into ``dst``: here if small, else on the copy thread; a copy the thread
-        has not started when it is waited for is done by the waiting thread instead (the copy
-        thread runs at idle priority: :func:`_idle_priority`)."""
-        if src.nbytes <= self.INLINE_NBYTES:
-            np.copyto(dst, src)
-            return Transfer(lambda: True, lambda: None, host)
-        future = self._pool.submit(np.copyto, dst, src)
-        taken = []
-
-        def wait() -> None:
-            if taken:
-                return
-            if future.cancel():             # not started: copied here
-                np.copyto(dst, src)
-                taken.append(True)
-            else:
-                future.result()
-
-        return Transfer(lambda: bool(taken) or (future.done() and not future.cancelled()), wait, host)
+        if src.nbytes > self.INLINE_NBYTES:
+            return self._run(np.copyto, dst, src, host=host)
+        np.copyto(dst, src)
+        return Transfer(lambda: True, lambda: None, host)
 
     def to_host(self, array) -> Transfer:
         host = np.empty(array.shape, array.dtype)
@@ -201,7 +143,6 @@ class CpuCopyEngine(CopyEngine):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self._io.shutdown(wait=True)
 
 
 #: The roofline of :meth:`Device.op_seconds` where a device has no model of its own: FLOP/s and

@@ -57,8 +57,9 @@ to 41.8 ms backward (median 22.5 and 40.4 ms), against 12.8 to 16.0 and 22.7 to 
 
 Approach: the chunks go, in order, to whichever worker asks first (a shared iterator, whose
 ``next`` the GIL makes atomic). A backward pass gives each chunk a buffer for its weight gradient
-and adds the buffers in chunk order as they complete, whichever worker made them (the sum of one
-worker, bit for bit, on any number of workers); a chunk finished before an earlier one waits in
+and adds the buffers in chunk order as they complete, whichever worker made them (the bits of
+one worker taking the same chunks, whatever the timing; the chunks' size still follows the number
+of workers, :func:`.conv_kernels.chunk_plan`); a chunk finished before an earlier one waits in
 its buffer, and a worker takes a new chunk only once a buffer is free (``2n - 1`` of them beside
 the sum, in the room the fixed rule took). Beside that process the five convolutions took 16.9 to
 22.0 ms forward and 32.7 to 39.6 ms backward (median 18.4 and 36.3 ms); without it, no difference

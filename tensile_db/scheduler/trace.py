@@ -107,8 +107,10 @@ class AccessSequence:
         old = float(self.times_s[position])           # Python floats: this runs after every op
         first = math.isnan(old) or (self.warm_up and self.iterations == 1)
         self.times_s[position] = seconds if first else old + self.smoothing * (seconds - old)
-        if self.iterations > 0 and not self.best_s[position] <= seconds:     # NaN: none yet
-            self.best_s[position] = seconds
+        if self.iterations > 0:
+            best = float(self.best_s[position])
+            if math.isnan(best) or seconds < best:      # as np.fmin: a NaN is not a least time
+                self.best_s[position] = seconds
         self._this_s += seconds
 
     def end_iteration(self) -> None:
