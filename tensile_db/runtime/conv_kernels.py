@@ -57,7 +57,7 @@ from functools import cached_property
 
 import numpy as np
 
-from . import workers
+from . import layout, workers
 from .kernels import array_module
 
 #: Workspace elements a convolution may take without chunking its batch (16 MB of float32): below
@@ -561,7 +561,7 @@ def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) -> None:
     if n == 0:                                              # an empty batch: no chunk wrote a gradient
         dw.fill(0)
         return
-    total = flat[wn:2 * wn]
+    total = grads[0]
     if one_lowering:
         dw.reshape(geometry.groups, -1, *dw.shape[1:])[...] = _transposed_matrix_as_weights(total, geometry)
     else:
@@ -803,7 +803,8 @@ def flatten_forward(x, out) -> None:
     """(B, H, W, C) -> (B, C·H·W), each row in the order of (C, H, W) (as ``torch.flatten(x, 1)``
     of the image in PyTorch's axes): a transposing copy. Vectors and other shapes: a copy."""
     if x.ndim == 4:
-        out.reshape(x.shape[0], x.shape[3], x.shape[1], x.shape[2])[...] = x.transpose(0, 3, 1, 2)
+        b, h, w, c = x.shape
+        out.reshape(b, c, h, w)[...] = layout.channels_first(x)
     else:
         out[...] = x.reshape(out.shape)
 
@@ -812,6 +813,6 @@ def flatten_backward(dy, dx) -> None:
     """The gradient of :func:`flatten_forward`: dy (B, C·H·W) back to dx's shape."""
     if dx.ndim == 4:
         b, h, w, c = dx.shape
-        dx[...] = dy.reshape(b, c, h, w).transpose(0, 2, 3, 1)
+        layout.channels_first(dx)[...] = dy.reshape(b, c, h, w)
     else:
         dx[...] = dy.reshape(dx.shape)

@@ -312,22 +312,33 @@ def node_op(name: str):
     return register
 
 
+class KernelOp(NodeOp):
+    """A node without weights whose op is one kernel of its one input, ``forward_kernel(x,
+    out)``, and one of its gradient, ``backward_kernel(dy, dx)``; its ops are named after the
+    node op (``flatten3``, ``flatten3_backward``)."""
+
+    forward_kernel = backward_kernel = None
+
+    def evaluate(self, node, inputs, weights, out, workspace):
+        self.forward_kernel(inputs[0], out)
+
+    def forward(self, tb, node, ins, h):
+        inp, run = ins[0], self.forward_kernel
+        tb.op(f"{self.name}{node.index}", (inp,), (h,), lambda a, ctx: run(a[inp], a[h]))
+
+    def backward(self, tb, node, g, inp, dx):
+        run = self.backward_kernel
+        tb.op(f"{self.name}{node.index}_backward", (g,), (dx,) if dx else (), lambda a, ctx: run(a[g], a[dx]))
+
+
 @node_op("flatten")
-class FlattenOp(NodeOp):
+class FlattenOp(KernelOp):
     """(C, H, W) -> (C·H·W,), C-order: a transposing copy of the stored image (the node of a
     ``flatten`` layer, and the one a dense layer or the output layer puts before itself on
     images; :func:`.conv_kernels.flatten_forward`)."""
 
-    def evaluate(self, node, inputs, weights, out, workspace):
-        ck.flatten_forward(inputs[0], out)
-
-    def forward(self, tb, node, ins, h):
-        inp = ins[0]
-        tb.op(f"flatten{node.index}", (inp,), (h,), lambda a, ctx: ck.flatten_forward(a[inp], a[h]))
-
-    def backward(self, tb, node, g, inp, dx):
-        tb.op(f"flatten{node.index}_backward", (g,), (dx,) if dx else (),
-              lambda a, ctx: ck.flatten_backward(a[g], a[dx]))
+    forward_kernel = staticmethod(ck.flatten_forward)
+    backward_kernel = staticmethod(ck.flatten_backward)
 
 
 def copy_into(src, dst) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ...errors import InvalidArgument
 from .. import conv_kernels as ck
 from ..program import Kind
-from .base import NodeOp, layer_kind, no_options, node_op, pair_option, window_geometry
+from .base import KernelOp, NodeOp, layer_kind, no_options, node_op, pair_option, window_geometry
 
 
 @layer_kind("max_pool", "avg_pool", options=("stride", "padding"))
@@ -122,14 +122,6 @@ class AvgPoolOp(_WindowOp):
 
 
 @node_op("global_avg_pool")
-class GlobalAvgPoolOp(NodeOp):
-    def evaluate(self, node, inputs, weights, out, workspace):
-        ck.global_avg_pool_forward(inputs[0], out)
-
-    def forward(self, tb, node, ins, h):
-        inp = ins[0]
-        tb.op(f"global_avg_pool{node.index}", (inp,), (h,), lambda a, ctx: ck.global_avg_pool_forward(a[inp], a[h]))
-
-    def backward(self, tb, node, g, inp, dx):
-        tb.op(f"global_avg_pool{node.index}_backward", (g,), (dx,) if dx else (),
-              lambda a, ctx: ck.global_avg_pool_backward(a[g], a[dx]))
+class GlobalAvgPoolOp(KernelOp):
+    forward_kernel = staticmethod(ck.global_avg_pool_forward)
+    backward_kernel = staticmethod(ck.global_avg_pool_backward)
