@@ -138,6 +138,9 @@ def test_a_mismatch_dissolves_the_region_and_later_requests_go_to_the_general_po
 
 
 def test_an_unsteady_period_or_a_region_that_does_not_fit_is_not_installed():
+    """An unsteady period is recorded again after a back-off; a region the manager cannot place
+    ends the tries until the schedule or the jobs change (each try is a search that takes the
+    executor's GIL)."""
     arena = FakeArena()
     pool = PlannedPool(arena.install, arena.dissolve)
     pool.boundary(lambda: (LIVE, 0))
@@ -155,7 +158,13 @@ def test_an_unsteady_period_or_a_region_that_does_not_fit_is_not_installed():
     pool.boundary(lambda: (LIVE, 0))
     pool.wait_for_plan()
     pool.boundary(lambda: (LIVE, 0))
-    assert len(no_room.installed) == 1 and pool.state is State.RECORDING and pool.region_nbytes == 0
+    assert len(no_room.installed) == 1 and pool.state is State.IDLE and pool.region_nbytes == 0
+    for _ in range(3 * planned.MAX_BACKOFF_PERIODS):                        # no more tries for this schedule
+        pool.boundary(lambda: (LIVE, 0))
+    assert pool.state is State.IDLE and len(no_room.installed) == 1
+    pool.invalidate("a new schedule")                                 # which may leave room: records again
+    pool.boundary(lambda: (LIVE, 0))
+    assert pool.state is State.RECORDING
     pool.close()
 
 

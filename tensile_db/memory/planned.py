@@ -37,6 +37,25 @@ again until a new plan is installed. So no request fails and no two live tensors
 Limitations: periods with reactive evictions are never planned (the reactive policy under a tight
 budget stays on the general pool).
 
+Note [A region that does not fit]
+---------------------------------
+Rationale: a failed install was retried like any other failure, recording again after a back-off
+of 1, 2, 4, ... up to :data:`MAX_BACKOFF_PERIODS` periods. Where the budget is the job's largest
+working set, the packing of its period comes out a few kilobytes above the room beside the
+blocks in use (the small CNN of ``bench/throughput.py`` at 50% of its peak: a region of
+29,410,304 bytes in a budget of 29,404,672), and every retry fails the same way. Each costs a
+search of :data:`SEARCH_S` seconds on the planning thread, which holds the GIL the executor needs
+after every kernel: the iteration it falls in took 110 to 150 ms against 30 to 40 ms, four or
+five times in 24 iterations, and once every 64 periods for as long as the job ran.
+
+Approach: a plan whose region the manager could not place, neither packing, ends the tries for
+the schedule and the jobs it was recorded under: the pool records again only after
+:meth:`PlannedPool.invalidate` (a job arriving or leaving, a new schedule), which may leave
+room. Other failures back off as before.
+
+Limitations: a region that would fit after the general pool's blocks move (a compaction) is
+not tried again until then.
+
 Note [Blocks kept in place]
 ---------------------------
 Rationale: the blocks live at a period boundary are a training job's weights and optimizer state,
@@ -155,6 +174,7 @@ class PlannedPool:
         self._expected: list[tuple[Key | None, int | None]] = []   # serving: (key, offset or None for a free)
         self._failures = 0
         self._wait = 0                               # boundaries to let pass before recording
+        self._no_room = False                        # a region did not fit: no more tries (Note [A region that does not fit])
         self._planning: concurrent.futures.Future | None = None
         self._planning_periods = 0                   # boundaries since the plan was asked for
         self._last_plan: tuple | None = None         # _plan's result last installed or tried
@@ -232,7 +252,7 @@ class PlannedPool:
         if self.state is State.SERVING:
             self._dissolve()
             log.info("planned pool dissolved: %s", reason)
-        self.state, self.plan, self._failures, self._wait = State.IDLE, None, 0, 0
+        self.state, self.plan, self._failures, self._wait, self._no_room = State.IDLE, None, 0, 0, False
         self._planning = None
 
     def wait_for_plan(self) -> None:
@@ -275,7 +295,7 @@ class PlannedPool:
             if why is None:
                 return
             self._fail(why)
-        if self.state is State.IDLE and live:
+        if self.state is State.IDLE and live and not self._no_room:
             if self._wait:
                 self._wait -= 1
                 return
@@ -330,6 +350,7 @@ class PlannedPool:
             if not isinstance(base, str):
                 break
         if isinstance(base, str):
+            self._no_room = True                     # Note [A region that does not fit]
             return base
         figures = {**figures, "installed_arena_nbytes": plan.arena_nbytes}
         self.state, self.plan, self.base, self.figures = State.SERVING, plan, base, figures
