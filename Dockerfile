@@ -30,7 +30,8 @@ RUN set -eux; \
 # ...), which the base image does not have; its `ctk` extra (CuPy 14 and later) installs them from
 # PyPI. Only the GPU driver comes from the host, through the NVIDIA Container Toolkit.
 # The installers (pip, setuptools) and the packages' own test suites (`tests` directories, which
-# nothing imports at run time) are left out of the venv: 135 MB of the CPU image.
+# nothing imports at run time) are left out of the venv: 135 MB of the CPU image. The oneDNN wheel
+# installs its library three times over (a wheel has no symbolic links): two become links, 109 MB.
 WORKDIR /src
 COPY pyproject.toml README* ./
 COPY tensile_db ./tensile_db
@@ -43,6 +44,7 @@ RUN set -eux; \
         *) echo "VARIANT must be cpu or cuda, got $VARIANT" >&2; exit 1 ;; \
     esac; \
     /opt/tensile/venv/bin/python -m pip uninstall -q -y pip setuptools wheel; \
+    cd /opt/tensile/venv/lib && for f in libdnnl.so libdnnl.so.3; do ln -sf libdnnl.so.3.2 "$f"; done && cd /src; \
     find /opt/tensile/venv/lib/python3.11/site-packages -depth -type d -name tests -exec rm -rf {} +; \
     /opt/tensile/venv/bin/python -c "import tensile_db, scipy.optimize, sklearn.datasets, palmerpenguins"
 
@@ -55,11 +57,12 @@ RUN make -C extension install DESTDIR=/staging \
 
 FROM postgres:15-bookworm
 
-# PL/Python 3 for PostgreSQL 15 (embeds Debian's libpython3.11), and the interpreter the
-# coordinator runs in (the venv's bin/python links to /usr/bin/python3.11).
+# PL/Python 3 for PostgreSQL 15 (embeds Debian's libpython3.11), the interpreter the coordinator
+# runs in (the venv's bin/python links to /usr/bin/python3.11), and GNU OpenMP, which oneDNN's
+# convolutions run their threads on.
 RUN set -eux; \
     apt-get update; \
-    apt-get install -y --no-install-recommends postgresql-plpython3-15 python3.11; \
+    apt-get install -y --no-install-recommends postgresql-plpython3-15 python3.11 libgomp1; \
     rm -rf /var/lib/apt/lists/*
 
 COPY --from=build /opt/tensile/venv /opt/tensile/venv

@@ -15,7 +15,7 @@ TENSILE_HOME := $(shell if [ "$$(id -u)" = 0 ] && ! runuser -u postgres -- test 
 VENV := $(TENSILE_HOME)/venv
 PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-APT_PACKAGES := postgresql-15 postgresql-plpython3-15 postgresql-server-dev-15 gcc python3.11 python3.11-venv
+APT_PACKAGES := postgresql-15 postgresql-plpython3-15 postgresql-server-dev-15 gcc libgomp1 python3.11 python3.11-venv
 # docker-compose only validates the compose files (tests/test_compose.py): installed without its
 # recommended Docker engine, which nothing here runs.
 APT_TOOLS := docker-compose

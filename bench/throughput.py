@@ -30,6 +30,7 @@ profile of where our time goes: the op times the executor measures for each op (
 per iteration against the time in the ops.
 
     python bench/throughput.py [--repeats 5] [--quick]
+    TENSILE_ONEDNN=0 python bench/throughput.py      # our convolutions lowered on NumPy instead of oneDNN
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import model as models
-from tensile_db.runtime import workers
+from tensile_db.runtime import onednn, workers
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.scheduler.cost import CostModel, measure_bandwidth
 
@@ -292,8 +293,10 @@ def main() -> None:
                 m = pytorch(w, *data[w.name], threads) if kind == "pytorch" else ours(w, *data[w.name], fraction, cost)
                 runs[w.name][(kind, fraction)].append(m)
     print(f"# Training throughput on {cnn.machine()}\n")
+    convolutions = ("run on oneDNN's primitives, on that many OpenMP threads" if onednn.enabled() else
+                    "are lowered to matrix products, their batch chunks on that many threads, each product on one")
     print(f"PyTorch runs with torch.set_num_threads({threads}), the threads of the BLAS behind our matrix "
-          "products (our convolutions run their batch chunks on that many threads, each product on one; our "
+          f"products (our float32 convolutions {convolutions}; our "
           "other elementwise kernels run on one thread). Our runs: the coordinator's executor, with its BLAS "
           "environment, "
           f"policy {POLICY}, swaps to host memory at {cost.d2h_bytes_per_s / 1e9:.1f} GB/s out and "

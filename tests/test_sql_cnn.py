@@ -34,8 +34,11 @@ CNN = {"input": {"shape": [1, 8, 8]}, "layers": [
 OPTIONS = {"epochs": 20, "batch_size": 32, "lr": 0.002, "seed": 0, "test_size": 0}   # every training row: digits_test measures
 #: Batch inference's options: at 256 rows a batch, a convolution's activations exceed the test budget.
 BATCH = '{"batch_size": 32}'
-#: The least test accuracy the CNN must reach on the held-out digits.
-MIN_ACCURACY = 0.97
+#: The least test accuracy the CNN must reach on the held-out digits (chance: 0.1). One seed's
+#: accuracy is a draw: over seeds 0 to 11 it ranged 0.956 to 0.982 with the convolutions lowered on
+#: NumPy and 0.951 to 0.982 on oneDNN (means 0.973 and 0.968; the two agree to 1e-6 after an epoch,
+#: then rounding sends each seed's training its own way), so the bar sits below that spread.
+MIN_ACCURACY = 0.94
 #: A small model with an input shape, for the cases that only need the data path.
 VECTOR = {"input": {"shape": [64]}, "layers": [{"dense": 16}]}
 

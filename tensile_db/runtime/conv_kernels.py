@@ -57,7 +57,7 @@ from functools import cached_property
 
 import numpy as np
 
-from . import layout, workers
+from . import layout, onednn, workers
 from .kernels import array_module
 
 #: Workspace elements a convolution may take without chunking its batch (16 MB of float32): below
@@ -491,7 +491,10 @@ class _InOrder:
 def conv2d_forward(x, w, b, out, geometry: ConvGeometry, flat) -> None:
     """``out = conv2d(x, w) + b``, lowered to matrix products chunk by chunk (:func:`chunk_plan`).
     x: (B, H, W, C), w: (O, C/g, KH, KW), b: (O,) or None, out: (B, OH, OW, O), all of one float
-    dtype; ``flat``: a workspace of :attr:`ConvGeometry.forward_workspace_nelems` elements."""
+    dtype; ``flat``: a workspace of :attr:`ConvGeometry.forward_workspace_nelems` elements. On
+    the CPU in float32, oneDNN's primitive where it can (:mod:`.onednn`)."""
+    if onednn.forward(x, w, b, out, geometry, flat):
+        return
     rows, n = chunk_plan(geometry, flat.size, False, array_module(x))
     wn = geometry.weight_nelems
     wmat = flat[:wn].reshape(geometry.out_channels, -1)
@@ -517,10 +520,13 @@ def conv2d_backward(x, w, dy, dx, dw, db, geometry: ConvGeometry, flat) -> None:
     (:attr:`ConvGeometry.transposed`) and the weight gradient a product with the same lowering of
     ``dy`` (Note [One lowering for both gradients]); else the weight gradient is a product with
     ``x`` lowered, and ``dx`` a product and col2im. The chunks' weight gradients are added in
-    chunk order, whichever worker made them (:class:`_InOrder`)."""
+    chunk order, whichever worker made them (:class:`_InOrder`). On the CPU in float32, oneDNN's
+    primitives where they can (:mod:`.onednn`), the bias gradient still the sum here."""
     xp = array_module(dy)
     if db is not None:
         _channel_sum(dy, db)
+    if onednn.backward(x, w, dy, dx, dw, geometry, flat):
+        return
     rows, n = chunk_plan(geometry, flat.size, True, xp, input_gradient=dx is not None)
     wn, reverse = geometry.weight_nelems, geometry.transposed
     one_lowering = dx is not None and reverse is not None
