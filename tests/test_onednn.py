@@ -85,8 +85,9 @@ def test_onednn_gives_the_lowering_s_and_pytorch_s_values(rng, monkeypatch, b, c
 
 
 def test_what_onednn_cannot_take_is_lowered(rng, monkeypatch):
-    """float64, a strided array, a workspace smaller than its primitives need and the setting off:
-    nothing written, and the kernels lower the convolution (PyTorch's values)."""
+    """float64, a strided array, an output of another shape or read-only, a workspace smaller
+    than its primitives need and the setting off: nothing written, and the kernels lower the
+    convolution (PyTorch's values)."""
     g = ConvGeometry.of((2, 6, 6, 4), 8, 3, padding=1)
     x, wt = f32(rng, g.in_shape), f32(rng, g.weight_shape)
     workspace = nans(g.forward_workspace_nelems)
@@ -95,6 +96,10 @@ def test_what_onednn_cannot_take_is_lowered(rng, monkeypatch):
                               workspace.astype(np.float64))
     assert not onednn.forward(np.asfortranarray(x), wt, None, out, g, workspace)
     assert not onednn.forward(x, wt, None, out, g, nans(1))
+    assert not onednn.forward(x, wt, None, out[:1], g, workspace)            # not the geometry's shape
+    read_only = out.copy()
+    read_only.flags.writeable = False
+    assert not onednn.forward(x, wt, None, read_only, g, workspace)
     with monkeypatch.context() as m:
         m.setenv("TENSILE_ONEDNN", "0")
         assert not onednn.enabled() and not onednn.forward(x, wt, None, out, g, workspace)
@@ -166,3 +171,17 @@ def test_a_child_forked_after_onednn_ran_lowers_its_convolutions(rng):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert onednn.enabled()                                # the parent still uses it
+
+
+def test_a_primitive_is_built_for_the_threads_kernels_may_use(rng, monkeypatch):
+    """A primitive takes its OpenMP threads when built: one is built per thread count
+    (:func:`.workers.count`), with the same values."""
+    g = ConvGeometry.of((4, 8, 8, 8), 8, 3, padding=1)
+    x, wt = f32(rng, g.in_shape), f32(rng, g.weight_shape)
+    outs = []
+    for n in (1, 2):
+        monkeypatch.setattr(onednn.workers, "count", lambda n=n: n)
+        outs.append(nans(g.out_shape))
+        assert onednn.forward(x, wt, None, outs[-1], g, nans(g.forward_workspace_nelems))
+    assert {key[3] for key in onednn._state["primitives"] if key[0] == g} == {1, 2}
+    np.testing.assert_allclose(outs[0], outs[1], rtol=RTOL, atol=ATOL)

@@ -60,12 +60,13 @@ def test_events_that_do_not_pair_up_are_not_planned(events):
 class FakeArena:
     """Install / dissolve callbacks that record what the pool asks for."""
 
-    def __init__(self, fits=True):
+    def __init__(self, fits=True, refusal=None):
         self.fits, self.installed, self.dissolved = fits, [], 0
+        self.refusal = refusal or planned.NoRoom("the region does not fit")
 
     def install(self, plan, live_keys, reserve):
         self.installed.append((plan, live_keys, reserve))
-        return 4096 if self.fits else "the region does not fit"
+        return 4096 if self.fits else self.refusal
 
     def dissolve(self):
         self.dissolved += 1
@@ -138,9 +139,9 @@ def test_a_mismatch_dissolves_the_region_and_later_requests_go_to_the_general_po
 
 
 def test_an_unsteady_period_or_a_region_that_does_not_fit_is_not_installed():
-    """An unsteady period is recorded again after a back-off; a region the manager cannot place
-    ends the tries until the schedule or the jobs change (each try is a search that takes the
-    executor's GIL)."""
+    """An unsteady period is recorded again after a back-off; a region the manager finds no room
+    for waits the long back-off of no room, or a change of schedule or jobs (each try is a search
+    that takes the executor's GIL); a refusal for where the blocks lie backs off as before."""
     arena = FakeArena()
     pool = PlannedPool(arena.install, arena.dissolve)
     pool.boundary(lambda: (LIVE, 0))
@@ -159,12 +160,28 @@ def test_an_unsteady_period_or_a_region_that_does_not_fit_is_not_installed():
     pool.wait_for_plan()
     pool.boundary(lambda: (LIVE, 0))
     assert len(no_room.installed) == 1 and pool.state is State.IDLE and pool.region_nbytes == 0
-    for _ in range(3 * planned.MAX_BACKOFF_PERIODS):                        # no more tries for this schedule
+    waited = 0                                                        # the long back-off of no room
+    while pool.state is State.IDLE and waited < 2 * planned.NO_ROOM_BACKOFF_PERIODS:
         pool.boundary(lambda: (LIVE, 0))
-    assert pool.state is State.IDLE and len(no_room.installed) == 1
-    pool.invalidate("a new schedule")                                 # which may leave room: records again
+        waited += 1
+    assert pool.state is State.RECORDING and waited == planned.NO_ROOM_BACKOFF_PERIODS - 1   # then it tries again
+    play(pool, PERIOD)
+    pool.boundary(lambda: (LIVE, 0))
+    pool.wait_for_plan()
+    pool.boundary(lambda: (LIVE, 0))
+    assert len(no_room.installed) == 2 and pool.state is State.IDLE
+    pool.invalidate("a new schedule")                                 # which may leave room: records at once
     pool.boundary(lambda: (LIVE, 0))
     assert pool.state is State.RECORDING
+    pool.close()
+    staging = FakeArena(fits=False, refusal="installing it would move too much through host memory")
+    pool = PlannedPool(staging.install, staging.dissolve)             # a refusal for where the blocks lie
+    pool.boundary(lambda: (LIVE, 0))
+    play(pool, PERIOD)
+    pool.boundary(lambda: (LIVE, 0))
+    pool.wait_for_plan()
+    pool.boundary(lambda: (LIVE, 0))
+    assert len(staging.installed) == 1 and pool.state is State.RECORDING      # backs off as any failure
     pool.close()
 
 

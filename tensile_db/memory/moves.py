@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from .arena import ArenaAllocator
 from .lifetimes import PoolPlan
+from .planned import NoRoom
 
 #: most of a planned region an install may move through host memory (RegionInstaller.install)
 MAX_STAGED_FRACTION = 0.05
@@ -31,7 +32,7 @@ class RegionInstaller:
         """The planned pool's install: let the copies in flight land, take the layout the pool
         computes (:func:`region_layout`), evict the cached blocks it
         leaves out and perform its moves. Returns the region's offset, or why it was not installed
-        (nothing changed then).
+        (nothing changed then): a :class:`~.planned.NoRoom` where the region finds no room.
 
         A block moves device to device when its new place overlaps no block still to move; where
         the moves form cycles, one block is parked in arena bytes free before and after the
@@ -49,8 +50,8 @@ class RegionInstaller:
         layout = region_layout(plan, [t for t in mm._tensors.values() if t.offset is not None],
                                live_keys, reserve_nbytes, mm.budget_nbytes)
         if layout is None:
-            return (f"a planned region of {plan.arena_nbytes:,} bytes and {reserve_nbytes:,} bytes "
-                    "of library temporaries do not fit beside the blocks in use")
+            return NoRoom(f"a planned region of {plan.arena_nbytes:,} bytes and {reserve_nbytes:,} bytes "
+                          "of library temporaries do not fit beside the blocks in use")
         # scratch: bytes no block holds before or after the install, among them the region's
         # bytes that no live block takes (nothing else is placed until the install ends)
         after = [(new, t.arena_nbytes) for t, new in layout.placed.items()]

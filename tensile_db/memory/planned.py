@@ -48,40 +48,14 @@ search of :data:`SEARCH_S` seconds on the planning thread, which holds the GIL t
 after every kernel: the iteration it falls in took 110 to 150 ms against 30 to 40 ms, four or
 five times in 24 iterations, and once every 64 periods for as long as the job ran.
 
-Approach: a plan whose region the manager could not place, neither packing, ends the tries for
-the schedule and the jobs it was recorded under: the pool records again only after
-:meth:`PlannedPool.invalidate` (a job arriving or leaving, a new schedule), which may leave
-room. Other failures back off as before.
+Approach: the manager says *no room* with a :class:`NoRoom` (neither packing fits beside the
+blocks in use and the reserve); the pool then waits :data:`NO_ROOM_BACKOFF_PERIODS` periods
+before recording again, or until :meth:`PlannedPool.invalidate` (a job arriving or leaving, a new
+schedule), which may leave room. Other refusals (an install that would stage too much through
+host memory, which depends on where the blocks lie) and failures back off as before.
 
-Limitations: a region that would fit after the general pool's blocks move (a compaction) is
-not tried again until then.
-
-Note [Blocks kept in place]
----------------------------
-Rationale: the blocks live at a period boundary are a training job's weights and optimizer state,
-live through the whole period. The general pool put them where it found room as they came, so a
-packing planned from scratch puts every one of them elsewhere: one ResNet-50 at 70% of its peak
-on the simulated H100 moved all 589 at its install, 3 ms of copy launches, a third of an
-iteration. Yet a block live at every event of the period conflicts with every other, so where it
-lies matters to the others only through the gaps it leaves.
-
-Approach: with the recording, the pool notes where the live blocks lie (``where``), and the
-planning thread makes a second packing with those live through the whole period fixed at their
-offsets and the others placed around them (:func:`~tensile_db.memory.lifetimes.plan_offsets` with ``fixed``, the best of
-its orders). At the install that packing is tried first where its region is at most
-:data:`KEPT_MAX_RATIO` of the most bytes live at once (the bound the packing from scratch is held
-to) and fits beside the blocks in use and the reserve: then nothing that is live moves (on that
-ResNet-50, a region 3.6% above the live bytes, 3.2% larger than the packing from scratch); else
-the packing from scratch is installed as before. A region kept in place takes more of the budget,
-and its larger size counts in the device's peak. The
-figures and :attr:`PlannedPool.history` report the packing from scratch (the planner's quality);
-``figures["installed_arena_nbytes"]`` says what the installed region takes.
-
-Limitations: the offsets are those at the end of the recorded period; a block the general pool
-moves before the install (a compaction) moves at the install too, and so does a block live at the
-boundary but freed and allocated again within the period (a weight swapped out and back in), which
-the general pool may have put elsewhere by then. Where the budget leaves no room
-for the larger region, every live block still moves.
+Limitations: a region that would fit after a one-off peak of library temporaries in the recorded
+period, or after the general pool's blocks move, waits that long.
 """
 
 from __future__ import annotations
@@ -120,9 +94,17 @@ KEPT_MAX_RATIO = 1.05
 #: Boundaries a plan may take on the planning thread before the executor waits for it: the
 #: planning thread competes for the GIL with the executor and can starve.
 PLAN_WAIT_PERIODS = 4
+#: Periods the pool waits before recording again after a region found no room (Note [A region that
+#: does not fit]), unless invalidated first.
+NO_ROOM_BACKOFF_PERIODS = 1024
 #: a period of more allocations than this is planned by :attr:`PlannedPool.offload` when it is
 #: set (the 400-layer job of ``bench/fairness.py``: 1.5 s of planning beside the executor)
 OFFLOAD_MIN_ALLOCATIONS = 500
+
+
+class NoRoom(str):
+    """Why an install was not made, where the reason is that the region (either packing) and the
+    reserve do not fit beside the blocks in use (Note [A region that does not fit])."""
 
 
 class State(str, enum.Enum):
@@ -136,7 +118,8 @@ class PlannedPool:
     """The planned region's sequence of events, recorded and then replayed.
 
     Args:
-        install: ``install(plan, live_keys, reserve_nbytes) -> base offset or why not`` — the
+        install: ``install(plan, live_keys, reserve_nbytes) -> base offset or why not`` (a
+            :class:`NoRoom` where the region finds no room) — the
             manager reserves ``plan.arena_nbytes`` bytes at a base offset, moves the live blocks
             (whose keys are ``live_keys``) to ``base + plan.offsets[key]``, and keeps at least
             ``reserve_nbytes`` free for unkeyed blocks; a string saying why if it does not. The
@@ -174,7 +157,6 @@ class PlannedPool:
         self._expected: list[tuple[Key | None, int | None]] = []   # serving: (key, offset or None for a free)
         self._failures = 0
         self._wait = 0                               # boundaries to let pass before recording
-        self._no_room = False                        # a region did not fit: no more tries (Note [A region that does not fit])
         self._planning: concurrent.futures.Future | None = None
         self._planning_periods = 0                   # boundaries since the plan was asked for
         self._last_plan: tuple | None = None         # _plan's result last installed or tried
@@ -252,7 +234,7 @@ class PlannedPool:
         if self.state is State.SERVING:
             self._dissolve()
             log.info("planned pool dissolved: %s", reason)
-        self.state, self.plan, self._failures, self._wait, self._no_room = State.IDLE, None, 0, 0, False
+        self.state, self.plan, self._failures, self._wait = State.IDLE, None, 0, 0
         self._planning = None
 
     def wait_for_plan(self) -> None:
@@ -295,7 +277,7 @@ class PlannedPool:
             if why is None:
                 return
             self._fail(why)
-        if self.state is State.IDLE and live and not self._no_room:
+        if self.state is State.IDLE and live:
             if self._wait:
                 self._wait -= 1
                 return
@@ -350,7 +332,6 @@ class PlannedPool:
             if not isinstance(base, str):
                 break
         if isinstance(base, str):
-            self._no_room = True                     # Note [A region that does not fit]
             return base
         figures = {**figures, "installed_arena_nbytes": plan.arena_nbytes}
         self.state, self.plan, self.base, self.figures = State.SERVING, plan, base, figures
@@ -376,6 +357,8 @@ class PlannedPool:
         self.state = State.IDLE
         self._failures += 1
         self._wait = min(MAX_BACKOFF_PERIODS, 2 ** (self._failures - 1)) - 1
+        if isinstance(why, NoRoom):                  # Note [A region that does not fit]
+            self._wait = NO_ROOM_BACKOFF_PERIODS - 1
         log.debug("planned pool not installed (%s); recording again in %d periods", why, self._wait + 1)
 
     # -- reporting --------------------------------------------------------------------------------

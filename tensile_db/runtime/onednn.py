@@ -22,7 +22,7 @@ library that does it is.
 
 Approach: a convolution's geometry and dtype make one :class:`_Primitives` (forward) or two
 (backward data, backward weights), each built once per process and kept (up to
-:data:`PRIMITIVES_KEPT` geometries): the images' memory descriptors are the channels-last arrays
+:data:`PRIMITIVES_KEPT`): the images' memory descriptors are the channels-last arrays
 as they are (dims N, C, H, W with the strides of (B, H, W, C)), the weights' the primitive's own
 choice (``format_tag_any``), into which a reorder primitive copies ``w`` before each forward or
 backward-data pass, and from which another copies the weight gradient into ``dw`` after a
@@ -37,7 +37,7 @@ than the primitives need (tiny convolutions, whose lowering takes less than thei
 tens of kilobytes) is lowered; GNU OpenMP's idle threads spin a while after each primitive, as
 its defaults have them (not tuned); the Python wheel
 bundles oneDNN 3.2 built with GNU OpenMP, whose threads are not fork-safe: a process forked after
-this module ran a primitive lowers its convolutions instead. The bias gradient is the runtime's
+this module loaded the library lowers its convolutions instead. The bias gradient is the runtime's
 own channel sum. The weights are reordered on every call, not once per optimiser step (a few
 microseconds at these sizes). The workspace keeps the lowering's size, larger than the library
 needs.
@@ -58,8 +58,9 @@ from . import workers
 
 log = logging.getLogger(__name__)
 
-#: Geometries whose primitives a process keeps built; the least recently used beyond are freed.
-PRIMITIVES_KEPT = 64
+#: Primitives a process keeps built, one per (geometry, pass, bias, threads); the least recently
+#: used beyond are freed. ResNet-50 takes 68 of them (23 geometries), DenseNet-121 197.
+PRIMITIVES_KEPT = 256
 #: Bytes every buffer in the workspace is aligned to (a cache line, oneDNN's expectation).
 ALIGN_NBYTES = 64
 #: The distribution that installs the library, and the library's file name.
@@ -87,6 +88,7 @@ _SIGNATURES = {
     "dnnl_engine_create": [ctypes.POINTER(_handle), ctypes.c_int, ctypes.c_size_t],
     "dnnl_stream_create": [ctypes.POINTER(_handle), _handle, ctypes.c_uint],
     "dnnl_stream_wait": [_handle],
+    "dnnl_stream_destroy": [_handle],
     "dnnl_primitive_attr_create": [ctypes.POINTER(_handle)],
     "dnnl_primitive_attr_set_scratchpad_mode": [_handle, ctypes.c_int],
     "dnnl_primitive_attr_destroy": [_handle],
@@ -121,14 +123,14 @@ class OneDNNError(RuntimeError):
 
 
 _lock = threading.Lock()
-_state: dict = {"library": None, "tried": False, "engine": None, "used": False, "forked": False,
+_state: dict = {"library": None, "tried": False, "engine": None, "forked": False,
                 "primitives": OrderedDict()}
 _threads = threading.local()                  # .stream: this thread's oneDNN stream
 
 
 def enabled() -> bool:
     """Whether convolutions may run on oneDNN in this process: ``TENSILE_ONEDNN`` is not ``0``,
-    the library loads, and the process was not forked from one whose OpenMP threads ran."""
+    the library loads, and the process was not forked from one that had loaded it."""
     return os.environ.get("TENSILE_ONEDNN", "1") != "0" and not _state["forked"] and _library() is not None
 
 
@@ -149,6 +151,15 @@ def _load():
         gomp = ctypes.CDLL("libgomp.so.1")
     except OSError:
         return None
+    try:
+        return _bound(lib, gomp)
+    except AttributeError:          # a library without a function of this API: not oneDNN 3
+        log.warning("%s lacks a function of oneDNN 3's C API; convolutions are lowered instead", path or LIBRARY)
+        return None
+
+
+def _bound(lib, gomp):
+    """``lib`` with its functions' signatures set and the engine made; None if the engine fails."""
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
@@ -175,11 +186,12 @@ def _installed_path() -> str | None:
 
 
 def _forked() -> None:
-    """In a child forked from this process: GNU OpenMP's threads did not come along, and a
-    parallel region would wait for them for ever; so if any ran, this process lowers instead."""
+    """In a child forked from this process after it loaded the library: GNU OpenMP's threads did
+    not come along (a parallel region would wait for them for ever), nor did a thread that held
+    oneDNN's own locks (building a primitive), so this process lowers instead."""
     global _lock
     _lock = threading.Lock()
-    _state["forked"] = _state["forked"] or _state["used"]
+    _state["forked"] = _state["forked"] or _state["library"] is not None
 
 
 os.register_at_fork(after_in_child=_forked)
@@ -190,14 +202,24 @@ def _check(status: int, what: str) -> None:
         raise OneDNNError(f"oneDNN's {what} failed: {_STATUS.get(status, 'status ' + str(status))}")
 
 
+class _Stream:
+    """A thread's oneDNN stream, destroyed with the thread's local data when the thread ends."""
+
+    def __init__(self):
+        self._lib, self.handle = _state["library"], _handle()
+        _check(self._lib.dnnl_stream_create(ctypes.byref(self.handle), _state["engine"], _STREAM_DEFAULT),
+               "stream creation")
+
+    def __del__(self):
+        if self.handle:
+            self._lib.dnnl_stream_destroy(self.handle)
+
+
 def _stream():
     stream = getattr(_threads, "stream", None)
     if stream is None:
-        stream = _handle()
-        _check(_state["library"].dnnl_stream_create(ctypes.byref(stream), _state["engine"], _STREAM_DEFAULT),
-               "stream creation")
-        _threads.stream = stream
-    return stream
+        stream = _threads.stream = _Stream()
+    return stream.handle
 
 
 def _image_dims(batch: int, channels: int, height: int, width: int):
@@ -345,13 +367,15 @@ def _aligned(nbytes: int) -> int:
 def _primitives(geometry, kind: str, bias: bool) -> _Primitives | None:
     """The kept primitives of ``geometry``'s ``kind`` pass (built now if not yet), or None where
     oneDNN has none."""
-    key = (geometry, kind, bias)
+    threads = workers.count()
+    key = (geometry, kind, bias, threads)
     cache = _state["primitives"]
     with _lock:
         found = cache.get(key, False)
         if found is not False:
             cache.move_to_end(key)
             return found
+    _state["library"].omp_set_num_threads(threads)     # a primitive takes its threads when built
     try:
         built = _Primitives(geometry, kind, bias)
     except _Unsupported:
@@ -366,9 +390,14 @@ def _primitives(geometry, kind: str, bias: bool) -> _Primitives | None:
     return built
 
 
-def _usable(arrays, geometry) -> bool:
+def _usable(shaped, written, geometry) -> bool:
+    """Whether oneDNN may take these arrays: ``shaped`` pairs of (array, the shape it must have),
+    every one a C-contiguous float32 NumPy array, those in ``written`` writeable too (the library
+    writes through the pointer, unchecked)."""
     return (geometry.batch > 0 and enabled()
-            and all(type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous for a in arrays))
+            and all(type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous and a.shape == shape
+                    for a, shape in shaped)
+            and all(a.flags.writeable for a in written))
 
 
 class _Workspace:
@@ -406,13 +435,14 @@ class _Call:
         _check(self._lib.dnnl_primitive_execute(primitive, _stream(), len(pairs), array), "primitive execution")
 
     def __enter__(self):
-        _state["used"] = True
         self._lib.omp_set_num_threads(workers.count())
         return self
 
     def __exit__(self, *exc):
         try:
-            _check(self._lib.dnnl_stream_wait(_stream()), "stream wait")
+            status = self._lib.dnnl_stream_wait(_stream())
+            if exc[0] is None:                       # an error of the run is the one to raise
+                _check(status, "stream wait")
         finally:
             for m in self._made:
                 self._lib.dnnl_memory_destroy(m)
@@ -433,7 +463,8 @@ def forward(x, w, b, out, geometry, flat) -> bool:
     C/g, KH, KW), b (O,) or None, out (B, OH, OW, O), C-contiguous float32 NumPy arrays; ``flat``
     the float32 workspace of :attr:`.conv_kernels.ConvGeometry.forward_workspace_nelems`
     elements. Returns whether it did (False: nothing written)."""
-    if not _usable([x, w, out, flat] + ([] if b is None else [b]), geometry):
+    shaped = [(x, geometry.in_shape), (w, geometry.weight_shape), (out, geometry.out_shape), (flat, flat.shape)]
+    if not _usable(shaped + ([] if b is None else [(b, (geometry.out_channels,))]), [out, flat], geometry):
         return False
     prims = _primitives(geometry, "forward", b is not None)
     space = _Workspace(flat)
@@ -465,8 +496,9 @@ def backward(x, w, dy, dx, dw, geometry, flat) -> bool:
     the float32 workspace of :attr:`.conv_kernels.ConvGeometry.backward_workspace_nelems`
     elements. The bias gradient is the caller's. Returns whether it did (False: nothing
     written)."""
-    arrays = [x, w, dy, dw, flat] + ([] if dx is None else [dx])
-    if not _usable(arrays, geometry):
+    shaped = [(x, geometry.in_shape), (w, geometry.weight_shape), (dy, geometry.out_shape),
+              (dw, geometry.weight_shape), (flat, flat.shape)] + ([] if dx is None else [(dx, geometry.in_shape)])
+    if not _usable(shaped, [dw, flat] + ([] if dx is None else [dx]), geometry):
         return False
     wprims = _primitives(geometry, "weights", False)
     dprims = None if dx is None else _primitives(geometry, "data", False)
