@@ -412,6 +412,7 @@ def test_an_install_with_room_moves_no_live_block(monkeypatch):
     """With room in the budget, the region installed keeps the weights and optimizer state where
     the general pool put them (Note [Blocks kept in place]): none of them moves."""
     monkeypatch.setattr(planned, "KEPT_MAX_RATIO", 1.25)   # a small MLP's blocks leave gaps of more than 5%
+    monkeypatch.setattr(planned, "OFFLOAD_MIN_ALLOCATIONS", 10 ** 9)   # planned on the pool's thread, patched
     moved = []
 
     def prepare(jobs, mm):

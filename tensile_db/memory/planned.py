@@ -98,8 +98,10 @@ PLAN_WAIT_PERIODS = 4
 #: does not fit]), unless invalidated first.
 NO_ROOM_BACKOFF_PERIODS = 1024
 #: a period of more allocations than this is planned by :attr:`PlannedPool.offload` when it is
-#: set (the 400-layer job of ``bench/fairness.py``: 1.5 s of planning beside the executor)
-OFFLOAD_MIN_ALLOCATIONS = 500
+#: set: every one (the 400-layer job of ``bench/fairness.py``: 1.5 s of planning beside the
+#: executor; a search of :data:`SEARCH_S` holds the GIL the executor needs too, Note [Planning off
+#: the GIL] in :mod:`tensile_db.scheduler.worker`)
+OFFLOAD_MIN_ALLOCATIONS = 0
 
 
 class NoRoom(str):

@@ -225,8 +225,9 @@ class Scheduler:
         self._plan_sequences: dict[int, AccessSequence] = {}   # job id -> the snapshot its plan was made from
         self._plan_iteration: dict[int, int] = {}         # job id -> its iterations at the last plan
         self._planning = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-plan")
-        if not self.deterministic:              # large offset plans go to the planning process too
+        if not self.deterministic:              # offset plans go to the planning process too
             manager.pool.offload = shared().call
+            shared().start()                    # now, so that the first plan need not wait for it
         self._pending: concurrent.futures.Future | None = None
         self._request: _Request | None = None
         # superseded requests that were being made: installed when done (Note [Paid planning])

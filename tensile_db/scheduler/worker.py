@@ -37,10 +37,10 @@ pickle to 0.9 MB in about 9 ms, a plan to 1.5 MB; unpickling the plan holds the 
 about 15 ms, or 50 to 90 ms when the collection of cyclic garbage runs over a large heap meanwhile.
 
 Who uses it (Note [Planning off the GIL]): on ``cpu`` and ``cuda`` the scheduler sends the plans
-of timelines of more than :data:`PROCESS_MIN_OPS` ops per period, and the planned pool its offset
-plans of more than :data:`~tensile_db.memory.planned.OFFLOAD_MIN_ALLOCATIONS` allocations, to one
-process-wide child (:func:`shared`); smaller ones are made in the caller's planning thread, whose
-GIL holds stay short, so that short jobs do not wait for a child to start.
+of timelines of more than :data:`PROCESS_MIN_OPS` ops per period (every one), and the planned
+pool its offset plans of more than :data:`~tensile_db.memory.planned.OFFLOAD_MIN_ALLOCATIONS`
+allocations (every one), to one process-wide child (:func:`shared`), which the scheduler starts
+when it is made, so that the first plan need not wait for it.
 
 Note [A pipe with no reader]
 ----------------------------
@@ -68,6 +68,15 @@ small job ran 0.3 s beside a 400-layer job, the scheduler's planning thread ran 
 of the 400-layer timeline: building it and simulating it) and the pool's planning thread 1.5 s
 (one offset plan of its period's allocations), both in Python loops that hold the GIL the
 executor's thread needs for every op.
+
+Small plans were once made on those threads, whose GIL holds seemed short. They are not short for
+the executor: it gives up the GIL in every kernel (a convolution on oneDNN does in each call into
+the library), and takes it back only when the planning thread's switch interval (5 ms) runs out.
+The small CNN of ``bench/throughput.py`` at 50% of its peak (about 100 ops): an iteration during
+one of the scheduler's plans (20 to 50 ms of planning) took 100 ms, during a search of the planned
+pool (0.1 s) 150 ms, against 45 to 50 ms. With every plan in the child, its time at 50% over the
+unlimited run's went from 1.57 and 1.65 to 1.41 and 1.41 (five alternated runs each, medians;
+the child takes a core meanwhile, but not the GIL).
 """
 
 from __future__ import annotations
@@ -94,9 +103,8 @@ from .timeline import JobTrace, Timeline
 log = logging.getLogger(__name__)
 
 #: timelines of more ops per period than this are planned in the planning process (not simulated
-#: devices); the 400-layer job of ``bench/fairness.py`` has 2,407, its 100-layer job 607, a small
-#: MLP a few dozen
-PROCESS_MIN_OPS = 1000
+#: devices): every one (Note [Planning off the GIL])
+PROCESS_MIN_OPS = 0
 
 #: policy -> planner(timeline, cost, target bytes, max_seconds: None for no time limit)
 PLANNERS = {"tensile": plan_global, "swap_score": plan_swap_score,
