@@ -12,8 +12,10 @@ in pooling, masks of the output's size. Images are stored channels last (Note [C
 :mod:`.layout`): ``x`` (B, H, W, C), and a (C,) vector broadcasts over the last axis. Kernels are
 dtype-generic (float32 in training, float64 in the gradient tests) and array-module generic.
 
-Convolution is lowered to matrix products (im2col; Chellapilla, Puri and Simard, "High
-Performance Convolutional Neural Networks for Document Processing", 2006): a chunk of the batch is
+On the CPU a float32 convolution runs on oneDNN's primitives instead (:mod:`.onednn`, Note
+[Convolutions by oneDNN]) where it can; the lowering below serves CuPy, float64 and what oneDNN
+does not take. Convolution is lowered to matrix products (im2col; Chellapilla, Puri and Simard,
+"High Performance Convolutional Neural Networks for Document Processing", 2006): a chunk of the batch is
 padded into (B, HP, WP, C), and each window of one group becomes a row of a (B·OH·OW, KH·KW·C/g)
 matrix in one strided copy whose innermost run is the window's KW·C adjacent elements (with the
 channels first, the copy ran an image row or, with the kernel innermost, three elements at a

@@ -5,7 +5,7 @@ every byte they touch in arrays the caller passes in.
 
 :func:`forward` and :func:`backward` do a convolution of :mod:`.conv_kernels` when they can and
 return True; else False, and the caller lowers it to matrix products as before (CuPy arrays,
-float64, a platform without the library, a workspace too small, a process forked after using
+float64, a platform without the library, a workspace too small, a process forked after loading
 it, ``TENSILE_ONEDNN=0`` in the environment).
 
 Note [Convolutions by oneDNN]
@@ -20,8 +20,9 @@ medians of 30 calls: forward 5.2 ms lowered against 1.5 ms here, backward (data 
 ms against 2.4 to 2.7 ms. Writing such kernels is not this project's business; the well-kept
 library that does it is.
 
-Approach: a convolution's geometry and dtype make one :class:`_Primitives` (forward) or two
-(backward data, backward weights), each built once per process and kept (up to
+Approach: a float32 convolution's geometry makes one :class:`_Primitives` (forward) or two
+(backward data, backward weights), each built once per process for the OpenMP threads
+:func:`.workers.count` allows (a primitive takes its threads when built) and kept (up to
 :data:`PRIMITIVES_KEPT`): the images' memory descriptors are the channels-last arrays
 as they are (dims N, C, H, W with the strides of (B, H, W, C)), the weights' the primitive's own
 choice (``format_tag_any``), into which a reorder primitive copies ``w`` before each forward or
@@ -30,7 +31,8 @@ backward-weights pass. The reordered weights and the primitives' scratchpads (us
 slices of the convolution's workspace, an arena tensor: the library allocates nothing per call.
 Each call makes the memory objects of its arrays and destroys them after, and runs on its
 thread's own stream (primitives may run on several threads at once; a stream may not). The
-primitives run on as many OpenMP threads as :func:`.workers.count` allows.
+arrays it writes must have the geometry's shapes and be writeable: the library writes through
+their pointers unchecked.
 
 Limitations: float32 only (oneDNN has no float64 convolution on the CPU); a workspace smaller
 than the primitives need (tiny convolutions, whose lowering takes less than their scratchpads,
