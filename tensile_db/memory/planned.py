@@ -120,8 +120,8 @@ SEARCH_TRIES = 4
 #: the most a region with the live blocks kept in place may take, over the most bytes its period
 #: holds live at once (Note [Blocks kept in place])
 KEPT_MAX_RATIO = 1.05
-#: Boundaries a plan may take on the planning thread before the executor waits for it: the
-#: planning thread competes for the GIL with the executor and can starve.
+#: Boundaries a plan may take before the executor waits for it: a planner competes with the
+#: executor (for the GIL on the pool's thread, for a core in the planning process) and can starve.
 PLAN_WAIT_PERIODS = 4
 #: Periods the pool waits before recording again after a region found no room (Note [A region that
 #: does not fit]), unless invalidated first.

@@ -15,11 +15,11 @@ dtype-generic (float32 in training, float64 in the gradient tests) and array-mod
 On the CPU a float32 convolution runs on oneDNN's primitives instead (:mod:`.onednn`, Note
 [Convolutions by oneDNN]) where it can; the lowering below serves CuPy, float64 and what oneDNN
 does not take. Convolution is lowered to matrix products (im2col; Chellapilla, Puri and Simard,
-"High Performance Convolutional Neural Networks for Document Processing", 2006): a chunk of the batch is
-padded into (B, HP, WP, C), and each window of one group becomes a row of a (B·OH·OW, KH·KW·C/g)
-matrix in one strided copy whose innermost run is the window's KW·C adjacent elements (with the
-channels first, the copy ran an image row or, with the kernel innermost, three elements at a
-time). The forward pass is one product per group with the weights as a (O, KH·KW·C/g) matrix,
+"High Performance Convolutional Neural Networks for Document Processing", 2006): a chunk of the
+batch is padded into (B, HP, WP, C), and each window of one group becomes a row of a
+(B·OH·OW, KH·KW·C/g) matrix in one strided copy whose innermost run is the window's KW·C adjacent
+elements (with the channels first, the copy ran an image row or, with the kernel innermost, three
+elements at a time). The forward pass is one product per group with the weights as a (O, KH·KW·C/g) matrix,
 written into the output's rows (B·OH·OW, O) where there is one group; the weight gradient is
 another; the input gradient is, with stride 1, the forward lowering of ``dy`` with the flipped,
 transposed weights (the rows of the product in the order of ``dx``, no scatter), else a product

@@ -71,7 +71,7 @@ DISTRIBUTION, LIBRARY = "onednn-cpu-gomp", "libdnnl.so.3"
 # The C API's constants (oneapi/dnnl/dnnl_types.h, stable within oneDNN 3).
 _F32, _FORMAT_ANY, _CPU, _STREAM_DEFAULT = 3, 1, 1, 1
 _FORWARD_TRAINING, _CONVOLUTION_DIRECT, _SCRATCHPAD_USER = 64, 1, 1
-_QUERY_IMPL, _QUERY_WEIGHTS, _QUERY_DIFF_WEIGHTS, _QUERY_SCRATCHPAD = 8, 131, 132, 136
+_QUERY_WEIGHTS, _QUERY_DIFF_WEIGHTS, _QUERY_SCRATCHPAD = 131, 132, 136
 _SRC, _DST, _WEIGHTS, _BIAS, _SCRATCHPAD = 1, 17, 33, 41, 80
 _DIFF_SRC, _DIFF_DST, _DIFF_WEIGHTS = 129, 145, 161
 _MAX_NDIMS = 12
@@ -107,7 +107,6 @@ _SIGNATURES = {
         ctypes.POINTER(_handle), _handle, ctypes.c_int, _handle, _handle, _handle, _handle, _Dims, _Dims, _Dims,
         _Dims, _handle, _handle],
     "dnnl_reorder_primitive_desc_create": [ctypes.POINTER(_handle), _handle, _handle, _handle, _handle, _handle],
-    "dnnl_primitive_desc_query": [_handle, ctypes.c_int, ctypes.c_int, _handle],
     "dnnl_primitive_desc_destroy": [_handle],
     "dnnl_primitive_create": [ctypes.POINTER(_handle), _handle],
     "dnnl_primitive_destroy": [_handle],
@@ -138,7 +137,9 @@ def enabled() -> bool:
 
 def _library():
     """The loaded library with its functions' signatures set, or None where it is not installed
-    (tried once)."""
+    (tried once; after that, read without the lock: every convolution asks)."""
+    if _state["tried"]:
+        return _state["library"]
     with _lock:
         if not _state["tried"]:
             _state["tried"] = True
@@ -247,7 +248,6 @@ class _Primitives:
     def __init__(self, geometry, kind: str, bias: bool):
         lib = self._lib = _state["library"]
         self._owned_mds, self._pds, self._prims = [], [], []
-        self.kind = kind
         try:
             self._build(lib, geometry, kind, bias)
         except BaseException:
@@ -313,7 +313,6 @@ class _Primitives:
             pd = self._pd(lib.dnnl_convolution_backward_weights_primitive_desc_create, _state["engine"],
                           _CONVOLUTION_DIRECT, src, chosen, None, dst, *geo, hint, attr)
         self.conv = self._primitive(pd)
-        self.impl = self._query_impl(pd)
         self.src, self.dst, self.bias, self.plain = src, dst, bias_md, plain
         self.weights = lib.dnnl_primitive_desc_query_md(pd, _QUERY_DIFF_WEIGHTS if kind == "weights"
                                                         else _QUERY_WEIGHTS, 0)
@@ -326,11 +325,6 @@ class _Primitives:
                            _state["engine"], attr)
             self.reorder = self._primitive(rpd)
             self.reorder_scratch = lib.dnnl_primitive_desc_query_md(rpd, _QUERY_SCRATCHPAD, 0)
-
-    def _query_impl(self, pd) -> str:
-        name = ctypes.c_char_p()
-        _check(self._lib.dnnl_primitive_desc_query(pd, _QUERY_IMPL, 0, ctypes.byref(name)), "implementation query")
-        return name.value.decode()
 
     def nbytes(self, md) -> int:
         """Bytes of the memory descriptor ``md`` (0 for None, or a scratchpad not needed)."""
