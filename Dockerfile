@@ -33,7 +33,7 @@ RUN set -eux; \
 # nothing imports at run time) are left out of the venv: 135 MB of the CPU image. The oneDNN wheel
 # installs its library three times over (a wheel has no symbolic links): two become links, 109 MB.
 WORKDIR /src
-COPY pyproject.toml README* ./
+COPY pyproject.toml setup.py README* ./
 COPY tensile_db ./tensile_db
 ARG VARIANT=cpu
 RUN set -eux; \

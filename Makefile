@@ -64,8 +64,10 @@ $(VENV)/.bench-deps: pyproject.toml $(VENV)/.deps
 	touch $@
 
 # Reinstall the package itself on every run (no dependencies): the server imports the installed copy.
+# Its compiled library is built in the checkout too, for the tests, which import the checkout's copy.
 package: $(VENV)/.deps
 	$(PY) -m pip install -q --no-deps --no-build-isolation --force-reinstall .
+	$(PY) setup.py -q build_ext --inplace
 	chmod -R a+rX "$(VENV)"
 
 extension: system-deps

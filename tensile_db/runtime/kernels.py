@@ -18,7 +18,7 @@ import functools
 
 import numpy as np
 
-from . import workers
+from . import fused, workers
 
 
 def array_module(*arrays):
@@ -232,8 +232,11 @@ def sgd_update(w, g, velocity, lr: float, momentum: float, weight_decay: float =
     """SGD with momentum and L2 weight decay, in place (PyTorch's ``torch.optim.SGD``, no Nesterov).
 
     ``g' = g + weight_decay * w``; ``velocity = momentum * velocity + g'``; ``w -= lr * velocity``.
-    w, g, velocity: arrays of one shape; ``g`` is overwritten.
+    w, g, velocity: arrays of one shape; ``g`` may be overwritten. On float32 NumPy arrays one
+    fused pass (:func:`.fused.sgd`, the same results bit for bit), else NumPy's or CuPy's passes.
     """
+    if fused.sgd(w, g, velocity, lr, momentum, weight_decay):
+        return
     xp = array_module(w)
     _add_weight_decay(xp, g, w, weight_decay)
     xp.multiply(velocity, momentum, out=velocity)
@@ -248,8 +251,12 @@ def adam_update(w, g, m, v, lr: float, beta1: float, beta2: float, eps: float, s
 
     ``g' = g + weight_decay * w``; ``m = b1*m + (1-b1)*g'``; ``v = b2*v + (1-b2)*g'**2``;
     ``w -= lr / (1 - b1**t) * m / (sqrt(v) / sqrt(1 - b2**t) + eps)``, as ``torch.optim.Adam``.
-    ``step`` is t, counted from 1. w, g, m, v: arrays of one shape; ``g`` is overwritten.
+    ``step`` is t, counted from 1. w, g, m, v: arrays of one shape; ``g`` may be overwritten. On
+    float32 NumPy arrays one fused pass (:func:`.fused.adam`, the same results bit for bit), else
+    NumPy's or CuPy's passes.
     """
+    if fused.adam(w, g, m, v, lr, beta1, beta2, eps, step, weight_decay):
+        return
     xp = array_module(w)
     _add_weight_decay(xp, g, w, weight_decay)
     # m = b1*m + (1-b1)*g  ==  b1*(m - g) + g

@@ -1,0 +1,108 @@
+/*
+ * Fused float32 optimiser steps for the CPU runtime: one pass over the parameter, its gradient and
+ * its state where NumPy makes one per operation (tensile_db/runtime/fused.py, Note [Fused
+ * optimiser steps]).
+ *
+ * A plain C library, loaded by ctypes: it uses no Python API (the package builds it as a
+ * setuptools extension only to compile it at install; nothing imports it). Each element goes
+ * through the same float32 operations, in the same order, as the NumPy kernels of
+ * tensile_db/runtime/kernels.py, so the results are theirs bit for bit: the package compiles it
+ * with -ffp-contract=off (no fused multiply-add) and without -ffast-math. An elementwise loop has
+ * no reduction, so the results do not depend on the threads either.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* AVX-512 and AVX2 copies besides the baseline, chosen once at load by the CPU */
+#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+/* g + wd * w as the NumPy kernels compute it without a temporary: (g / wd + w) * wd */
+static inline float with_decay(float g, float w, float wd)
+{
+    return wd != 0.0f ? ((g / wd) + w) * wd : g;
+}
+
+VECTOR_CLONES static void adam_range(float *restrict w, const float *restrict g, float *restrict m,
+                                     float *restrict v, int64_t lo, int64_t hi, float lr_t, float beta1,
+                                     float beta2, float inv_root_c2, float eps, float wd)
+{
+    for (int64_t i = lo; i < hi; i++) {
+        float gi = with_decay(g[i], w[i], wd);
+        float mi = ((m[i] - gi) * beta1) + gi;
+        float g2 = gi * gi;
+        float vi = ((v[i] - g2) * beta2) + g2;
+        float denominator = (sqrtf(vi) * inv_root_c2) + eps;
+        m[i] = mi;
+        v[i] = vi;
+        w[i] = w[i] - ((mi / denominator) * lr_t);
+    }
+}
+
+VECTOR_CLONES static void sgd_range(float *restrict w, const float *restrict g, float *restrict velocity,
+                                    int64_t lo, int64_t hi, float lr, float momentum, float wd)
+{
+    for (int64_t i = lo; i < hi; i++) {
+        float vi = (velocity[i] * momentum) + with_decay(g[i], w[i], wd);
+        velocity[i] = vi;
+        w[i] = w[i] - (vi * lr);
+    }
+}
+
+/* [lo, hi) of this thread's part of n elements cut into one part per thread of the team, each
+   a multiple of 16 elements (a cache line); without OpenMP, all of them */
+static void team_part(int64_t n, int64_t *lo, int64_t *hi)
+{
+#ifdef _OPENMP
+    int64_t parts = omp_get_num_threads(), k = omp_get_thread_num();
+#else
+    int64_t parts = 1, k = 0;
+#endif
+    int64_t step = ((n + parts - 1) / parts + 15) & ~(int64_t)15;
+    *lo = step * k < n ? step * k : n;
+    *hi = step * (k + 1) < n ? step * (k + 1) : n;
+}
+
+/*
+ * Adam, in place over n float32 elements: w, m, v written, g read. lr_t = lr / (1 - beta1^t),
+ * inv_root_c2 = 1 / sqrt(1 - beta2^t), both rounded to float32 by the caller; wd the L2 weight
+ * decay (0: none). threads > 1 splits the elements over that many OpenMP threads; 1 touches no
+ * OpenMP at all (a process forked after the team started must not).
+ */
+void tensile_adam_f32(float *w, const float *g, float *m, float *v, int64_t n, float lr_t, float beta1,
+                      float beta2, float inv_root_c2, float eps, float wd, int threads)
+{
+    if (threads <= 1) {
+        adam_range(w, g, m, v, 0, n, lr_t, beta1, beta2, inv_root_c2, eps, wd);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t lo, hi;
+        team_part(n, &lo, &hi);
+        adam_range(w, g, m, v, lo, hi, lr_t, beta1, beta2, inv_root_c2, eps, wd);
+    }
+}
+
+/* SGD with momentum, in place over n float32 elements: w and velocity written, g read. */
+void tensile_sgd_f32(float *w, const float *g, float *velocity, int64_t n, float lr, float momentum, float wd,
+                     int threads)
+{
+    if (threads <= 1) {
+        sgd_range(w, g, velocity, 0, n, lr, momentum, wd);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t lo, hi;
+        team_part(n, &lo, &hi);
+        sgd_range(w, g, velocity, lo, hi, lr, momentum, wd);
+    }
+}

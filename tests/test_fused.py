@@ -1,0 +1,121 @@
+"""The fused optimiser steps (``tensile_db.runtime.fused``): built wherever the package installs
+with a C compiler, the NumPy kernels' results bit for bit, through the kernels too, and what
+they cannot take (float64, a strided or read-only array, shapes that differ, the setting off)
+left to the NumPy passes with nothing written."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tensile_db.runtime import fused
+from tensile_db.runtime import kernels as K
+
+ADAM = dict(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(5)
+
+
+def state(rng, n: int, count: int):
+    """``count`` float32 arrays of ``n`` elements; the last one (Adam's v) not negative."""
+    arrays = [rng.standard_normal(n).astype(np.float32) for _ in range(count)]
+    np.abs(arrays[-1], out=arrays[-1])
+    return arrays
+
+
+def numpy_passes(monkeypatch, step):
+    """Run ``step()`` with the fused steps off, as the kernels' NumPy passes."""
+    with monkeypatch.context() as m:
+        m.setenv("TENSILE_FUSED", "0")
+        step()
+
+
+@pytest.mark.skipif(sys.platform != "linux" or shutil.which("gcc") is None, reason="no C compiler here")
+def test_the_library_is_built_and_loads():
+    assert fused.enabled()
+
+
+needs_library = pytest.mark.skipif(not fused.enabled(), reason="the fused library is not built here")
+
+
+@needs_library
+@pytest.mark.parametrize("n", [1, 15, 17, 1000, 262_147])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_adam_equals_the_numpy_passes_bit_for_bit(rng, monkeypatch, n, weight_decay):
+    ours = state(rng, n, 4)
+    theirs = [a.copy() for a in ours]
+    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(3)]
+    for step, g in enumerate(grads, start=1):
+        assert fused.adam(ours[0], g.copy(), ours[2], ours[3], step=step, weight_decay=weight_decay, **ADAM)
+        numpy_passes(monkeypatch, lambda: K.adam_update(theirs[0], g.copy(), theirs[2], theirs[3], step=step,
+                                                        weight_decay=weight_decay, **ADAM))
+    for name, a, b in zip("wgmv", ours, theirs):
+        if name != "g":
+            assert np.array_equal(a, b), name
+
+
+@needs_library
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_sgd_equals_the_numpy_passes_bit_for_bit(rng, monkeypatch, momentum, weight_decay):
+    ours = state(rng, 4099, 3)
+    theirs = [a.copy() for a in ours]
+    for _ in range(3):
+        g = rng.standard_normal(4099).astype(np.float32)
+        assert fused.sgd(ours[0], g.copy(), ours[2], 0.1, momentum, weight_decay)
+        numpy_passes(monkeypatch, lambda: K.sgd_update(theirs[0], g.copy(), theirs[2], 0.1, momentum, weight_decay))
+    assert np.array_equal(ours[0], theirs[0]) and np.array_equal(ours[2], theirs[2])
+
+
+@needs_library
+def test_the_gradient_is_only_read(rng):
+    w, g, m, v = state(rng, 100, 4)
+    before = g.copy()
+    assert fused.adam(w, g, m, v, step=1, weight_decay=0.01, **ADAM)
+    assert fused.sgd(w, g, m, 0.1, 0.9, 0.01)
+    assert np.array_equal(g, before)
+
+
+@needs_library
+def test_float32_adam_through_the_kernel_matches_torch(rng):
+    w0 = rng.standard_normal((64, 32)).astype(np.float32)
+    w, m, v = w0.copy(), np.zeros_like(w0), np.zeros_like(w0)
+    wt = torch.tensor(w0, requires_grad=True)
+    opt = torch.optim.Adam([wt], lr=ADAM["lr"], betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"],
+                           weight_decay=0.01)
+    for step in range(1, 6):
+        g = rng.standard_normal(w0.shape).astype(np.float32)
+        K.adam_update(w, g.copy(), m, v, step=step, weight_decay=0.01, **ADAM)
+        wt.grad = torch.tensor(g)
+        opt.step()
+    assert not np.allclose(w, w0)
+    np.testing.assert_allclose(w, wt.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m, opt.state[wt]["exp_avg"].numpy(), rtol=1e-5, atol=1e-6)
+
+
+def declined(arrays) -> bool:
+    """Whether the fused Adam refused ``arrays`` and wrote nothing."""
+    before = [a.copy() for a in arrays]
+    took = fused.adam(*arrays, step=1, weight_decay=0.0, **ADAM)
+    return not took and all(np.array_equal(a, b) for a, b in zip(arrays, before))
+
+
+@needs_library
+def test_what_it_cannot_take_is_left_to_numpy(rng, monkeypatch):
+    assert declined([a.astype(np.float64) for a in state(rng, 64, 4)])
+    w, g, m, v = state(rng, 128, 4)
+    assert declined([w[::2], g[::2], m[::2], v[::2]])
+    assert declined([w, g, m, v[:64].copy()])
+    w.flags.writeable = False
+    assert declined([w, g, m, v])
+    w = w.copy()
+    monkeypatch.setenv("TENSILE_FUSED", "0")
+    assert not fused.enabled()
+    assert declined([w, g, m, v])
