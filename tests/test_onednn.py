@@ -1,7 +1,8 @@
-"""The CPU's float32 convolutions by oneDNN (``tensile_db.runtime.onednn``): the same values as
-the lowering on NumPy and as PyTorch, in the caller's arrays and workspace only; and what it
-cannot take (float64, a small workspace, a strided array, the setting off, a forked child) falls
-to the lowering. Skipped where the library is not installed (it is on x86-64 Linux)."""
+"""The CPU's float32 convolutions and dense products by oneDNN (``tensile_db.runtime.onednn``):
+the same values as the lowering on NumPy and as PyTorch, in the caller's arrays and workspace
+only; and what it cannot take (float64, a small workspace or product, a strided array, the
+setting off, a forked child) falls to the lowering or to NumPy. Skipped where the library is
+not installed (it is on x86-64 Linux)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tensile_db.runtime import conv_kernels as K
+from tensile_db.runtime import kernels as DK
 from tensile_db.runtime import onednn
 from tensile_db.runtime.conv_kernels import ConvGeometry
 from tensile_db.runtime.layout import channels_first as cf
@@ -149,7 +151,7 @@ def test_primitives_are_kept_for_the_latest_geometries_only(rng, monkeypatch):
         g = ConvGeometry.of((batch, 5, 5, 4), 4, 3, padding=1)
         assert onednn.forward(f32(rng, g.in_shape), f32(rng, g.weight_shape), None, nans(g.out_shape), g,
                               nans(g.forward_workspace_nelems))
-    assert [key[0].batch for key in onednn._state["primitives"]] == [2, 3]
+    assert [key[1].batch for key in onednn._state["primitives"]] == [2, 3]
 
 
 def test_a_child_forked_after_onednn_ran_lowers_its_convolutions(rng):
@@ -183,5 +185,61 @@ def test_a_primitive_is_built_for_the_threads_kernels_may_use(rng, monkeypatch):
         monkeypatch.setattr(onednn.workers, "count", lambda n=n: n)
         outs.append(nans(g.out_shape))
         assert onednn.forward(x, wt, None, outs[-1], g, nans(g.forward_workspace_nelems))
-    assert {key[3] for key in onednn._state["primitives"] if key[0] == g} == {1, 2}
+    assert {key[-1] for key in onednn._state["primitives"] if key[1] == g} == {1, 2}
     np.testing.assert_allclose(outs[0], outs[1], rtol=RTOL, atol=ATOL)
+
+
+# --- dense products (onednn.matmul) -------------------------------------------------------------
+
+PRODUCTS = [  # m, k, n, a transposed, b transposed, bias
+    (128, 64, 512, False, False, True),       # a dense layer's forward
+    (512, 128, 256, True, False, False),      # its weight gradient, x.T @ dy
+    (128, 256, 512, False, True, False),      # its input gradient, dy @ w.T
+    (96, 120, 100, True, True, True),
+]
+
+
+def operand(rng, rows, cols, transposed):
+    return f32(rng, (cols, rows)).T if transposed else f32(rng, (rows, cols))
+
+
+@pytest.mark.parametrize("m, k, n, ta, tb, bias", PRODUCTS)
+def test_a_product_on_onednn_matches_numpy_s(rng, m, k, n, ta, tb, bias):
+    a, b = operand(rng, m, k, ta), operand(rng, k, n, tb)
+    bv = f32(rng, n) if bias else None
+    out = nans((m, n))
+    assert onednn.matmul(a, b, out, bv)
+    expected = a.astype(np.float64) @ b.astype(np.float64) + (0 if bv is None else bv)
+    np.testing.assert_allclose(out, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_dense_kernels_on_onednn_match_pytorch(rng):
+    x, w, b, dy = f32(rng, (128, 64)), f32(rng, (64, 512)), f32(rng, 512), f32(rng, (128, 512))
+    out, dx, dw, db = nans((128, 512)), nans((128, 64)), nans((64, 512)), nans(512)
+    DK.dense_forward(x, w, b, out)
+    DK.dense_backward(x, w, dy, dx, dw, db)
+    tx, tw, tb = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
+    ref = tx @ tw + tb
+    ref.backward(torch.tensor(dy))
+    for a, e in ((out, ref), (dx, tx.grad), (dw, tw.grad), (db, tb.grad)):
+        np.testing.assert_allclose(a, e.detach().numpy(), rtol=RTOL, atol=ATOL)
+
+
+def test_what_onednn_cannot_multiply_is_left_to_numpy(rng, monkeypatch):
+    a, b, out = f32(rng, (128, 64)), f32(rng, (64, 512)), nans((128, 512))
+    small = (f32(rng, (8, 8)), f32(rng, (8, 8)), nans((8, 8)))
+    refused = [small,                                                  # below MATMUL_MIN_MACS
+               (a.astype(np.float64), b, out),
+               (a, f32(rng, (64, 1024))[:, ::2], out),                 # neither contiguous nor transposed
+               (a, b, nans((512, 128)).T),                             # out not C-contiguous
+               (a, f32(rng, (65, 512)), out)]                          # shapes that do not multiply
+    read_only = nans((128, 512))
+    read_only.flags.writeable = False
+    refused.append((a, b, read_only))
+    for args in refused:
+        assert not onednn.matmul(*args)
+        assert np.isnan(args[2]).all()
+    assert not onednn.matmul(a, b, out, f32(rng, 256))                 # a bias of the wrong width
+    monkeypatch.setenv("TENSILE_ONEDNN", "0")
+    assert not onednn.matmul(a, b, out)
+    assert np.isnan(out).all()

@@ -25,8 +25,13 @@ in Python's double precision and rounded to float32, as NumPy rounds a Python fl
 a float32 array by. The library is compiled when the package is installed (a setuptools
 extension marked optional: without a compiler the package installs, and these steps fall back).
 
-Limitations: float32 NumPy arrays only; CuPy's steps stay elementwise kernels per operation. The
-loop runs on the calling thread.
+A step of at least :data:`PARALLEL_MIN_NELEMS` elements splits its loop over the kernels'
+workers as GNU OpenMP threads where the dense products run on oneDNN (the same OpenMP team: Note
+[Dense products by oneDNN]); elsewhere, and in a child forked from this process, it runs on the
+calling thread, since OpenMP threads beside OpenBLAS's busy ones cost more than they save. The
+MLP's Adam took 0.30 to 0.39 ms an iteration so, against 0.43 ms on one thread.
+
+Limitations: float32 NumPy arrays only; CuPy's steps stay elementwise kernels per operation.
 """
 
 from __future__ import annotations
@@ -39,13 +44,19 @@ import threading
 
 import numpy as np
 
+from . import onednn, workers
+
 log = logging.getLogger(__name__)
 
 #: The compiled library, as the package installs it (a setuptools extension; no Python API).
 LIBRARY_MODULE = __package__ + "._fused"
 
+#: Elements from which a step splits its loop over :func:`.workers.count` OpenMP threads (where
+#: the dense products run on oneDNN's, the same team); below, one thread.
+PARALLEL_MIN_NELEMS = 1 << 16
+
 _lock = threading.Lock()
-_state: dict = {"library": None, "tried": False}
+_state: dict = {"library": None, "tried": False, "forked": False}
 
 _P, _F, _N, _I = ctypes.c_void_p, ctypes.c_float, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -89,12 +100,37 @@ def _load():
     return lib
 
 
+def _forked() -> None:
+    """In a child forked from this process: GNU OpenMP's threads did not come along (a parallel
+    region would wait for them for ever), so this process's steps run on one thread."""
+    global _lock
+    _lock = threading.Lock()
+    _state["forked"] = True
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def _threads(nelems: int) -> int:
+    """OpenMP threads a step of ``nelems`` elements runs on (Note [Fused optimiser steps]): the
+    kernels' workers where the step is large and the process's matrix products run on oneDNN,
+    whose OpenMP team the step then shares; else 1, the calling thread alone."""
+    if nelems < PARALLEL_MIN_NELEMS or _state["forked"] or not onednn.enabled():
+        return 1
+    return workers.count()
+
+
 def _usable(*arrays) -> bool:
     """Whether the library may take these arrays: C-contiguous float32 NumPy arrays of one shape,
     every one writeable (the library writes through the pointers, unchecked)."""
     shape = arrays[0].shape
-    return enabled() and all(type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous
-                             and a.flags.writeable and a.shape == shape for a in arrays)
+    for a in arrays:
+        if type(a) is not np.ndarray or a.dtype != np.float32 or a.shape != shape:
+            return False
+        flags = a.flags
+        if not (flags.c_contiguous and flags.writeable):
+            return False
+    return enabled()
 
 
 def adam(w, g, m, v, lr: float, beta1: float, beta2: float, eps: float, step: int, weight_decay: float) -> bool:
@@ -105,7 +141,7 @@ def adam(w, g, m, v, lr: float, beta1: float, beta2: float, eps: float, step: in
         return False
     _state["library"].tensile_adam_f32(
         w.ctypes.data, g.ctypes.data, m.ctypes.data, v.ctypes.data, w.size, lr / (1.0 - beta1 ** step), beta1,
-        beta2, 1.0 / (1.0 - beta2 ** step) ** 0.5, eps, weight_decay, 1)
+        beta2, 1.0 / (1.0 - beta2 ** step) ** 0.5, eps, weight_decay, _threads(w.size))
     return True
 
 
@@ -116,5 +152,5 @@ def sgd(w, g, velocity, lr: float, momentum: float, weight_decay: float) -> bool
     if not _usable(w, g, velocity):
         return False
     _state["library"].tensile_sgd_f32(w.ctypes.data, g.ctypes.data, velocity.ctypes.data, w.size, lr, momentum,
-                                      weight_decay, 1)
+                                      weight_decay, _threads(w.size))
     return True

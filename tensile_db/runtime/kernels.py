@@ -18,7 +18,7 @@ import functools
 
 import numpy as np
 
-from . import fused, workers
+from . import fused, onednn, workers
 
 
 def array_module(*arrays):
@@ -35,7 +35,10 @@ def array_module(*arrays):
 
 
 def dense_forward(x, w, b, out) -> None:
-    """``out = x @ w + b``. x: (B, I), w: (I, O), b: (O,), out: (B, O)."""
+    """``out = x @ w + b``. x: (B, I), w: (I, O), b: (O,), out: (B, O). A float32 product large
+    enough runs on oneDNN (:func:`.onednn.matmul`), the bias added in it."""
+    if onednn.matmul(x, w, out, b):
+        return
     xp = array_module(x)
     xp.matmul(x, w, out=out)
     xp.add(out, b, out=out)
@@ -45,12 +48,14 @@ def dense_backward(x, w, dy, dx, dw, db) -> None:
     """Gradients of ``y = x @ w + b``.
 
     x: (B, I), w: (I, O), dy: (B, O); writes dw: (I, O), db: (O,) and, unless ``dx`` is None
-    (the first layer needs no input gradient), dx: (B, I).
+    (the first layer needs no input gradient), dx: (B, I). A float32 product large enough runs on
+    oneDNN (:func:`.onednn.matmul`).
     """
     xp = array_module(x)
-    xp.matmul(x.T, dy, out=dw)
+    if not onednn.matmul(x.T, dy, dw):
+        xp.matmul(x.T, dy, out=dw)
     xp.sum(dy, axis=0, out=db)
-    if dx is not None:
+    if dx is not None and not onednn.matmul(dy, w.T, dx):
         xp.matmul(dy, w.T, out=dx)
 
 

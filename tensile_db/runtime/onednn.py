@@ -1,12 +1,14 @@
-"""Convolutions on the CPU by oneDNN (Intel's oneAPI Deep Neural Network Library, the library
-PyTorch's CPU convolutions run on), through its C API by ``ctypes``: forward, backward data and
-backward weights primitives of a float32 2-D convolution on the runtime's channels-last images,
-every byte they touch in arrays the caller passes in.
+"""Convolutions and dense products on the CPU by oneDNN (Intel's oneAPI Deep Neural Network
+Library, the library PyTorch's CPU convolutions run on), through its C API by ``ctypes``: forward,
+backward data and backward weights primitives of a float32 2-D convolution on the runtime's
+channels-last images, every byte they touch in arrays the caller passes in; and float32 matrix
+products with a bias row, for the dense layers.
 
 :func:`forward` and :func:`backward` do a convolution of :mod:`.conv_kernels` when they can and
 return True; else False, and the caller lowers it to matrix products as before (CuPy arrays,
 float64, a platform without the library, a workspace too small, a process forked after loading
-it, ``TENSILE_ONEDNN=0`` in the environment).
+it, ``TENSILE_ONEDNN=0`` in the environment). :func:`matmul` does a product of
+:func:`.kernels.dense_forward` or :func:`.kernels.dense_backward` the same way, else NumPy does.
 
 Note [Convolutions by oneDNN]
 -----------------------------
@@ -43,6 +45,30 @@ this module loaded the library lowers its convolutions instead. The bias gradien
 own channel sum. The weights are reordered on every call, not once per optimiser step (a few
 microseconds at these sizes). The workspace keeps the lowering's size, larger than the library
 needs.
+
+Note [Dense products by oneDNN]
+-------------------------------
+Rationale: NumPy's OpenBLAS took 0.72 ms for the four forward products of ``bench/throughput.py``'s
+MLP (batch 128, 64-512-512-256-10) and 1.31 ms for their backward ones, where PyTorch's took 0.48
+and 0.86 ms; oneDNN's matmul primitive takes 0.53 and 1.08 ms (medians of 7 x 200 calls, two
+threads). Under the executor it gained nothing while other kernels still ran on OpenBLAS's
+threads, and OpenMP threads beside OpenBLAS's cost more: the MLP's Adam split over OpenMP threads
+(:mod:`.fused`) with the products on OpenBLAS took 8.6 ms an iteration, against 4.1 ms with Adam
+on one thread. Each library's idle threads spin for a while after a call (OpenBLAS's about 1.6
+ms, GNU OpenMP's longer), and two spinning pools on two cores take the cores from each other and
+from the executor. With the products, the convolutions and the large optimiser steps all on GNU
+OpenMP's one team, the MLP's iteration took 3.9 to 4.1 ms, against 4.2 to 4.6 ms before.
+
+Approach: a product's operands' (dims, strides) make one matmul primitive, kept like the
+convolutions' (:func:`_kept`): ``src`` and ``weights`` each C-contiguous or the transpose of a
+C-contiguous array (a layer's ``x.T`` and ``w.T`` as they are, no copy), ``dst`` C-contiguous, the
+bias a (1, N) row added by the primitive. A product of fewer than :data:`MATMUL_MIN_MACS`
+multiply-adds stays NumPy's.
+
+Limitations: the primitives' scratchpads are the library's own (its default mode, a buffer per
+thread kept between calls, up to about 400 KB at these sizes), outside the arena: the dense op has
+no workspace slot. Other strides are NumPy's (oneDNN's reference implementation, which they may
+take, was a thousand times slower). Results differ from OpenBLAS's in rounding.
 """
 
 from __future__ import annotations
@@ -63,6 +89,10 @@ log = logging.getLogger(__name__)
 #: Primitives a process keeps built, one per (geometry, pass, bias, threads); the least recently
 #: used beyond are freed. ResNet-50 takes 68 of them (23 geometries), DenseNet-121 197.
 PRIMITIVES_KEPT = 256
+#: Multiply-adds from which a float32 matrix product runs on oneDNN (:func:`matmul`): below,
+#: NumPy's is quicker than a oneDNN call through ``ctypes`` (about 20 µs): (128, 256) by (256, 10)
+#: took 6 µs there and 26 µs here.
+MATMUL_MIN_MACS = 1 << 20
 #: Bytes every buffer in the workspace is aligned to (a cache line, oneDNN's expectation).
 ALIGN_NBYTES = 64
 #: The distribution that installs the library, and the library's file name.
@@ -107,6 +137,8 @@ _SIGNATURES = {
         ctypes.POINTER(_handle), _handle, ctypes.c_int, _handle, _handle, _handle, _handle, _Dims, _Dims, _Dims,
         _Dims, _handle, _handle],
     "dnnl_reorder_primitive_desc_create": [ctypes.POINTER(_handle), _handle, _handle, _handle, _handle, _handle],
+    "dnnl_matmul_primitive_desc_create": [ctypes.POINTER(_handle), _handle, _handle, _handle, _handle, _handle,
+                                          _handle],
     "dnnl_primitive_desc_destroy": [_handle],
     "dnnl_primitive_create": [ctypes.POINTER(_handle), _handle],
     "dnnl_primitive_destroy": [_handle],
@@ -239,17 +271,16 @@ def _weight_dims(geometry):
     return (geometry.groups, og, cg, kh, kw), (og * cg * kh * kw, cg * kh * kw, kh * kw, kw, 1)
 
 
-class _Primitives:
-    """One built convolution primitive and the reorder of its weights, with their memory
-    descriptors, freed with this object. ``kind``: ``forward``, ``data`` (backward data) or
-    ``weights`` (backward weights). Raises :class:`_Unsupported` where oneDNN has no
-    implementation of it."""
+class _Built:
+    """Primitives built by a subclass's ``_build(lib, *args)``, with the memory descriptors and
+    primitive descriptors they were made of, freed with this object. Raises
+    :class:`_Unsupported` where oneDNN has no implementation of one."""
 
-    def __init__(self, geometry, kind: str, bias: bool):
+    def __init__(self, *args):
         lib = self._lib = _state["library"]
         self._owned_mds, self._pds, self._prims = [], [], []
         try:
-            self._build(lib, geometry, kind, bias)
+            self._build(lib, *args)
         except BaseException:
             self.close()
             raise
@@ -280,6 +311,28 @@ class _Primitives:
         _check(self._lib.dnnl_primitive_create(ctypes.byref(p), pd), "primitive creation")
         self._prims.append(p)
         return p
+
+    def nbytes(self, md) -> int:
+        """Bytes of the memory descriptor ``md`` (0 for None, or a scratchpad not needed)."""
+        return 0 if md is None else self._lib.dnnl_memory_desc_get_size(md)
+
+    def close(self) -> None:
+        lib = self._lib
+        for p in self._prims:
+            lib.dnnl_primitive_destroy(p)
+        for pd in self._pds:
+            lib.dnnl_primitive_desc_destroy(pd)
+        for md in self._owned_mds:
+            lib.dnnl_memory_desc_destroy(md)
+        self._prims, self._pds, self._owned_mds = [], [], []
+
+    def __del__(self):
+        self.close()
+
+
+class _Primitives(_Built):
+    """One built convolution primitive and the reorder of its weights, for ``(geometry, kind,
+    bias)``; ``kind``: ``forward``, ``data`` (backward data) or ``weights`` (backward weights)."""
 
     def _build(self, lib, geometry, kind: str, bias: bool) -> None:
         attr = _handle()
@@ -326,10 +379,6 @@ class _Primitives:
             self.reorder = self._primitive(rpd)
             self.reorder_scratch = lib.dnnl_primitive_desc_query_md(rpd, _QUERY_SCRATCHPAD, 0)
 
-    def nbytes(self, md) -> int:
-        """Bytes of the memory descriptor ``md`` (0 for None, or a scratchpad not needed)."""
-        return 0 if md is None else self._lib.dnnl_memory_desc_get_size(md)
-
     @property
     def workspace_nbytes(self) -> int:
         """Bytes of workspace a call takes: the weights in the primitive's layout (where they
@@ -338,18 +387,20 @@ class _Primitives:
         weights = self.weights_nbytes if self.reorder is not None else 0
         return sum(_aligned(n) for n in (weights, self.nbytes(self.scratch), self.nbytes(self.reorder_scratch)))
 
-    def close(self) -> None:
-        lib = self._lib
-        for p in self._prims:
-            lib.dnnl_primitive_destroy(p)
-        for pd in self._pds:
-            lib.dnnl_primitive_desc_destroy(pd)
-        for md in self._owned_mds:
-            lib.dnnl_memory_desc_destroy(md)
-        self._prims, self._pds, self._owned_mds = [], [], []
 
-    def __del__(self):
-        self.close()
+class _Matmul(_Built):
+    """One built matmul primitive: ``dst (M, N) = src (M, K) @ weights (K, N)`` plus a bias row
+    (1, N) if ``bias``, for the operands' (dims, strides) in elements; dst C-contiguous. Its
+    scratchpad is the library's own (the default mode), not the caller's."""
+
+    def _build(self, lib, src, weights, bias: bool) -> None:
+        (m, _), (_, n) = src[0], weights[0]
+        self.src, self.weights = self._md(*src), self._md(*weights)
+        self.dst = self._md((m, n), (n, 1))
+        self.bias = self._md((1, n), (n, 1)) if bias else None
+        pd = self._pd(lib.dnnl_matmul_primitive_desc_create, _state["engine"], self.src, self.weights, self.bias,
+                      self.dst, None)
+        self.matmul = self._primitive(pd)
 
 
 class _Unsupported(Exception):
@@ -363,8 +414,14 @@ def _aligned(nbytes: int) -> int:
 def _primitives(geometry, kind: str, bias: bool) -> _Primitives | None:
     """The kept primitives of ``geometry``'s ``kind`` pass (built now if not yet), or None where
     oneDNN has none."""
+    return _kept(_Primitives, geometry, kind, bias)
+
+
+def _kept(kind: type, *args) -> _Built | None:
+    """The kept ``kind(*args)`` for this process's threads (built now if not yet), or None where
+    oneDNN has no implementation of it or fails to build one (the caller's NumPy kernel runs)."""
     threads = workers.count()
-    key = (geometry, kind, bias, threads)
+    key = (kind, *args, threads)
     cache = _state["primitives"]
     with _lock:
         found = cache.get(key, False)
@@ -373,11 +430,11 @@ def _primitives(geometry, kind: str, bias: bool) -> _Primitives | None:
             return found
     _state["library"].omp_set_num_threads(threads)     # a primitive takes its threads when built
     try:
-        built = _Primitives(geometry, kind, bias)
+        built = kind(*args)
     except _Unsupported:
         built = None
-    except OneDNNError:             # a library that fails to build one: the kernels lower it, as before
-        log.exception("oneDNN could not build the %s primitive of %s; lowering it instead", kind, geometry)
+    except OneDNNError:             # a library that fails to build one: the NumPy kernel runs it, as before
+        log.exception("oneDNN could not build the primitives %s%s; the NumPy kernel runs instead", kind.__name__, args)
         built = None
     with _lock:
         cache[key] = built
@@ -519,3 +576,48 @@ def backward(x, w, dy, dx, dw, geometry, flat) -> bool:
             call.run(wprims.reorder, src=grad, dst=plain,
                      scratchpad=_scratchpad(call, wprims, space, wprims.reorder_scratch))
     return True
+
+
+def _operand(a) -> tuple | None:
+    """(dims, strides in elements) of a 2-D float32 NumPy array that is C-contiguous or the
+    transpose of a C-contiguous one, else None (other strides may take oneDNN's reference
+    implementation, a thousand times slower)."""
+    if type(a) is not np.ndarray or a.dtype != np.float32 or a.ndim != 2:
+        return None
+    rows, cols = a.shape
+    if a.flags.c_contiguous:
+        return (rows, cols), (cols, 1)
+    if a.flags.f_contiguous:
+        return (rows, cols), (1, rows)
+    return None
+
+
+def matmul(a, b, out, bias=None) -> bool:
+    """``out = a @ b``, plus ``bias`` on every row unless None, by oneDNN's matmul primitive if it
+    can (Note [Dense products by oneDNN]): a (M, K) and b (K, N), each C-contiguous or the
+    transpose of a C-contiguous array; out (M, N) C-contiguous and writeable, not overlapping a
+    or b; bias (N,) C-contiguous; all float32 NumPy arrays, with M x K x N at least
+    :data:`MATMUL_MIN_MACS`. Returns whether it did (False: nothing written)."""
+    src, weights = _operand(a), _operand(b)
+    if src is None or weights is None or not _is_output(out) or not enabled():
+        return False
+    (m, k), (k2, n) = a.shape, b.shape
+    if k2 != k or out.shape != (m, n) or m * k * n < MATMUL_MIN_MACS:
+        return False
+    if bias is not None and (type(bias) is not np.ndarray or bias.dtype != np.float32 or bias.shape != (n,)
+                             or not bias.flags.c_contiguous):
+        return False
+    prims = _kept(_Matmul, src, weights, bias is not None)
+    if prims is None:
+        return False
+    with _Call() as call:
+        call.run(prims.matmul, src=call.memory(prims.src, a.ctypes.data),
+                 weights=call.memory(prims.weights, b.ctypes.data),
+                 bias=None if bias is None else call.memory(prims.bias, bias.ctypes.data),
+                 dst=call.memory(prims.dst, out.ctypes.data))
+    return True
+
+
+def _is_output(out) -> bool:
+    return (type(out) is np.ndarray and out.dtype == np.float32 and out.ndim == 2 and out.flags.c_contiguous
+            and out.flags.writeable)
