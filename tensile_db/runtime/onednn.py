@@ -144,6 +144,7 @@ _SIGNATURES = {
     "dnnl_primitive_destroy": [_handle],
     "dnnl_primitive_execute": [_handle, _handle, ctypes.c_int, ctypes.POINTER(_Arg)],
     "dnnl_memory_create": [ctypes.POINTER(_handle), _handle, _handle, _handle],
+    "dnnl_memory_set_data_handle": [_handle, _handle],
     "dnnl_memory_destroy": [_handle],
 }
 _RESTYPES = {"dnnl_primitive_desc_query_md": ([_handle, ctypes.c_int, ctypes.c_int], _handle),
@@ -248,6 +249,15 @@ class _Stream:
     def __del__(self):
         if self.handle:
             self._lib.dnnl_stream_destroy(self.handle)
+
+
+def _set_threads(lib) -> None:
+    """GNU OpenMP's threads for this thread's next parallel region: :func:`.workers.count` (set
+    again only when it changed since this thread last set it)."""
+    n = workers.count()
+    if getattr(_threads, "omp", None) != n:
+        lib.omp_set_num_threads(n)
+        _threads.omp = n
 
 
 def _stream():
@@ -391,7 +401,9 @@ class _Primitives(_Built):
 class _Matmul(_Built):
     """One built matmul primitive: ``dst (M, N) = src (M, K) @ weights (K, N)`` plus a bias row
     (1, N) if ``bias``, for the operands' (dims, strides) in elements; dst C-contiguous. Its
-    scratchpad is the library's own (the default mode), not the caller's."""
+    scratchpad is the library's own (the default mode), not the caller's. Each thread that runs
+    it keeps its memory objects and argument list, pointed at the arrays of each call, so that a
+    call makes and destroys none (a product of the MLP took about 25 µs of ``ctypes`` calls so)."""
 
     def _build(self, lib, src, weights, bias: bool) -> None:
         (m, _), (_, n) = src[0], weights[0]
@@ -401,6 +413,41 @@ class _Matmul(_Built):
         pd = self._pd(lib.dnnl_matmul_primitive_desc_create, _state["engine"], self.src, self.weights, self.bias,
                       self.dst, None)
         self.matmul = self._primitive(pd)
+        self._threads, self._memories = threading.local(), []
+
+    def run(self, a, b, bias, out) -> None:
+        """``out = a @ b (+ bias)`` on this thread's stream; arrays as :func:`matmul` takes them."""
+        bound = getattr(self._threads, "bound", None)
+        if bound is None:
+            bound = self._threads.bound = self._bind()
+        memories, args = bound
+        lib = self._lib
+        for memory, array in zip(memories, (a, b, out, bias)):
+            _check(lib.dnnl_memory_set_data_handle(memory, array.ctypes.data), "memory handle")
+        _set_threads(lib)
+        stream = _stream()
+        _check(lib.dnnl_primitive_execute(self.matmul, stream, len(args), args), "primitive execution")
+        _check(lib.dnnl_stream_wait(stream), "stream wait")
+
+    def _bind(self):
+        """This thread's (memory objects of src, weights, dst and bias, the execution's arguments)."""
+        named = [(_SRC, self.src), (_WEIGHTS, self.weights), (_DST, self.dst)]
+        if self.bias is not None:
+            named.append((_BIAS, self.bias))
+        memories = []
+        for _, md in named:
+            memory = _handle()
+            _check(self._lib.dnnl_memory_create(ctypes.byref(memory), md, _state["engine"], None), "memory creation")
+            with _lock:
+                self._memories.append(memory)
+            memories.append(memory)
+        return memories, (_Arg * len(named))(*(_Arg(arg, m) for (arg, _), m in zip(named, memories)))
+
+    def close(self) -> None:
+        for memory in getattr(self, "_memories", ()):
+            self._lib.dnnl_memory_destroy(memory)
+        self._memories = []
+        super().close()
 
 
 class _Unsupported(Exception):
@@ -428,7 +475,7 @@ def _kept(kind: type, *args) -> _Built | None:
         if found is not False:
             cache.move_to_end(key)
             return found
-    _state["library"].omp_set_num_threads(threads)     # a primitive takes its threads when built
+    _set_threads(_state["library"])                     # a primitive takes its threads when built
     try:
         built = kind(*args)
     except _Unsupported:
@@ -488,7 +535,7 @@ class _Call:
         _check(self._lib.dnnl_primitive_execute(primitive, _stream(), len(pairs), array), "primitive execution")
 
     def __enter__(self):
-        self._lib.omp_set_num_threads(workers.count())
+        _set_threads(self._lib)
         return self
 
     def __exit__(self, *exc):
@@ -610,11 +657,7 @@ def matmul(a, b, out, bias=None) -> bool:
     prims = _kept(_Matmul, src, weights, bias is not None)
     if prims is None:
         return False
-    with _Call() as call:
-        call.run(prims.matmul, src=call.memory(prims.src, a.ctypes.data),
-                 weights=call.memory(prims.weights, b.ctypes.data),
-                 bias=None if bias is None else call.memory(prims.bias, bias.ctypes.data),
-                 dst=call.memory(prims.dst, out.ctypes.data))
+    prims.run(a, b, bias, out)
     return True
 
 

@@ -130,7 +130,10 @@ def _controller():
 
 def count() -> int:
     """Workers a kernel may run its chunks on: the threads of NumPy's BLAS when first asked (so
-    ``OPENBLAS_NUM_THREADS=1`` keeps kernels on one core too), at least 1."""
+    ``OPENBLAS_NUM_THREADS=1`` keeps kernels on one core too), at least 1 (read without the lock
+    once known: every kernel asks)."""
+    if _state["count"] is not None:
+        return _state["count"]
     with _lock:
         if _state["count"] is None:
             threads = [c.num_threads for c in _controller().select(user_api="blas").lib_controllers]
