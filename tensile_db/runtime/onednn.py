@@ -57,7 +57,8 @@ threads, and OpenMP threads beside OpenBLAS's cost more: the MLP's Adam split ov
 on one thread. Each library's idle threads spin for a while after a call (OpenBLAS's about 1.6
 ms, GNU OpenMP's longer), and two spinning pools on two cores take the cores from each other and
 from the executor. With the products, the convolutions and the large optimiser steps all on GNU
-OpenMP's one team, the MLP's iteration took 3.9 to 4.1 ms, against 4.2 to 4.6 ms before.
+OpenMP's one team, the MLP's iteration took 3.9 to 4.1 ms, against 4.2 to 4.6 ms before, and
+about 3.7 ms once each thread kept a primitive's memory objects between calls (:class:`_Matmul`).
 
 Approach: a product's operands' (dims, strides) make one matmul primitive, kept like the
 convolutions' (:func:`_kept`): ``src`` and ``weights`` each C-contiguous or the transpose of a
