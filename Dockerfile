@@ -46,7 +46,8 @@ RUN set -eux; \
     /opt/tensile/venv/bin/python -m pip uninstall -q -y pip setuptools wheel; \
     cd /opt/tensile/venv/lib && for f in libdnnl.so libdnnl.so.3; do ln -sf libdnnl.so.3.2 "$f"; done && cd /src; \
     find /opt/tensile/venv/lib/python3.11/site-packages -depth -type d -name tests -exec rm -rf {} +; \
-    /opt/tensile/venv/bin/python -c "import tensile_db, scipy.optimize, sklearn.datasets, palmerpenguins"
+    /opt/tensile/venv/bin/python -c "import tensile_db, scipy.optimize, sklearn.datasets, palmerpenguins; \
+        from tensile_db.runtime import fused; assert fused.enabled(), 'the fused optimiser steps were not built'"
 
 # The extension (its C module, control file and install script), staged under /staging for the
 # final image.

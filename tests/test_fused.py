@@ -113,6 +113,8 @@ def test_what_it_cannot_take_is_left_to_numpy(rng, monkeypatch):
     w, g, m, v = state(rng, 128, 4)
     assert declined([w[::2], g[::2], m[::2], v[::2]])
     assert declined([w, g, m, v[:64].copy()])
+    assert declined([w, g, w, v])                                         # m is w
+    assert not fused.adam(w, g, m, v, step=1, weight_decay=1e-50, **ADAM)  # 0 in float32: NumPy's passes
     w.flags.writeable = False
     assert declined([w, g, m, v])
     w = w.copy()

@@ -233,6 +233,9 @@ def test_what_onednn_cannot_multiply_is_left_to_numpy(rng, monkeypatch):
                (a, f32(rng, (64, 1024))[:, ::2], out),                 # neither contiguous nor transposed
                (a, b, nans((512, 128)).T),                             # out not C-contiguous
                (a, f32(rng, (65, 512)), out)]                          # shapes that do not multiply
+    square = f32(rng, (128, 128))
+    refused.append((square, f32(rng, (128, 128)), square))                 # out overlaps an operand
+    square[...] = np.nan
     read_only = nans((128, 512))
     read_only.flags.writeable = False
     refused.append((a, b, read_only))

@@ -120,37 +120,46 @@ def _threads(nelems: int) -> int:
     return workers.count()
 
 
-def _usable(*arrays) -> bool:
-    """Whether the library may take these arrays: C-contiguous float32 NumPy arrays of one shape,
-    every one writeable (the library writes through the pointers, unchecked)."""
+def _pointers(weight_decay: float, *arrays) -> list[int] | None:
+    """The arrays' data pointers where the library may take them, else None: aligned,
+    C-contiguous, writeable float32 NumPy arrays of one shape (the library writes through the
+    pointers, unchecked), no two of them overlapping (its loops read each element once); and a
+    weight decay that is 0 or, rounded to float32, not 0 (NumPy's passes divide by it)."""
     shape = arrays[0].shape
     for a in arrays:
         if type(a) is not np.ndarray or a.dtype != np.float32 or a.shape != shape:
-            return False
+            return None
         flags = a.flags
-        if not (flags.c_contiguous and flags.writeable):
-            return False
-    return enabled()
+        if not (flags.c_contiguous and flags.writeable and flags.aligned):
+            return None
+    if (weight_decay and np.float32(weight_decay) == 0) or not enabled():
+        return None
+    pointers = [a.ctypes.data for a in arrays]
+    ordered, nbytes = sorted(pointers), arrays[0].nbytes
+    if any(later - earlier < nbytes for earlier, later in zip(ordered, ordered[1:])):
+        return None                                     # two of them overlap
+    return pointers
 
 
 def adam(w, g, m, v, lr: float, beta1: float, beta2: float, eps: float, step: int, weight_decay: float) -> bool:
     """The step of :func:`.kernels.adam_update` (Kingma & Ba, arXiv 1412.6980, Algorithm 1, as
-    ``torch.optim.Adam``), in one pass: w, m, v written, g only read. Arrays as :func:`_usable`
+    ``torch.optim.Adam``), in one pass: w, m, v written, g only read. Arrays as :func:`_pointers`
     takes them; returns whether it ran (False: nothing written)."""
-    if not _usable(w, g, m, v):
+    pointers = _pointers(weight_decay, w, g, m, v)
+    if pointers is None:
         return False
     _state["library"].tensile_adam_f32(
-        w.ctypes.data, g.ctypes.data, m.ctypes.data, v.ctypes.data, w.size, lr / (1.0 - beta1 ** step), beta1,
+        *pointers, w.size, lr / (1.0 - beta1 ** step), beta1,
         beta2, 1.0 / (1.0 - beta2 ** step) ** 0.5, eps, weight_decay, _threads(w.size))
     return True
 
 
 def sgd(w, g, velocity, lr: float, momentum: float, weight_decay: float) -> bool:
     """The step of :func:`.kernels.sgd_update` (SGD with momentum, as ``torch.optim.SGD``), in one
-    pass: w and velocity written, g only read. Arrays as :func:`_usable` takes them; returns
+    pass: w and velocity written, g only read. Arrays as :func:`_pointers` takes them; returns
     whether it ran (False: nothing written)."""
-    if not _usable(w, g, velocity):
+    pointers = _pointers(weight_decay, w, g, velocity)
+    if pointers is None:
         return False
-    _state["library"].tensile_sgd_f32(w.ctypes.data, g.ctypes.data, velocity.ctypes.data, w.size, lr, momentum,
-                                      weight_decay, _threads(w.size))
+    _state["library"].tensile_sgd_f32(*pointers, w.size, lr, momentum, weight_decay, _threads(w.size))
     return True

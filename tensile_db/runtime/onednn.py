@@ -87,8 +87,10 @@ from . import workers
 
 log = logging.getLogger(__name__)
 
-#: Primitives a process keeps built, one per (geometry, pass, bias, threads); the least recently
-#: used beyond are freed. ResNet-50 takes 68 of them (23 geometries), DenseNet-121 197.
+#: Primitives a process keeps built, one per convolution (geometry, pass, bias, threads) and one
+#: per dense product (operands' dims and strides, bias, threads); the least recently used beyond
+#: are freed. ResNet-50's convolutions take 68 of them (23 geometries), DenseNet-121's 197; a
+#: dense layer 3 per batch size.
 PRIMITIVES_KEPT = 256
 #: Multiply-adds from which a float32 matrix product runs on oneDNN (:func:`matmul`): below,
 #: NumPy's is quicker than a oneDNN call through ``ctypes`` (about 20 µs): (128, 256) by (256, 10)
@@ -164,8 +166,9 @@ _threads = threading.local()                  # .stream: this thread's oneDNN st
 
 
 def enabled() -> bool:
-    """Whether convolutions may run on oneDNN in this process: ``TENSILE_ONEDNN`` is not ``0``,
-    the library loads, and the process was not forked from one that had loaded it."""
+    """Whether convolutions and dense products may run on oneDNN in this process:
+    ``TENSILE_ONEDNN`` is not ``0``, the library loads, and the process was not forked from one
+    that had loaded it."""
     return os.environ.get("TENSILE_ONEDNN", "1") != "0" and not _state["forked"] and _library() is not None
 
 
@@ -414,41 +417,47 @@ class _Matmul(_Built):
         pd = self._pd(lib.dnnl_matmul_primitive_desc_create, _state["engine"], self.src, self.weights, self.bias,
                       self.dst, None)
         self.matmul = self._primitive(pd)
-        self._threads, self._memories = threading.local(), []
+        self._threads = threading.local()
 
-    def run(self, a, b, bias, out) -> None:
-        """``out = a @ b (+ bias)`` on this thread's stream; arrays as :func:`matmul` takes them."""
+    def run(self, pointers: list[int]) -> None:
+        """``out = a @ b (+ bias)`` on this thread's stream: ``pointers`` the data of a, b, out and
+        (with a bias) bias, arrays as :func:`matmul` takes them."""
         bound = getattr(self._threads, "bound", None)
         if bound is None:
             bound = self._threads.bound = self._bind()
-        memories, args = bound
         lib = self._lib
-        for memory, array in zip(memories, (a, b, out, bias)):
-            _check(lib.dnnl_memory_set_data_handle(memory, array.ctypes.data), "memory handle")
+        for memory, pointer in zip(bound.memories, pointers):
+            _check(lib.dnnl_memory_set_data_handle(memory, pointer), "memory handle")
         _set_threads(lib)
         stream = _stream()
-        _check(lib.dnnl_primitive_execute(self.matmul, stream, len(args), args), "primitive execution")
+        _check(lib.dnnl_primitive_execute(self.matmul, stream, len(bound.args), bound.args), "primitive execution")
         _check(lib.dnnl_stream_wait(stream), "stream wait")
 
-    def _bind(self):
-        """This thread's (memory objects of src, weights, dst and bias, the execution's arguments)."""
+    def _bind(self) -> _Bound:
+        """This thread's memory objects of src, weights, dst and bias, and the execution's arguments."""
         named = [(_SRC, self.src), (_WEIGHTS, self.weights), (_DST, self.dst)]
         if self.bias is not None:
             named.append((_BIAS, self.bias))
-        memories = []
+        bound = _Bound(self._lib)
         for _, md in named:
             memory = _handle()
             _check(self._lib.dnnl_memory_create(ctypes.byref(memory), md, _state["engine"], None), "memory creation")
-            with _lock:
-                self._memories.append(memory)
-            memories.append(memory)
-        return memories, (_Arg * len(named))(*(_Arg(arg, m) for (arg, _), m in zip(named, memories)))
+            bound.memories.append(memory)
+        bound.args = (_Arg * len(named))(*(_Arg(arg, m) for (arg, _), m in zip(named, bound.memories)))
+        return bound
 
-    def close(self) -> None:
-        for memory in getattr(self, "_memories", ()):
+
+class _Bound:
+    """One thread's memory objects of a :class:`_Matmul` (no buffer of their own: each call points
+    them at its arrays) and its argument list, destroyed with the thread's local data when the
+    thread ends or with the primitive (a memory object does not need its primitive)."""
+
+    def __init__(self, lib):
+        self._lib, self.memories, self.args = lib, [], None
+
+    def __del__(self):
+        for memory in self.memories:
             self._lib.dnnl_memory_destroy(memory)
-        self._memories = []
-        super().close()
 
 
 class _Unsupported(Exception):
@@ -630,7 +639,7 @@ def _operand(a) -> tuple | None:
     """(dims, strides in elements) of a 2-D float32 NumPy array that is C-contiguous or the
     transpose of a C-contiguous one, else None (other strides may take oneDNN's reference
     implementation, a thousand times slower)."""
-    if type(a) is not np.ndarray or a.dtype != np.float32 or a.ndim != 2:
+    if type(a) is not np.ndarray or a.dtype != np.float32 or a.ndim != 2 or not a.flags.aligned:
         return None
     rows, cols = a.shape
     if a.flags.c_contiguous:
@@ -644,7 +653,8 @@ def matmul(a, b, out, bias=None) -> bool:
     """``out = a @ b``, plus ``bias`` on every row unless None, by oneDNN's matmul primitive if it
     can (Note [Dense products by oneDNN]): a (M, K) and b (K, N), each C-contiguous or the
     transpose of a C-contiguous array; out (M, N) C-contiguous and writeable, not overlapping a
-    or b; bias (N,) C-contiguous; all float32 NumPy arrays, with M x K x N at least
+    or b (an overlap is left to NumPy); bias (N,) C-contiguous; all aligned float32 NumPy arrays,
+    with M x K x N at least
     :data:`MATMUL_MIN_MACS`. Returns whether it did (False: nothing written)."""
     src, weights = _operand(a), _operand(b)
     if src is None or weights is None or not _is_output(out) or not enabled():
@@ -653,15 +663,18 @@ def matmul(a, b, out, bias=None) -> bool:
     if k2 != k or out.shape != (m, n) or m * k * n < MATMUL_MIN_MACS:
         return False
     if bias is not None and (type(bias) is not np.ndarray or bias.dtype != np.float32 or bias.shape != (n,)
-                             or not bias.flags.c_contiguous):
+                             or not bias.flags.c_contiguous or not bias.flags.aligned):
         return False
+    pointers = [x.ctypes.data for x in (a, b, out)]
+    if any(p < pointers[2] + out.nbytes and pointers[2] < p + x.nbytes for p, x in zip(pointers, (a, b))):
+        return False            # out overlaps an operand: NumPy's matmul copies it first; the primitive would not
     prims = _kept(_Matmul, src, weights, bias is not None)
     if prims is None:
         return False
-    prims.run(a, b, bias, out)
+    prims.run(pointers + ([] if bias is None else [bias.ctypes.data]))
     return True
 
 
 def _is_output(out) -> bool:
     return (type(out) is np.ndarray and out.dtype == np.float32 and out.ndim == 2 and out.flags.c_contiguous
-            and out.flags.writeable)
+            and out.flags.writeable and out.flags.aligned)
