@@ -15,6 +15,7 @@ import pytest
 from tensile_db.errors import DeviceOutOfMemory
 from tensile_db.memory.arena import UNIT_NBYTES as U
 from tensile_db.memory.manager import MemoryManager, Residency
+from tensile_db.memory.tiers import HostTier
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.program import Kind, Slot
 
@@ -346,6 +347,60 @@ def test_planned_swap_out_release_swap_in_are_exact_and_counted():
     mm.unpin([t])
     j = mm.jobs[1]
     assert (j.planned_swap_ins, j.passive_swap_ins, j.swap_ins, j.host_nbytes) == (1, 0, 1, 0)
+
+
+def swap_round_trip(mm, t) -> None:
+    """A planned swap-out of ``t``, its release, its swap-in and an access that lands it."""
+    mm.swap_out(t)
+    mm.release(t)
+    mm.swap_in(t)
+    mm.acquire(1, [t], [])
+    mm.unpin([t])
+
+
+def test_a_landed_swap_in_s_host_buffer_serves_the_next_swap_out_of_its_size():
+    mm = make(8)
+    a, b = pattern(2 * F32_PER_UNIT, 4), pattern(2 * F32_PER_UNIT, 5)
+    ta, tb = new(mm, 1, "a", 2, a), new(mm, 1, "b", 2, b)
+    swap_round_trip(mm, ta)
+    tier = mm.host_tier
+    assert tier.spare_nbytes == ta.nbytes                       # kept, not freed
+    (spare,) = tier.spares[ta.nbytes]
+    mm.swap_out(tb)
+    mm.release(tb)
+    assert tb.host.base is spare and tier.spare_nbytes == 0     # the next swap-out's copy
+    mm.swap_in(tb)
+    mm.acquire(1, [tb], [])
+    assert same_bits(mm.array(tb), b) and same_bits(mm.array(ta), a)
+    mm.unpin([tb])
+
+
+def test_adopted_values_are_never_taken_as_spare_buffers():
+    mm = make(4)
+    value = pattern(2 * F32_PER_UNIT, 9)
+    given = value.copy()
+    w = mm.adopt(1, "W0", Kind.WEIGHT, given)
+    mm.acquire(1, [w], [])                                      # lands the caller's array
+    mm.unpin([w])
+    assert mm.host_tier.spare_nbytes == 0
+    other = new(mm, 1, "h", 2, pattern(2 * F32_PER_UNIT, 1))
+    swap_round_trip(mm, other)
+    assert same_bits(given, value)
+
+
+def test_spare_buffers_stay_within_the_host_budget():
+    tier = HostTier(3 * U, None, None)
+    buffers = [tier.host_buffer((F32_PER_UNIT,), np.float32) for _ in range(4)]
+    for b in buffers[:3]:
+        tier.give_back(b)
+    assert tier.spare_nbytes == 3 * U                           # all within the budget
+    tier.give_back(buffers[3])
+    assert tier.spare_nbytes == 3 * U                           # a fourth does not fit: let go
+    tier.nbytes = 2 * U                                         # swapped-out copies grow into the budget
+    tier.note_peak()
+    assert tier.spare_nbytes == U
+    tier.give_back(np.empty(F32_PER_UNIT, np.float32))          # not a buffer the tier made
+    assert tier.spare_nbytes == U
 
 
 def test_access_during_a_swap_out_calls_it_off_and_a_missed_swap_in_is_passive():

@@ -80,7 +80,10 @@ class Residencies:
                 if self._host_room(t.nbytes):
                     self.host_tier.pending_nbytes += t.nbytes
                     self.host_tier.note_peak()
-                    t.transfer = self.engine.to_host(self.array(t))
+                    if self.device.arena_in_host_memory:       # Note [Spare host buffers] in .tiers
+                        t.transfer = self.engine.to_host(self.array(t), self.host_tier.host_buffer(t.shape, t.dtype))
+                    else:
+                        t.transfer = self.engine.to_host(self.array(t))
                 else:
                     file, offset = where = self.host_tier.slot(t)
                     t.transfer = self.engine.to_disk(self._block(t), file, offset)
@@ -305,6 +308,8 @@ class Residencies:
             self._release_spill(t)
             self._account(t, disk_read_nbytes=t.nbytes)
         else:
+            if self.device.arena_in_host_memory:
+                self.host_tier.give_back(t.host)
             t.host = None
             self._account(t, host=-t.nbytes)
         if t.swapped_out:

@@ -122,8 +122,10 @@ class CpuCopyEngine(CopyEngine):
         np.copyto(dst, src)
         return Transfer(lambda: True, lambda: None, host)
 
-    def to_host(self, array) -> Transfer:
-        host = np.empty(array.shape, array.dtype)
+    def to_host(self, array, host: np.ndarray | None = None) -> Transfer:
+        """As the engine's, into ``host`` (same shape and dtype) when given, else a new array."""
+        if host is None:
+            host = np.empty(array.shape, array.dtype)
         return self._copy(host, array, host=host)
 
     def to_device(self, host: np.ndarray, array) -> Transfer:
