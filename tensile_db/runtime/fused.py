@@ -3,8 +3,9 @@ pass each, by the package's own compiled library (``_fused.c``, loaded by ``ctyp
 
 :func:`adam` and :func:`sgd` do the step of :func:`.kernels.adam_update` and
 :func:`.kernels.sgd_update` and return True when they can; else False, and the caller makes its
-NumPy passes as before (CuPy arrays, float64, arrays that are not C-contiguous or not writeable,
-an installation built without a C compiler, ``TENSILE_FUSED=0`` in the environment).
+NumPy passes as before (CuPy arrays, float64, arrays that are not C-contiguous, aligned or
+writeable, arrays that overlap, a weight decay that rounds to 0 in float32, an installation built
+without a C compiler, ``TENSILE_FUSED=0`` in the environment).
 
 Note [Fused optimiser steps]
 ----------------------------
