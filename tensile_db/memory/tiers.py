@@ -10,6 +10,7 @@ their files.
 from __future__ import annotations
 
 import collections
+import math
 import weakref
 
 import numpy as np
@@ -103,7 +104,7 @@ class HostTier:
         """An uninitialised host array of ``shape`` and ``dtype`` for a swap-out's copy: a spare
         of its size if one is kept, else new (Note [Spare host buffers])."""
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         flat = self._take_spare(nbytes) if self.spares.get(nbytes) else None
         if flat is None:
             flat = np.empty(nbytes, np.uint8)
