@@ -1,7 +1,7 @@
 """Training throughput (samples per second) of our runtime beside PyTorch on the CPU.
 
 Two workloads, each trained the same way on both sides (same network, batch, Adam, float32,
-data), in one process:
+data):
 
 - MLP: 64 features -> 512-512-256 relu -> 10 classes, batch 128, features from a normal
   distribution, classes from a random linear map;
@@ -11,8 +11,8 @@ data), in one process:
 
 Runs: PyTorch (the same network in ``torch.nn`` node for node, :func:`cnn.torch_module`;
 ``torch.optim.Adam``; ``torch.set_num_threads`` set to the threads of the BLAS our matrix products
-run on) in a process of its own, and our runtime through the coordinator's executor and memory manager (the ``tensile``
-policy) with an unlimited budget and under budgets that are fractions of the job's vanilla peak
+run on) in a process of its own, and our runtime through the coordinator's executor and memory
+manager (the ``tensile`` policy) with an unlimited budget and under budgets that are fractions of the job's vanilla peak
 (raised to its largest working set where that is larger: no policy can go below it). The runs
 of every configuration alternate within each repeat (the order reversed every other repeat), so
 drift of the machine falls on all of them alike. PyTorch's process is spawned once and makes

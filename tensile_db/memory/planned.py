@@ -387,9 +387,9 @@ class PlannedPool:
     def _fail(self, why: str) -> None:
         self.state = State.IDLE
         self._failures += 1
-        self._wait = min(MAX_BACKOFF_PERIODS, 2 ** (self._failures - 1)) - 1
-        if isinstance(why, NoRoom):                  # Note [A region that does not fit]
-            self._wait = NO_ROOM_BACKOFF_PERIODS - 1
+        periods = (NO_ROOM_BACKOFF_PERIODS if isinstance(why, NoRoom)       # Note [A region that does not fit]
+                   else min(MAX_BACKOFF_PERIODS, 2 ** (self._failures - 1)))
+        self._wait = periods - 1
         log.debug("planned pool not installed (%s); recording again in %d periods", why, self._wait + 1)
 
     # -- reporting --------------------------------------------------------------------------------

@@ -194,7 +194,8 @@ def _load():
     try:
         return _bound(lib, gomp)
     except AttributeError:          # a library without a function of this API: not oneDNN 3
-        log.warning("%s lacks a function of oneDNN 3's C API; convolutions are lowered instead", path or LIBRARY)
+        log.warning("%s lacks a function of oneDNN 3's C API; convolutions and products run on NumPy instead",
+                    path or LIBRARY)
         return None
 
 
@@ -461,7 +462,7 @@ class _Bound:
 
 
 class _Unsupported(Exception):
-    """oneDNN has no implementation of a convolution."""
+    """oneDNN has no implementation of a primitive asked for."""
 
 
 def _aligned(nbytes: int) -> int:
