@@ -62,6 +62,12 @@ class CoordinatorUnavailable(TensileError):
         self.detail = detail
 
 
+class ConnectionClosed(CoordinatorUnavailable):
+    """The coordinator closed a connection before it answered: it exited, or was exiting when the
+    connection was made (a killed process whose last thread has not yet ended still queues new
+    connections on its socket, and resets them when it ends)."""
+
+
 class CoordinatorNotRunning(CoordinatorUnavailable):
     """No coordinator listens (and none was to be started)."""
 

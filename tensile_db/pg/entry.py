@@ -16,6 +16,7 @@ import time
 
 from ..coordinator import address, reports
 from ..errors import (
+    ConnectionClosed,
     CoordinatorNotRunning,
     CoordinatorUnavailable,
     CorruptModel,
@@ -152,9 +153,16 @@ def memory(plpy, GD) -> list[dict]:
 
 @_sql_errors
 def start_coordinator(plpy, GD) -> int:
-    client, _ = session.connect(plpy, GD, start=True)
-    with client:
-        return session.request(plpy, GD, client, {"type": "ping"}, doing="a ping")[0]["pid"]
+    """The pid of the coordinator, started if none answers. A connection closed before the ping's
+    answer (made to a coordinator that was exiting) is tried once more, starting a new one."""
+    for attempt in range(2):
+        client, _ = session.connect(plpy, GD, start=True)
+        with client:
+            try:
+                return session.request(plpy, GD, client, {"type": "ping"}, doing="a ping")[0]["pid"]
+            except ConnectionClosed:
+                if attempt:
+                    raise
 
 
 @_sql_errors

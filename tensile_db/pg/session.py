@@ -79,7 +79,7 @@ from pathlib import Path
 from .. import settings as server_settings
 from ..coordinator import address
 from ..coordinator import client as coordinator_client
-from ..errors import CoordinatorUnavailable, InvalidArgument
+from ..errors import ConnectionClosed, CoordinatorUnavailable, InvalidArgument
 from ..runtime.model import Limits
 
 #: The tensile.* settings of the configuration files, by name, with their defaults.
@@ -258,8 +258,8 @@ def exchange(plpy, GD, client, io, doing: str, timeout_s: float | None):
 
     ``timeout_s`` None waits as long as the coordinator works (a training); else raises
     CoordinatorUnavailable after that many seconds, naming ``doing`` and the coordinator's
-    process state. A closed connection raises CoordinatorUnavailable too; errors the coordinator
-    sent are raised as they are. On any exception (a cancel included) the connection is shut
+    process state. A closed connection raises ConnectionClosed, a CoordinatorUnavailable; errors
+    the coordinator sent are raised as they are. On any exception (a cancel included) the connection is shut
     down first, so the helper thread ends and the coordinator cancels the work.
     """
     done = threading.Event()
@@ -286,7 +286,7 @@ def exchange(plpy, GD, client, io, doing: str, timeout_s: float | None):
                     "and call again (tensile.coordinator_timeout sets the wait)")
         error = outcome.get("error")
         if isinstance(error, (EOFError, OSError)):
-            raise CoordinatorUnavailable(
+            raise ConnectionClosed(
                 f"the coordinator closed the connection during {doing} ({error!r}); see "
                 f"{socket_dir()}/{address.LOG_NAME}, then call again") from None
         if error is not None:
