@@ -1,7 +1,8 @@
 """Contention between copies and kernels (Note [Contention] in ``tensile_db.scheduler.cost``):
 
 - the start-up measurement finds the simulated device's contention, and none where it has none;
-  on ``cpu`` it is a fraction within the cap;
+  on ``cpu`` it is a fraction within the cap, and its swap-outs (for the bandwidth and beside the
+  kernels) copy into one buffer kept warm, as the coordinator's copy into spare host buffers;
 - a negative contention is refused with the value named;
 - the planners' simulation prices it: a swap that hides alone costs the kernels beside it
   ``c`` of its copy's seconds, and copies arrive later by the same factor.
@@ -43,6 +44,25 @@ def test_on_cpu_the_measurement_is_a_fraction_within_the_cap():
     finally:
         manager.close()
     assert 0.0 <= contention <= MAX_CONTENTION
+
+
+def test_on_cpu_the_measured_swap_outs_copy_into_one_warm_buffer(monkeypatch):
+    device = CpuDevice()
+    manager = MemoryManager(device, 64 << 20)
+    engine, into = manager.engine, []
+    to_host = engine.to_host
+
+    def recorded(array, host=None):
+        into.append(None if host is None else host.__array_interface__["data"][0])
+        return to_host(array, host)
+
+    monkeypatch.setattr(engine, "to_host", recorded)
+    try:
+        measure_bandwidth(device, engine, nbytes=4 << 20, repeats=2)
+    finally:
+        manager.close()
+    assert len(into) >= 6 and None not in into      # the bandwidth's, the latency's, contention's
+    assert len(set(into)) == 1
 
 
 def test_a_negative_contention_is_refused():
