@@ -3,7 +3,8 @@
 
 - jobs of one program share one curve, kept across re-plans; a curve's peaks fall and its
   decisions are a valid plan of the job alone;
-- the combination reaches a target the greedy reaches, on jobs in different phases;
+- the combination reaches a target the greedy reaches, on jobs in different phases; a target
+  under the largest working set holds each event to the target raised to its own op's;
 - the counted work grows with the timeline and the model prices it;
 - on the simulated device a plan is installed only once its modelled planning time has passed on
   the virtual clock;
@@ -54,6 +55,28 @@ def test_a_curve_lowers_its_peak_step_by_step_with_valid_decisions():
     assert int(alone.usage(curve.plan()).max()) == curve.peak_nbytes[-1]
     for i in range(len(curve.decisions) + 1):
         assert int(alone.usage(curve.plan(i)).max()) == curve.peak_nbytes[i]
+
+
+@pytest.mark.parametrize("seconds", [1e-5, 1e-4])
+def test_a_target_under_the_largest_working_set_is_kept_wherever_the_ops_allow(seconds):
+    """The MLP whose largest working set is Adam's step on a 512 x 512 layer (4 MiB), with a
+    target 3% under it (Note [Targets under the floor]): each event's target is raised to its own
+    op's working set only, and the plan reaches every one, where a plan at the floor leaves
+    events above them; its peak is the floor, at Adam's step."""
+    spec = ModelSpec(Architecture((Layer(512, "relu"), Layer(512, "relu"), Layer(256, "relu"))), 64, 10,
+                     "classification")
+    seq = sequence(spec, TrainOptions(epochs=1, batch_size=128, optimizer="adam", seed=0), 128, seconds)
+    floor = seq.program.min_working_set_nbytes
+    target = int(0.97 * floor)
+    tl = Timeline([JobTrace(1, seq)])
+    targets = tl.targets(target)
+    assert tl.floor_nbytes.tolist() == [seq.program.working_set_nbytes(q) for _, q in tl.events]
+    assert targets.tolist() == [max(target, ws) for ws in tl.floor_nbytes.tolist()] and targets.max() == floor
+    at_floor, under = plan_global(tl, FAST, floor), plan_global(tl, FAST, target)
+    assert_valid(under, tl)
+    assert np.count_nonzero(tl.usage(at_floor.decisions) > targets) > 0
+    assert np.all(tl.usage(under.decisions) <= targets) and not under.partial
+    assert under.predicted_peak_nbytes == floor
 
 
 @pytest.mark.parametrize("seconds", [1e-5, 1e-4])

@@ -583,9 +583,9 @@ def test_the_plans_leave_the_headroom_the_planned_pools_packing_needs(monkeypatc
 
 
 def test_the_fallback_does_not_evict_below_a_plan_at_the_largest_working_set():
-    """With the budget at the job's largest working set the plan's target is that floor, above
-    the budget less the headroom: while the plan is in force the fallback's limit is the target,
-    and goes back to the headroom's without a plan."""
+    """With the budget at the job's largest working set the plan's target is the budget less the
+    headroom, under that floor (Note [Targets under the floor]): while the plan is in force the
+    fallback's limit is the floor, and goes back to the headroom's without a plan."""
     from tensile_db.scheduler import Scheduler
 
     job = make_job(seed=1)
@@ -599,7 +599,7 @@ def test_the_fallback_does_not_evict_below_a_plan_at_the_largest_working_set():
             sched.after(job, p, 1e-3)
         sched.iteration_done(job)
     sched.replan({job.id: 0}, n_ops, wait=True)
-    assert sched._request.target == budget                   # the floor, above the headroom's
+    assert sched._request.target == int(budget * (1 - sched.headroom)) < sched._request.floor == budget
     assert sched.plan is not None and sched.mm.limit_nbytes == budget
     sched._install(sched._request, None, 0.0)
     assert sched.mm.limit_nbytes == below

@@ -84,7 +84,9 @@ schedule), which may leave room. Other refusals (an install that would stage too
 host memory, which depends on where the blocks lie) and failures back off as before.
 
 Limitations: a region that would fit after a one-off peak of library temporaries in the recorded
-period, or after the general pool's blocks move, waits that long.
+period, or after the general pool's blocks move, waits that long. The scheduler's plans now keep
+headroom at every event but the largest ops' at such a budget (Note [Targets under the floor] in
+:mod:`tensile_db.scheduler.engine`), and that small CNN's region packs to the budget.
 """
 
 from __future__ import annotations

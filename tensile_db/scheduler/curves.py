@@ -71,6 +71,7 @@ from .planners import (
     _State,
     applied,
     drop_redundant,
+    peak_above,
     retime_swaps,
     tensile_choice,
     widened_key,
@@ -135,12 +136,19 @@ class CurveBuilder:
     choice at the peak for a few more decisions, from where it stopped, so that a combination
     computes only as much of each curve as it looks at and a plan's budget allows (Note [Curves
     and their combination]). Its decisions do not depend on how far, or in how many plans, it is
-    extended."""
+    extended. With ``below_floor`` each event's target is the depth raised to that event's own
+    working set, not to the job's largest (Note [Targets under the floor] in
+    :mod:`~tensile_db.scheduler.engine`), so the curve goes on below the floor where the ops
+    allow."""
 
-    def __init__(self, trace: JobTrace, cost: CostModel, depth: float = CURVE_DEPTH):
+    def __init__(self, trace: JobTrace, cost: CostModel, depth: float = CURVE_DEPTH, below_floor: bool = False):
         self._alone = Timeline([replace(trace, phase=0, order=0, repeats=1)])
         self._state = _State(self._alone, cost)
-        floor = max(trace.sequence.program.min_working_set_nbytes, int(depth * self._state.use.max()))
+        depth_nbytes = int(depth * self._state.use.max())
+        if below_floor:     # each event down to the depth or its own working set (Note [Targets under the floor])
+            floor = self._alone.targets(depth_nbytes)
+        else:
+            floor = max(trace.sequence.program.min_working_set_nbytes, depth_nbytes)
         self._steps = _greedy_steps(self._state, floor, tensile_choice(cost, floor), None)
         self._peaks, self._extras = [int(self._state.use.max())], [self._state.sim.extra_s]
         self._counted = PlanWork()          # the work done so far that some plan was charged for
@@ -180,12 +188,13 @@ class CurveBuilder:
         self._owed.add(work)
 
 
-def job_curve(trace: JobTrace, cost: CostModel, work=None, depth: float = CURVE_DEPTH) -> Curve:
+def job_curve(trace: JobTrace, cost: CostModel, work=None, depth: float = CURVE_DEPTH,
+              below_floor: bool = False) -> Curve:
     """The curve of the job of ``trace`` alone (Note [Curves and their combination]): TENSILE's
     choice at each peak, from no plan down to ``depth`` (a fraction in (0, 1]) of its peak (or its
     smallest working set) or until nothing frees the peak. ``work``: a :class:`~.work.PlanWork`
-    that counts the work too."""
-    builder = CurveBuilder(trace, cost, depth)
+    that counts the work too; ``below_floor``: as for :class:`CurveBuilder`."""
+    builder = CurveBuilder(trace, cost, depth, below_floor)
     builder.extend(MAX_DECISIONS, PlanWork() if work is None else work)
     return builder.curve
 
@@ -275,12 +284,19 @@ def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_sec
     [Planning cost model] in :mod:`~.work`; None: :data:`CURVE_WORK_S`); ``max_seconds`` is
     accepted for the planners' common signature and unused: the work is bounded by ``budget_s``.
 
+    A target under a job's smallest working set holds each event to the target raised to its
+    own op's working set (:meth:`~.timeline.Timeline.targets`; Note [Targets under the floor] in
+    :mod:`~tensile_db.scheduler.engine`): the curves go on below the floor where the ops allow,
+    and an event out of reach is passed over.
+
     Returns a :class:`~.planners.Plan` whose predicted peak may stay above the target when no
     curve frees the peak event any more (the reactive fallback covers the rest); it is
     :attr:`~.planners.Plan.partial` when the budget stopped a curve that could have gone on, and
     :attr:`~.planners.Plan.curve_work` says what each curve cost it."""
     if timeline.vanilla_peak_nbytes() <= target_nbytes:         # nothing to plan: no curve is worth its cost
         return Plan.build("tensile", timeline, [], cost, target_nbytes)
+    per_event = target_nbytes < max(t.sequence.program.min_working_set_nbytes for t in timeline.traces.values())
+    targets = timeline.targets(target_nbytes) if per_event else None
     memo = {} if memo is None else memo
     work = timeline.work
     charges: dict[tuple, PlanWork] = {}                 # memo key -> curve work of this plan
@@ -297,11 +313,11 @@ def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_sec
         # no job need go below the target less every other job's whole peak
         need = (target_nbytes - (all_peaks - peaks[job_id])) / peaks[job_id]
         depth = round(min(max(CURVE_DEPTH, DEPTH_MARGIN * need), 1.0), 2)
-        key = (*_signature(trace), depth)
+        key = (*_signature(trace), depth, per_event)
         work.items += len(trace.sequence.program.ops) + len(trace.sequence.program.slots)
         builder = memo.get(key)
         if builder is None:
-            builder = memo[key] = CurveBuilder(trace, cost, depth)
+            builder = memo[key] = CurveBuilder(trace, cost, depth, per_event)
         charge = charges.setdefault(key, PlanWork())
         builders[job_id] = (builder, charge)
         builder.extend(lookahead - len(builder.curve.decisions), charge, within)
@@ -325,14 +341,19 @@ def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_sec
     chosen: list[Decision] = []
     swaps: dict[tuple[int, str, int], int] = {}         # (job, slot, a) of a chosen swap -> its index in chosen
     n = timeline.n
+    aim = targets if per_event else target_nbytes
+    passed = np.zeros(n, dtype=bool)                    # per event: events no curve frees, passed over
     for _ in range(MAX_DECISIONS):
-        k = int(np.argmax(use))
-        if use[k] <= target_nbytes:
+        peak = peak_above(use, aim, passed)
+        if peak is None:
             break
-        best = _cheapest_step(timeline, carried, level, k, int(use[k]) - target_nbytes)
+        k = peak[0]
+        best = _cheapest_step(timeline, carried, level, k, peak[1])
         if best is None:
             if not any([look_ahead(job_id, 2 * lookahead) for job_id in carried]):
-                break                                   # nothing frees the peak: reactive covers the rest
+                if not per_event:
+                    break                               # nothing frees the peak: reactive covers the rest
+                passed[k] = True
             continue
         _, _, job_id, upto = best
         c = carried[job_id][1]
@@ -345,9 +366,10 @@ def plan_global(timeline: Timeline, cost: CostModel, target_nbytes: int, max_sec
             look_ahead(job_id, lookahead)
     for charge in charges.values():
         work.add(charge)
-    ceiling = max(target_nbytes, int(use.max()))
+    ceiling = np.maximum(targets, use) if per_event else max(target_nbytes, int(use.max()))
     chosen = retime_swaps(timeline, drop_redundant(timeline, chosen, cost, ceiling), cost, ceiling)
     plan = Plan.build("tensile", timeline, chosen, cost, target_nbytes)
     plan.curve_work = charges
-    plan.partial = plan.predicted_peak_nbytes > target_nbytes and not all(b.done for b, _ in builders.values())
+    short = bool(np.any(timeline.usage(chosen) > targets)) if per_event else plan.predicted_peak_nbytes > target_nbytes
+    plan.partial = short and not all(b.done for b, _ in builders.values())
     return plan

@@ -115,9 +115,34 @@ largest working set, Adam on a 512 x 512 layer: 4 MiB) evicted a 1 MiB Adam mome
 iteration and swapped it in again at the next, and since a period with an eviction is never
 recorded for the planned pool (Note [Planned pool] in :mod:`tensile_db.memory.planned`), its
 offsets were never planned and the general pool compacted about twice an iteration. So while a
-plan is installed the limit is at least the plan's target (at most the budget); fragmentation at
-such a budget is left to compaction and then to the planned pool, whose offsets pack the
-recorded period's blocks into the budget when they can.
+plan is installed the limit is at least the plan's target, or the floor where the target lies
+under it (at most the budget); fragmentation at such a budget is left to compaction and then to
+the planned pool, whose offsets pack the recorded period's blocks into the budget when they can.
+
+Note [Targets under the floor]
+------------------------------
+Rationale: a plan cannot hold an event below the working set of that event's own op, and the
+plans' target was therefore raised to the largest working set of the jobs (the *floor*) wherever
+the budget less the headroom lay under it. Then *no* event kept the headroom, though only the
+ops whose working set is the floor need the whole budget: the planned pool had to pack the
+period's blocks into exactly the budget. The small CNN of ``bench/throughput.py`` at half its
+peak (its budget raised to its largest working set, 29,404,672 bytes): four recorded periods
+packed to 29,409,792, 29,410,816, 31,142,400 and 33,585,152 bytes, none was installed (Note [A
+region that does not fit] in :mod:`tensile_db.memory.planned`), and the general pool served every
+allocation of the period, compacting five times an iteration: 6.8 to 7.9 ms of each iteration
+went to the memory manager's allocations against 1.2 to 1.5 ms with unlimited memory.
+
+Approach: the global planner (:func:`~.curves.plan_global`) takes the target as it is, and where
+it lies under a job's smallest working set it holds each event to the target raised to its own
+op's working set (:meth:`~.timeline.Timeline.targets`): every event but those of the largest
+ops keeps the headroom. Its curves then go on below the floor at the events whose ops allow it
+(:class:`~.curves.CurveBuilder` with ``below_floor``), and an event that no curve frees is passed
+over rather than ending the plan; redundant decisions are dropped and swaps re-timed against the
+same per-event ceiling. A target at or above every job's floor plans exactly as before. The other
+policies keep the target raised to the floor, as published.
+
+Limitations: the headroom costs swaps at the events it is kept at, which a packing that fits
+without it would not need.
 
 Policies (:data:`POLICIES`): ``tensile`` (the global planner of :func:`~.curves.plan_global`),
 ``swap_score`` (arXiv 1903.06631), ``vdnn`` (vDNN_all), the baselines of :mod:`.baselines`
@@ -382,9 +407,11 @@ class Scheduler:
         request = _Request(reasons, {j.id: self.sequences[j.id].iterations for j in measured})
         if self.policy != "reactive" and measured:
             reserve = sum(j.vanilla_peak_nbytes for j in cold)
-            floor = max(j.min_working_set_nbytes for j in planned)
+            request.floor = max(j.min_working_set_nbytes for j in planned)
             headroom = max(self.headroom, self._pool_headroom)     # Note [Headroom for the pool]
-            request.target = max(int((self.mm.budget_nbytes - reserve) * (1.0 - headroom)), floor)
+            target = int((self.mm.budget_nbytes - reserve) * (1.0 - headroom))
+            # the global planner holds each event to its own floor (Note [Targets under the floor])
+            request.target = max(target, 0 if self.policy == "tensile" else request.floor)
             request.period = period
             request.traces = self.traces(phases, repeats, estimate)
         request.record["asked_s"] = self.mm.device.now()
@@ -460,7 +487,8 @@ class Scheduler:
         request.record["installed_s"] = self.mm.device.now()
         self.plan = plan
         if self.policy == "tensile":        # Note [The fallback's limit and the floor]
-            target = plan.target_nbytes if plan is not None and plan.target_nbytes is not None else 0
+            target = (max(plan.target_nbytes, request.floor)     # Note [Targets under the floor]
+                      if plan is not None and plan.target_nbytes is not None else 0)
             self.mm.limit_nbytes = max(self._limit_nbytes, min(target, self.mm.budget_nbytes))
         self.plan_seconds += seconds
         self.modelled_plan_seconds += request.modelled_s
@@ -529,13 +557,14 @@ class Scheduler:
 
 @dataclass(eq=False)
 class _Request:
-    """What one plan is made from: the measured jobs' traces (with copied op times) and the
-    target, bytes."""
+    """What one plan is made from: the measured jobs' traces (with copied op times), the target
+    and the floor, bytes."""
 
     reasons: tuple[str, ...]
     iterations: dict[int, int]
     traces: list[JobTrace] = field(default_factory=list)
     target: int = 0
+    floor: int = 0                      # the jobs' largest working set, bytes
     period: int | None = None
     record: dict = field(default_factory=dict)
     modelled_s: float = 0.0             # the planning time the cost model gives its work, seconds

@@ -524,21 +524,50 @@ def applied(steps: list[Decision]) -> list[Decision]:
     return plan
 
 
-def _greedy_steps(state: _State, target_nbytes: int, choose, max_seconds: float | None):
+def _greedy_steps(state: _State, target_nbytes: int | np.ndarray, choose, max_seconds: float | None):
     """Take decisions into ``state`` while its peak is above ``target_nbytes``: at the peak event,
     ``choose(state, candidates, k)`` picks one (None: the target is out of reach). Yields after
-    each decision taken; stops at :data:`MAX_DECISIONS` or after ``max_seconds`` (None: no limit)."""
+    each decision taken; stops at :data:`MAX_DECISIONS` or after ``max_seconds`` (None: no limit).
+    ``target_nbytes`` may be an (n,) array of per-event targets (:meth:`~.timeline.Timeline.targets`,
+    Note [Targets under the floor] in :mod:`~tensile_db.scheduler.engine`): then the fullest
+    event above its own target is the peak, and one out of reach is passed over, not the end."""
+    passed = np.zeros(state.use.shape, dtype=bool)
     deadline = time.monotonic() + (math.inf if max_seconds is None else max_seconds)
     while len(state.steps) < MAX_DECISIONS and time.monotonic() < deadline:
-        k = int(np.argmax(state.use))
-        if state.use[k] <= target_nbytes:
+        peak = peak_above(state.use, target_nbytes, passed)
+        if peak is None:
             return
+        k = peak[0]
         candidates = state.candidates(k)
         decision = choose(state, candidates, k) if candidates or getattr(choose, "widens", False) else None
         if decision is None:
+            if isinstance(target_nbytes, np.ndarray):
+                passed[k] = True
+                continue
             return                              # the target is out of reach; reactive covers the rest
         state.add(decision)
         yield decision
+
+
+def peak_above(use: np.ndarray, target_nbytes: int | np.ndarray, passed: np.ndarray) -> tuple[int, int] | None:
+    """The event a planner frees next and the bytes it needs there: (k, bytes above its target)
+    of the fullest event of ``use`` ((n,) bytes) above ``target_nbytes``, or None when none is
+    above. ``target_nbytes``: bytes, one for every event, or an (n,) array of each event's, where
+    the events marked in ``passed`` ((n,) bool) are left out."""
+    if not isinstance(target_nbytes, np.ndarray):
+        k = int(np.argmax(use))
+        return (k, int(use[k]) - target_nbytes) if use[k] > target_nbytes else None
+    over = (use > target_nbytes) & ~passed
+    if not over.any():
+        return None
+    k = int(np.argmax(np.where(over, use, -1)))
+    return k, int(use[k] - target_nbytes[k])
+
+
+def target_at(target_nbytes: int | np.ndarray, k: int) -> int:
+    """Event ``k``'s target, bytes: ``target_nbytes`` itself, or its ``k``-th entry where it is
+    per event."""
+    return int(target_nbytes[k]) if isinstance(target_nbytes, np.ndarray) else target_nbytes
 
 
 def _greedy(policy: str, timeline: Timeline, cost: CostModel, target_nbytes: int, choose,
@@ -550,21 +579,25 @@ def _greedy(policy: str, timeline: Timeline, cost: CostModel, target_nbytes: int
 
 
 def drop_redundant(timeline: Timeline, decisions: list[Decision], cost: CostModel,
-                   ceiling_nbytes: int) -> list[Decision]:
+                   ceiling_nbytes: int | np.ndarray) -> list[Decision]:
     """The decisions less those the others make redundant (Note [Redundant decisions]): each in
     turn, the costliest first (a swap's two copies' seconds, a recompute's ops'), is left out if
-    without it no event holds more than ``ceiling_nbytes`` bytes. Returns a new list, in the
-    order of ``decisions``; the work is counted on ``timeline.work``."""
+    without it no event holds more than ``ceiling_nbytes`` bytes (one for every event, or an (n,)
+    array of each event's). Returns a new list, in the order of ``decisions``; the work is
+    counted on ``timeline.work``."""
     use = timeline.usage(decisions)
+    per_event = isinstance(ceiling_nbytes, np.ndarray)
     seconds = [cost.swap_out_s(d.nbytes) + cost.swap_in_s(d.nbytes) if d.method == "swap" else d.recipe_s
                for d in decisions]
     dropped = set()
     for i in sorted(range(len(decisions)), key=lambda i: -seconds[i]):
         d = decisions[i]
         start, length = d.window(timeline.n)
-        held = use.take(np.arange(start, start + length), mode="wrap")      # the absence, cyclic
+        window = np.arange(start, start + length)
+        held = use.take(window, mode="wrap")            # the absence, cyclic
         timeline.work.items += 2           # the check and its bookkeeping, about 5 us here (NumPy's part is small)
-        if held.size and int(held.max()) + d.nbytes > ceiling_nbytes:     # ``b`` lies after the window
+        if held.size and (bool(np.any(held + d.nbytes > ceiling_nbytes.take(window, mode="wrap"))) if per_event
+                          else int(held.max()) + d.nbytes > ceiling_nbytes):     # ``b`` lies after the window
             continue
         timeline.add_window(use, start, length, d.nbytes)
         use[d.b] -= d.workspace_nbytes
@@ -572,13 +605,13 @@ def drop_redundant(timeline: Timeline, decisions: list[Decision], cost: CostMode
     return [d for i, d in enumerate(decisions) if i not in dropped]
 
 
-def retime_swaps(timeline: Timeline, decisions: list[Decision], cost: CostModel, ceiling_nbytes: int,
+def retime_swaps(timeline: Timeline, decisions: list[Decision], cost: CostModel, ceiling_nbytes: int | np.ndarray,
                  rounds: int = RETIME_ROUNDS) -> list[Decision]:
     """The decisions with their swaps re-timed on the copy queues (Note [Re-timed swaps]): where
     the simulation has the op that needs a swapped tensor wait for its swap-in, the swap-in is
     issued earlier by the time waited, and where a release waits for its swap-out, the release
     comes later by as much, each only as far as every event stays at or below
-    ``ceiling_nbytes`` bytes. Up to ``rounds`` rounds, each simulated; returns the decisions of
+    ``ceiling_nbytes`` bytes (one for every event, or an (n,) array of each event's). Up to ``rounds`` rounds, each simulated; returns the decisions of
     the round that simulated fastest (``decisions`` itself if none beat it), a new list. The
     work is counted on ``timeline.work``."""
     current = list(decisions)
@@ -595,11 +628,12 @@ def retime_swaps(timeline: Timeline, decisions: list[Decision], cost: CostModel,
 
 
 def _retime_round(timeline: Timeline, decisions: list[Decision], sim: Simulation, waited_s: dict[int, float],
-                  ceiling_nbytes: int) -> bool:
+                  ceiling_nbytes: int | np.ndarray) -> bool:
     """One round of :func:`retime_swaps` on ``decisions``, in place, from ``sim`` and the waits
     of its second period (:attr:`~.timeline.Simulator.waited_s`); returns whether a swap moved."""
     n, start_s, period_s = timeline.n, sim.start_s, sim.period_s
     use = timeline.usage(decisions)
+    ceiling = np.broadcast_to(ceiling_nbytes, use.shape)
     moved = False
     for key, late_s in sorted(waited_s.items(), key=lambda kv: -kv[1]):
         i = key if key >= 0 else ~key
@@ -608,7 +642,7 @@ def _retime_round(timeline: Timeline, decisions: list[Decision], sim: Simulation
             issue_s, e = start_s[d.back] - late_s, d.back
             while True:
                 before = (e - 1) % n
-                if before == d.free or use[before] + d.nbytes > ceiling_nbytes:
+                if before == d.free or use[before] + d.nbytes > ceiling[before]:
                     break
                 e = before
                 use[e] += d.nbytes
@@ -621,7 +655,7 @@ def _retime_round(timeline: Timeline, decisions: list[Decision], sim: Simulation
             want_s, f = start_s[d.free] + late_s, d.free
             while True:
                 after = (f + 1) % n
-                if after == d.back or use[f] + d.nbytes > ceiling_nbytes:
+                if after == d.back or use[f] + d.nbytes > ceiling[f]:
                     break
                 use[f] += d.nbytes
                 f = after
@@ -633,11 +667,12 @@ def _retime_round(timeline: Timeline, decisions: list[Decision], sim: Simulation
     return moved
 
 
-def tensile_choice(cost: CostModel, target_nbytes: int, widen: bool = True):
+def tensile_choice(cost: CostModel, target_nbytes: int | np.ndarray, widen: bool = True):
     """TENSILE's choice at a peak (see the module docstring), as ``choose(state, gaps, k)`` for
     :func:`_greedy_steps`: the decision that adds the least simulated time per byte of what the
-    peak still needs above ``target_nbytes``; with ``widen``, a widening of a swap taken before
-    among the candidates (Note [Widened absences])."""
+    peak still needs above ``target_nbytes`` (one for every event, or per event: :func:`target_at`);
+    with ``widen``, a widening of a swap taken before among the candidates (Note [Widened
+    absences])."""
 
     def choose(state: _State, gaps: list[_Gap], k: int) -> Decision | None:
         # Option 2i is gap i's swap, 2i + 1 its recompute where the program allows one. Swaps are
@@ -658,7 +693,7 @@ def tensile_choice(cost: CostModel, target_nbytes: int, widen: bool = True):
         transfer_s[0::2] = cost.swap_out_s(opt.nbytes) + cost.swap_in_s(opt.nbytes)
         ranked = np.flatnonzero(~np.isnan(first))
         ranked = ranked[np.lexsort((transfer_s[ranked], nbytes[ranked], first[ranked]))]
-        need = int(state.use[k]) - target_nbytes
+        need = int(state.use[k]) - target_at(target_nbytes, k)
         base_s = state.sim.extra_s
         best, best_key, tried = None, None, [0, 0]
         simulated = set()

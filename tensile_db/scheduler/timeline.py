@@ -256,6 +256,23 @@ class Timeline:
         """The combined peak with no plan: the most arena bytes any event holds."""
         return int(self._vanilla_usage.max())
 
+    @functools.cached_property
+    def floor_nbytes(self) -> np.ndarray:
+        """(n,) int64: the arena bytes each event's op needs resident at once, its working set
+        (:meth:`~tensile_db.runtime.program.Program.working_set_nbytes`): no plan holds the event
+        below it (read-only)."""
+        floors = np.array([self.program(j).working_set_nbytes(q % self.n_program_ops(j)) for j, q in self.events],
+                          dtype=np.int64)
+        self.work.items += self.n
+        floors.flags.writeable = False
+        return floors
+
+    def targets(self, target_nbytes: int) -> np.ndarray:
+        """(n,) int64: ``target_nbytes`` at every event, raised to the event's floor
+        (:attr:`floor_nbytes`): the per-event targets of a plan whose target lies under the
+        floor (Note [Targets under the floor] in :mod:`~tensile_db.scheduler.engine`)."""
+        return np.maximum(self.floor_nbytes, target_nbytes)
+
 
 @dataclass
 class Simulation:
