@@ -139,7 +139,12 @@ ops keeps the headroom. Its curves then go on below the floor at the events whos
 (:class:`~.curves.CurveBuilder` with ``below_floor``), and an event that no curve frees is passed
 over rather than ending the plan; redundant decisions are dropped and swaps re-timed against the
 same per-event ceiling. A target at or above every job's floor plans exactly as before. The other
-policies keep the target raised to the floor, as published.
+policies keep the target raised to the floor, as published. The small CNN's region then packed
+to its budget and was installed in each of three runs. On the simulated H100 (``bench/paper.py``,
+deterministic) one VGG-16 at 50% of its peak, whose budget less the headroom lies under its
+largest working set, went from an EOR of +1.105 to +1.041, its pool asking for 6.9% above the
+live bytes instead of 11.9%; the tables of one ResNet-50 and of the mixed arrival, whose targets
+lie above the floor, are unchanged.
 
 Limitations: the headroom costs swaps at the events it is kept at, which a packing that fits
 without it would not need.
