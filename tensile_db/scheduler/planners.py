@@ -611,9 +611,10 @@ def retime_swaps(timeline: Timeline, decisions: list[Decision], cost: CostModel,
     the simulation has the op that needs a swapped tensor wait for its swap-in, the swap-in is
     issued earlier by the time waited, and where a release waits for its swap-out, the release
     comes later by as much, each only as far as every event stays at or below
-    ``ceiling_nbytes`` bytes (one for every event, or an (n,) array of each event's). Up to ``rounds`` rounds, each simulated; returns the decisions of
-    the round that simulated fastest (``decisions`` itself if none beat it), a new list. The
-    work is counted on ``timeline.work``."""
+    ``ceiling_nbytes`` bytes (one for every event, or an (n,) array of each event's). Up to
+    ``rounds`` rounds, each simulated; returns the decisions of the round that simulated fastest
+    (``decisions`` itself if none beat it), a new list. The work is counted on
+    ``timeline.work``."""
     current = list(decisions)
     best, best_s = current, math.inf
     for done in range(rounds + 1):
