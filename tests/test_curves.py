@@ -23,7 +23,7 @@ from tensile_db.runtime.simulated import SimDevice
 from tensile_db.scheduler import curves
 from tensile_db.scheduler.cost import CostModel
 from tensile_db.scheduler.curves import CurveBuilder, job_curve, plan_global
-from tensile_db.scheduler.planners import plan_tensile
+from tensile_db.scheduler.planners import _greedy_steps, _State, peak_above, plan_tensile, tensile_choice
 from tensile_db.scheduler.timeline import JobTrace, Timeline
 from tensile_db.scheduler.trace import AccessSequence, estimated
 from tensile_db.scheduler.work import PLAN_OVERHEAD_S, SECONDS_PER_UNIT, PlanWork
@@ -77,6 +77,73 @@ def test_a_target_under_the_largest_working_set_is_kept_wherever_the_ops_allow(s
     assert np.count_nonzero(tl.usage(at_floor.decisions) > targets) > 0
     assert np.all(tl.usage(under.decisions) <= targets) and not under.partial
     assert under.predicted_peak_nbytes == floor
+
+
+def test_the_peak_above_a_per_event_target_leaves_out_the_events_passed_over():
+    use = np.array([10, 50, 40, 30], dtype=np.int64)
+    assert peak_above(use, 35, np.zeros(4, dtype=bool)) == (1, 15)
+    assert peak_above(use, 50, np.zeros(4, dtype=bool)) is None
+    targets = np.array([5, 45, 20, 30], dtype=np.int64)
+    passed = np.zeros(4, dtype=bool)
+    assert peak_above(use, targets, passed) == (1, 5)               # the fullest above its own target
+    passed[1] = True
+    assert peak_above(use, targets, passed) == (2, 20)
+    passed[2] = True
+    assert peak_above(use, targets, passed) == (0, 5)
+    passed[0] = True
+    assert peak_above(use, targets, passed) is None
+
+
+def test_an_event_out_of_reach_is_passed_over_and_the_others_still_freed(monkeypatch):
+    """Per-event targets: the greedy and the combination pass over an event nothing frees (here
+    the first peak, refused by a stub) instead of ending the plan, and never come back to it."""
+    spec = ModelSpec(Architecture((Layer(512, "relu"), Layer(512, "relu"), Layer(256, "relu"))), 64, 10,
+                     "classification")
+    seq = sequence(spec, TrainOptions(epochs=1, batch_size=128, optimizer="adam", seed=0), 128, 1e-4)
+    tl = Timeline([JobTrace(1, seq)])
+    targets = tl.targets(int(0.97 * seq.program.min_working_set_nbytes))
+    state, asked = _State(tl, FAST), []
+    choice = tensile_choice(FAST, targets)
+
+    def refusing_the_first(state, gaps, k):
+        asked.append(k)
+        return None if k == asked[0] else choice(state, gaps, k)
+
+    taken = list(_greedy_steps(state, targets, refusing_the_first, None))
+    assert taken and asked.count(asked[0]) == 1
+    cheapest, first = curves._cheapest_step, []
+
+    def no_step_for_the_first(timeline, carried, level, k, need):
+        first.append(k) if not first else None
+        return None if k == first[0] else cheapest(timeline, carried, level, k, need)
+
+    monkeypatch.setattr(curves, "_cheapest_step", no_step_for_the_first)
+    plan = plan_global(tl, FAST, int(0.97 * seq.program.min_working_set_nbytes))
+    assert plan.decisions and np.count_nonzero(tl.usage(plan.decisions) <= targets) > tl.n // 2
+
+
+def test_two_jobs_under_the_floor_are_held_to_each_events_target_where_their_curves_reach():
+    """Two of the MLPs below, in different phases, with a target 3% under their largest working
+    set: the plan passes over the events no curve frees and goes on with the others, where a
+    plan at the floor stops at the first of them; a target at the floor takes the uniform path."""
+    spec = ModelSpec(Architecture((Layer(512, "relu"), Layer(512, "relu"), Layer(256, "relu"))), 64, 10,
+                     "classification")
+    seq = sequence(spec, TrainOptions(epochs=1, batch_size=128, optimizer="adam", seed=0), 128, 1e-4)
+    floor = seq.program.min_working_set_nbytes
+
+    def two() -> Timeline:
+        return Timeline([JobTrace(1, seq, 0, 0), JobTrace(2, seq.snapshot(), 7, 1)])
+
+    uniform = two()
+    at_floor = plan_global(uniform, FAST, floor)
+    assert "floor_nbytes" not in uniform.__dict__                   # no per-event target was made
+    tl = two()
+    under = plan_global(tl, FAST, int(0.97 * floor))
+    assert_valid(under, tl)
+    targets = tl.targets(int(0.97 * floor))
+    held, held_at_floor = tl.usage(under.decisions) <= targets, tl.usage(at_floor.decisions) <= targets
+    assert held.sum() > tl.n // 2 and held.sum() > held_at_floor.sum()
+    assert under.predicted_peak_nbytes < at_floor.predicted_peak_nbytes
 
 
 @pytest.mark.parametrize("seconds", [1e-5, 1e-4])

@@ -85,8 +85,9 @@ host memory, which depends on where the blocks lie) and failures back off as bef
 
 Limitations: a region that would fit after a one-off peak of library temporaries in the recorded
 period, or after the general pool's blocks move, waits that long. The scheduler's plans now keep
-headroom at every event but the largest ops' at such a budget (Note [Targets under the floor] in
-:mod:`tensile_db.scheduler.engine`), and that small CNN's region packs to the budget.
+headroom at the events other than the largest ops' at such a budget, where they can (Note
+[Targets under the floor] in :mod:`tensile_db.scheduler.engine`), and that small CNN's region
+packed to its budget in each of three runs.
 """
 
 from __future__ import annotations

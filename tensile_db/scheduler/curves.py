@@ -85,8 +85,9 @@ from .work import PLAN_OVERHEAD_S, PlanWork
 #: change, and the combined plan is simulated on the current times. At 1.10 the mixed arrival
 #: re-made curves at most re-plans and its plans landed late (EOR +0.555 against +0.213 at 50%).
 TIMES_BUCKET = 1.5
-#: a curve goes down to this fraction of its job's peak (or its smallest working set, if larger):
-#: its last steps are its most expensive to plan and, with staggered peaks, rarely needed
+#: a curve goes down to this fraction of its job's peak (or its smallest working set, if larger;
+#: below the floor, each event's own op's working set): its last steps are its most expensive to
+#: plan and, with staggered peaks, rarely needed
 CURVE_DEPTH = 0.25
 #: decisions of a job's curve the combination sees beyond those it has taken: a curve is
 #: computed only that far ahead (:class:`CurveBuilder`), and further as the combination takes it
@@ -192,8 +193,10 @@ def job_curve(trace: JobTrace, cost: CostModel, work=None, depth: float = CURVE_
               below_floor: bool = False) -> Curve:
     """The curve of the job of ``trace`` alone (Note [Curves and their combination]): TENSILE's
     choice at each peak, from no plan down to ``depth`` (a fraction in (0, 1]) of its peak (or its
-    smallest working set) or until nothing frees the peak. ``work``: a :class:`~.work.PlanWork`
-    that counts the work too; ``below_floor``: as for :class:`CurveBuilder`."""
+    smallest working set) or until nothing frees the peak; with ``below_floor`` (as for
+    :class:`CurveBuilder`) each event down to the depth or its own op's working set, an event
+    nothing frees passed over, so its peaks need not fall at every step. ``work``: a
+    :class:`~.work.PlanWork` that counts the work too."""
     builder = CurveBuilder(trace, cost, depth, below_floor)
     builder.extend(MAX_DECISIONS, PlanWork() if work is None else work)
     return builder.curve
