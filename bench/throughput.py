@@ -12,10 +12,10 @@ data):
 Runs: PyTorch (the same network in ``torch.nn`` node for node, :func:`cnn.torch_module`;
 ``torch.optim.Adam``; ``torch.set_num_threads`` set to the threads of the BLAS our matrix products
 run on) in a process of its own, and our runtime through the coordinator's executor and memory
-manager (the ``tensile`` policy) with an unlimited budget and under budgets that are fractions of the job's vanilla peak
-(raised to its largest working set where that is larger: no policy can go below it). The runs
-of every configuration alternate within each repeat (the order reversed every other repeat), so
-drift of the machine falls on all of them alike. PyTorch's process is spawned once and makes
+manager (the ``tensile`` policy) with an unlimited budget and under budgets that are fractions of
+the job's vanilla peak (raised to its largest working set where that is larger: no policy can go
+below it). The runs of every configuration alternate within each repeat (the order reversed
+every other repeat), so drift of the machine falls on all of them alike. PyTorch's process is spawned once and makes
 the same data; it runs apart because its wheel bundles its own GNU OpenMP, a second runtime
 beside the system's that oneDNN and our fused steps run on, and in one process the idle threads
 of the two take each other's cores: after a PyTorch run beside it, our MLP took 6.2 ms an

@@ -29,6 +29,14 @@ from tensile_db.scheduler.trace import AccessSequence, estimated
 from tensile_db.scheduler.work import PLAN_OVERHEAD_S, SECONDS_PER_UNIT, PlanWork
 
 
+def adam_mlp(seconds: float) -> AccessSequence:
+    """The access sequence of an MLP whose largest working set is Adam's step on a 512 x 512 layer
+    (4 MiB; 64-512-512-256-10, batch 128), each op taking ``seconds``."""
+    spec = ModelSpec(Architecture((Layer(512, "relu"), Layer(512, "relu"), Layer(256, "relu"))), 64, 10,
+                     "classification")
+    return sequence(spec, TrainOptions(epochs=1, batch_size=128, optimizer="adam", seed=0), 128, seconds)
+
+
 def test_jobs_of_one_program_share_one_curve_across_replans():
     seq = sequence()
     memo = {}
@@ -63,9 +71,7 @@ def test_a_target_under_the_largest_working_set_is_kept_wherever_the_ops_allow(s
     target 3% under it (Note [Targets under the floor]): each event's target is raised to its own
     op's working set only, and the plan reaches every one, where a plan at the floor leaves
     events above them; its peak is the floor, at Adam's step."""
-    spec = ModelSpec(Architecture((Layer(512, "relu"), Layer(512, "relu"), Layer(256, "relu"))), 64, 10,
-                     "classification")
-    seq = sequence(spec, TrainOptions(epochs=1, batch_size=128, optimizer="adam", seed=0), 128, seconds)
+    seq = adam_mlp(seconds)
     floor = seq.program.min_working_set_nbytes
     target = int(0.97 * floor)
     tl = Timeline([JobTrace(1, seq)])
@@ -97,9 +103,7 @@ def test_the_peak_above_a_per_event_target_leaves_out_the_events_passed_over():
 def test_an_event_out_of_reach_is_passed_over_and_the_others_still_freed(monkeypatch):
     """Per-event targets: the greedy and the combination pass over an event nothing frees (here
     the first peak, refused by a stub) instead of ending the plan, and never come back to it."""
-    spec = ModelSpec(Architecture((Layer(512, "relu"), Layer(512, "relu"), Layer(256, "relu"))), 64, 10,
-                     "classification")
-    seq = sequence(spec, TrainOptions(epochs=1, batch_size=128, optimizer="adam", seed=0), 128, 1e-4)
+    seq = adam_mlp(1e-4)
     tl = Timeline([JobTrace(1, seq)])
     targets = tl.targets(int(0.97 * seq.program.min_working_set_nbytes))
     state, asked = _State(tl, FAST), []
@@ -126,9 +130,7 @@ def test_two_jobs_under_the_floor_are_held_to_each_events_target_where_their_cur
     """Two of the MLPs below, in different phases, with a target 3% under their largest working
     set: the plan passes over the events no curve frees and goes on with the others, where a
     plan at the floor stops at the first of them; a target at the floor takes the uniform path."""
-    spec = ModelSpec(Architecture((Layer(512, "relu"), Layer(512, "relu"), Layer(256, "relu"))), 64, 10,
-                     "classification")
-    seq = sequence(spec, TrainOptions(epochs=1, batch_size=128, optimizer="adam", seed=0), 128, 1e-4)
+    seq = adam_mlp(1e-4)
     floor = seq.program.min_working_set_nbytes
 
     def two() -> Timeline:
@@ -152,9 +154,7 @@ def test_a_plan_reaches_the_largest_working_set_by_widening_its_swaps(seconds):
     down to it: the swaps taken for earlier peaks are re-timed (released sooner or swapped in
     later) to free the last ones, so the plan reaches the floor; each prefix of the curve is a
     valid plan with the peak it records."""
-    spec = ModelSpec(Architecture((Layer(512, "relu"), Layer(512, "relu"), Layer(256, "relu"))), 64, 10,
-                     "classification")
-    seq = sequence(spec, TrainOptions(epochs=1, batch_size=128, optimizer="adam", seed=0), 128, seconds)
+    seq = adam_mlp(seconds)
     floor = seq.program.min_working_set_nbytes
     tl = Timeline([JobTrace(1, seq)])
     plan = plan_global(tl, FAST, floor)

@@ -259,8 +259,8 @@ def exchange(plpy, GD, client, io, doing: str, timeout_s: float | None):
     ``timeout_s`` None waits as long as the coordinator works (a training); else raises
     CoordinatorUnavailable after that many seconds, naming ``doing`` and the coordinator's
     process state. A closed connection raises ConnectionClosed, a CoordinatorUnavailable; errors
-    the coordinator sent are raised as they are. On any exception (a cancel included) the connection is shut
-    down first, so the helper thread ends and the coordinator cancels the work.
+    the coordinator sent are raised as they are. On any exception (a cancel included) the
+    connection is shut down first, so the helper thread ends and the coordinator cancels the work.
     """
     done = threading.Event()
     outcome: dict = {}
