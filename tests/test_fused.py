@@ -100,6 +100,36 @@ def test_float32_adam_through_the_kernel_matches_torch(rng):
     np.testing.assert_allclose(m, opt.state[wt]["exp_avg"].numpy(), rtol=1e-5, atol=1e-6)
 
 
+@needs_library
+@pytest.mark.parametrize("n", [1, 17, 65_536, 1_048_579])
+def test_relu_backward_equals_the_numpy_passes_bit_for_bit(rng, monkeypatch, n):
+    """Over the OpenMP team too (from 65,536 elements), with zeros, -0, NaNs and infinities in
+    ``y`` and in ``dy``: 0 * NaN and 0 * inf stay NaN, 0 * a negative stays -0."""
+    y, dy = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+    special = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, -1.0], np.float32)
+    y[:min(n, 6)], dy[:min(n, 6)] = special[:min(n, 6)], special[::-1][:min(n, 6)]
+    ours, theirs = np.full(n, 7, np.float32), np.full(n, 7, np.float32)
+    assert fused.relu_backward(y, dy, ours)
+    with np.errstate(invalid="ignore"):
+        numpy_passes(monkeypatch, lambda: K.relu_backward(y, dy, theirs))
+    assert ours.tobytes() == theirs.tobytes()
+    if n >= 6:      # dy = -1, -inf, inf, nan, -0, 0 against y = 0, -0, nan, inf, -inf, -1
+        assert np.isnan(ours[:6]).tolist() == [False, True, False, True, False, False]
+        assert np.signbit(ours[[0, 4]]).all() and ours[2] == np.inf
+
+
+@needs_library
+def test_relu_backward_leaves_what_it_cannot_take_to_numpy(rng, monkeypatch):
+    y, dy = state(rng, 64, 2)
+    dx = np.zeros_like(y)
+    assert not fused.relu_backward(y, dy, dy)                           # dx is dy: NumPy's passes
+    assert not fused.relu_backward(y.astype(np.float64), dy.astype(np.float64), dx.astype(np.float64))
+    assert not fused.relu_backward(y[::2], dy[::2], dx[::2])
+    monkeypatch.setenv("TENSILE_FUSED", "0")
+    assert not fused.relu_backward(y, dy, dx)
+    assert not dx.any()
+
+
 def declined(arrays) -> bool:
     """Whether the fused Adam refused ``arrays`` and wrote nothing."""
     before = [a.copy() for a in arrays]

@@ -1,7 +1,8 @@
 /*
- * Fused float32 optimiser steps for the CPU runtime: one pass over the parameter, its gradient and
- * its state where NumPy makes one per operation (tensile_db/runtime/fused.py, Note [Fused
- * optimiser steps]).
+ * Fused float32 elementwise kernels for the CPU runtime: the optimiser steps, one pass over the
+ * parameter, its gradient and its state, and the relu's backward, one pass over its three
+ * arrays, where NumPy makes one per operation (tensile_db/runtime/fused.py, Note [Fused
+ * optimiser steps] and Note [Fused relu backward]).
  *
  * A plain C library, loaded by ctypes: it uses no Python API (the package builds it as a
  * setuptools extension only to compile it at install; nothing imports it). Each element goes
@@ -56,6 +57,17 @@ VECTOR_CLONES static void sgd_range(float *restrict w, const float *restrict g, 
     }
 }
 
+/* dx = (1 - (y <= 0)) * dy, the float32 operations of kernels.relu_backward: dy where y > 0 or y
+   is NaN, else 0 * dy (so -0 for a negative dy, NaN for a NaN or an infinite one, as NumPy) */
+VECTOR_CLONES static void relu_backward_range(const float *restrict y, const float *restrict dy,
+                                              float *restrict dx, int64_t lo, int64_t hi)
+{
+    for (int64_t i = lo; i < hi; i++) {
+        float mask = y[i] <= 0.0f ? 1.0f : 0.0f;
+        dx[i] = (1.0f - mask) * dy[i];
+    }
+}
+
 /* [lo, hi) of this thread's part of n elements cut into one part per thread of the team, each
    a multiple of 16 elements (a cache line); without OpenMP, all of them */
 static void team_part(int64_t n, int64_t *lo, int64_t *hi)
@@ -104,5 +116,21 @@ void tensile_sgd_f32(float *w, const float *g, float *velocity, int64_t n, float
         int64_t lo, hi;
         team_part(n, &lo, &hi);
         sgd_range(w, g, velocity, lo, hi, lr, momentum, wd);
+    }
+}
+
+/* The relu's backward over n float32 elements from its forward output y: dx written, y and dy
+   read (dx overlapping neither). threads as for tensile_adam_f32. */
+void tensile_relu_backward_f32(const float *y, const float *dy, float *dx, int64_t n, int threads)
+{
+    if (threads <= 1) {
+        relu_backward_range(y, dy, dx, 0, n);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t lo, hi;
+        team_part(n, &lo, &hi);
+        relu_backward_range(y, dy, dx, lo, hi);
     }
 }

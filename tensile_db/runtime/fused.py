@@ -1,9 +1,10 @@
-"""Fused optimiser steps on the CPU: Adam and SGD with momentum over float32 NumPy arrays in one
-pass each, by the package's own compiled library (``_fused.c``, loaded by ``ctypes``).
+"""Fused elementwise kernels on the CPU: Adam and SGD with momentum, and the relu's backward, over
+float32 NumPy arrays in one pass each, by the package's own compiled library (``_fused.c``,
+loaded by ``ctypes``).
 
-:func:`adam` and :func:`sgd` do the step of :func:`.kernels.adam_update` and
-:func:`.kernels.sgd_update` and return True when they can; else False, and the caller makes its
-NumPy passes as before (CuPy arrays, float64, arrays that are not C-contiguous, aligned or
+:func:`adam`, :func:`sgd` and :func:`relu_backward` do the work of :func:`.kernels.adam_update`,
+:func:`.kernels.sgd_update` and :func:`.kernels.relu_backward` and return True when they can;
+else False, and the caller makes its NumPy passes as before (CuPy arrays, float64, arrays that are not C-contiguous, aligned or
 writeable, arrays that overlap, a weight decay that rounds to 0 in float32, an installation built
 without a C compiler, ``TENSILE_FUSED=0`` in the environment).
 
@@ -33,6 +34,18 @@ calling thread, since OpenMP threads beside OpenBLAS's busy ones cost more than 
 MLP's Adam took 0.30 to 0.39 ms an iteration so, against 0.43 ms on one thread.
 
 Limitations: float32 NumPy arrays only; CuPy's steps stay elementwise kernels per operation.
+
+Note [Fused relu backward]
+--------------------------
+Rationale: the relu's backward, ``dx = (1 - (y <= 0)) * dy``, took three NumPy passes (the mask
+written into ``dx``, then two passes over it), seven array traversals where one loop needs three.
+In the small CNN of ``bench/throughput.py`` its six ops took 4.9 ms of a 39 ms iteration, more
+than any kernel but the convolutions; at its 64 x 16 x 32 x 32 activations (4 MiB) the arrays do
+not stay in cache between the passes.
+
+Approach: one loop of the same float32 operations in the same order (so a NaN or an infinite
+``dy`` where ``y <= 0`` still gives NaN, and a negative one -0, as NumPy's passes do), split over
+the OpenMP team as the optimiser steps are (:data:`PARALLEL_MIN_NELEMS`).
 """
 
 from __future__ import annotations
@@ -63,6 +76,7 @@ _P, _F, _N, _I = ctypes.c_void_p, ctypes.c_float, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "tensile_adam_f32": [_P, _P, _P, _P, _N, _F, _F, _F, _F, _F, _F, _I],
     "tensile_sgd_f32": [_P, _P, _P, _N, _F, _F, _F, _I],
+    "tensile_relu_backward_f32": [_P, _P, _P, _N, _I],
 }
 
 
@@ -163,4 +177,15 @@ def sgd(w, g, velocity, lr: float, momentum: float, weight_decay: float) -> bool
     if pointers is None:
         return False
     _state["library"].tensile_sgd_f32(*pointers, w.size, lr, momentum, weight_decay, _threads(w.size))
+    return True
+
+
+def relu_backward(y, dy, dx) -> bool:
+    """The relu's backward of :func:`.kernels.relu_backward` in one pass (Note [Fused relu
+    backward]): ``dx`` written from the forward output ``y`` and ``dy``, arrays as :func:`_pointers`
+    takes them; returns whether it ran (False: nothing written)."""
+    pointers = _pointers(0.0, y, dy, dx)
+    if pointers is None:
+        return False
+    _state["library"].tensile_relu_backward_f32(*pointers, y.size, _threads(y.size))
     return True

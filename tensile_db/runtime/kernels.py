@@ -97,7 +97,10 @@ def relu_forward(x, out) -> None:
 def relu_backward(y, dy, dx) -> None:
     """``dx = dy``, but 0 where ``y <= 0``, from the forward output ``y`` (as PyTorch's: a NaN in
     ``y`` passes ``dy`` on). The mask is written into ``dx`` as 0 or 1 first: 0.37 ms for 2^20
-    float32, against 0.54 ms with ``sign``, which it replaced."""
+    float32, against 0.54 ms with ``sign``, which it replaced. Float32 NumPy arrays take one fused
+    pass instead (:func:`.fused.relu_backward`, the same results bit for bit)."""
+    if fused.relu_backward(y, dy, dx):
+        return
     xp = array_module(y)
 
     def rows(a: int, b: int) -> None:
