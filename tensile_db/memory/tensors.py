@@ -29,7 +29,7 @@ class Residency(str, enum.Enum):
     FREED = "freed"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Tensor:
     """A registered tensor. ``nbytes`` is its size in bytes; ``arena_nbytes`` rounded to the unit.
 

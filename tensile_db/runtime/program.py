@@ -103,9 +103,10 @@ class Op:
     nbytes: int = field(default=0, compare=False)
     unit: str = field(default="elementwise", compare=False)
 
-    @property
+    @functools.cached_property
     def accesses(self) -> tuple[str, ...]:
-        """Slots the op touches, each once, reads first."""
+        """Slots the op touches, each once, reads first (worked out once: the executor asks
+        before every op)."""
         return tuple(dict.fromkeys(self.reads + self.writes))
 
 
