@@ -408,6 +408,26 @@ def test_a_replan_to_the_same_actions_keeps_the_pool_serving():
     ex.stop()
 
 
+def test_a_first_plan_of_no_actions_leaves_the_pool_recording(monkeypatch):
+    """Under a budget far above the peak the first plan of a measured job takes no actions: to
+    the planned pool it is the same as none, so the period it is recording or planning from
+    (from the job's warm-up on) still counts, and no second offset plan is made."""
+    job = make_job(options=OPTIONS)
+    mm = MemoryManager(CpuDevice(), budget_of([job], 4.0))
+    ex = Executor(mm, policy="tensile", cost=FAST)
+    changes = []
+    monkeypatch.setattr(mm, "schedule_changed", lambda why, change=mm.schedule_changed: (changes.append(why),
+                                                                                         change(why)))
+    ex.submit(job)
+    with mm.device.using():
+        while ex.scheduler.plans_made == 0 and job.state in (JobState.QUEUED, JobState.RUNNING):
+            ex.step()
+    plan = ex.scheduler.plan
+    assert plan is not None and not plan.before and not plan.after and plan.same_actions(None)
+    assert "the scheduler installed a new plan" not in changes
+    ex.stop()
+
+
 def test_an_install_with_room_moves_no_live_block(monkeypatch):
     """With room in the budget, the region installed keeps the weights and optimizer state where
     the general pool put them (Note [Blocks kept in place]): none of them moves."""

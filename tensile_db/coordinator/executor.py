@@ -232,8 +232,12 @@ class Executor:
             log.exception("scheduling failed; the jobs go on under the reactive fallback")
             self.scheduler.plan = None
         installed = self.scheduler.plan
-        if installed is not plan and not (installed is not None and installed.same_actions(plan)):
-            self.manager.schedule_changed("the scheduler installed a new plan")
+        if installed is not plan:
+            # a plan of no actions (under a budget above the peaks) changes nothing of the period
+            # the planned pool records: the same as none
+            same = installed.same_actions(plan) if installed is not None else plan.same_actions(None)
+            if not same:
+                self.manager.schedule_changed("the scheduler installed a new plan")
         if self.round % period == 0:
             try:
                 self.manager.period_boundary()

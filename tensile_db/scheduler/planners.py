@@ -198,10 +198,13 @@ class Plan:
         return plan
 
     def same_actions(self, other: "Plan | None") -> bool:
-        """Whether ``other`` takes the same actions at the same period positions as this plan:
-        the memory's events over a period are then the same under either, so what was recorded
-        of them (the planned pool's lifetimes) still holds when one replaces the other."""
-        return other is not None and self.before == other.before and self.after == other.after
+        """Whether ``other`` takes the same actions at the same period positions as this plan
+        (None, no plan, takes none): the memory's events over a period are then the same under
+        either, so what was recorded of them (the planned pool's lifetimes) still holds when one
+        replaces the other."""
+        if other is None:
+            return not self.before and not self.after
+        return self.before == other.before and self.after == other.after
 
     @property
     def predicted_extra_s(self) -> float | None:
