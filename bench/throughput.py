@@ -35,7 +35,9 @@ peak at most 1.3 times the unlimited time per iteration, repeat by repeat; decid
 whole spread of the ratio lies on one side of the target) and a
 profile of where our time goes: the op times the executor measures for each op (the scheduler's
 ``after`` hook) in the run of median samples/s, grouped by kind, per iteration, and the wall time
-per iteration against the time in the ops.
+per iteration against the time in the ops, with the median time of the iterations from the first
+that ended with the planned pool serving (the steady state; the iterations before it pay for the
+plans being made on the machine's cores, and the targets count them).
 
     python bench/throughput.py [--repeats 5] [--quick]
     TENSILE_ONEDNN=0 python bench/throughput.py      # our convolutions lowered on NumPy instead of oneDNN
@@ -60,6 +62,7 @@ from tensile_db.coordinator.__main__ import fix_mmap_threshold
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
 from tensile_db.memory.manager import MemoryManager
+from tensile_db.memory.planned import State
 from tensile_db.runtime import fused, onednn, workers
 from tensile_db.runtime import model as models
 from tensile_db.runtime.device import CpuDevice
@@ -120,6 +123,8 @@ class Measured:
     wall_s_per_it: float = 0.0
     op_s: dict = field(default_factory=dict)    # op name -> seconds over the timed iterations
     timed_iterations: int = 0
+    served_from: int | None = None   # the first iteration that ended with the planned pool serving
+    served_s_per_it: float | None = None   # median seconds of the iterations from that one on
 
 
 def budget_for(job: TrainingJob, fraction: float | None) -> int:
@@ -136,7 +141,7 @@ def ours(w: Workload, x, y, fraction: float | None, cost: CostModel) -> Measured
     job = TrainingJob(JobInfo(0, "bench", w.name), w.spec, options, x, y)
     budget = budget_for(job, fraction)
     executor = Executor(MemoryManager(CpuDevice(), budget), policy=POLICY, cost=cost)
-    n_ops, ends, op_s = len(job.program.ops), [], collections.Counter()
+    n_ops, ends, op_s, serving = len(job.program.ops), [], collections.Counter(), []
     names = [op.name for op in job.program.ops]
     hook = executor.scheduler.after
 
@@ -146,6 +151,7 @@ def ours(w: Workload, x, y, fraction: float | None, cost: CostModel) -> Measured
             op_s[names[position]] += seconds
         if position == n_ops - 1:
             ends.append(time.perf_counter())
+            serving.append(executor.manager.pool.state is State.SERVING)
 
     executor.scheduler.after = after
     executor.start()
@@ -159,9 +165,11 @@ def ours(w: Workload, x, y, fraction: float | None, cost: CostModel) -> Measured
         raise RuntimeError(f"{w.name} at {fraction or 'unlimited'} budget failed: {event[1]!r}")
     timed = len(ends) - 1
     mem = job.memory
+    served = next((i for i in range(1, len(ends)) if serving[i]), None)
+    served_s = statistics.median(b - a for a, b in zip(ends[served - 1:], ends[served:])) if served else None
     return Measured(w.batch * timed / (ends[-1] - ends[0]), budget, mem.peak_nbytes,
                     mem.swapped_out_nbytes / len(ends), mem.recomputes / len(ends),
-                    (ends[-1] - ends[0]) / timed, dict(op_s), timed)
+                    (ends[-1] - ends[0]) / timed, dict(op_s), timed, served, served_s)
 
 
 def pytorch(w: Workload, x, y, threads: int) -> Measured:
@@ -287,9 +295,15 @@ def profile(w: Workload, runs: dict) -> None:
         ms = runs[(kind, fraction)]
         wall = statistics.median(m.wall_s_per_it for m in ms)
         in_ops = statistics.median(sum(m.op_s.values()) / m.timed_iterations for m in ms)
+        served = [m for m in ms if m.served_s_per_it is not None]
+        steady = (f"; from the first iteration that ended with the planned pool serving (iteration "
+                  f"{statistics.median(m.served_from for m in served):.0f}, median; the ones before run while "
+                  f"the plans are made, the first of them under the reactive fallback): "
+                  f"{1e3 * statistics.median(m.served_s_per_it for m in served):.1f} ms per iteration (median)"
+                  if served else "")
         print(f"- {'unlimited' if fraction is None else f'{fraction:.0%} budget'}: {1e3 * wall:.1f} ms per iteration "
               f"(median), of which {1e3 * in_ops:.1f} ms in the ops' arithmetic ({in_ops / wall:.0%}); the rest is "
-              "the executor, memory manager, scheduler, swap waits and recomputes")
+              f"the executor, memory manager, scheduler, swap waits and recomputes{steady}")
 
 
 def main() -> None:
@@ -322,13 +336,14 @@ def main() -> None:
                     runs[w.name][(kind, fraction)].append(m)
     print(f"# Training throughput on {cnn.machine()}\n")
     kernels = (f"float32 convolutions and dense products of {onednn.MATMUL_MIN_MACS:,} multiply-adds or more run on "
-               f"oneDNN's primitives, on that many OpenMP threads, and so do Adam's steps of "
-               f"{fused.PARALLEL_MIN_NELEMS:,} elements or more"
+               f"oneDNN's primitives, on that many OpenMP threads, and so do Adam's steps and the relu's backward "
+               f"passes of {fused.PARALLEL_MIN_NELEMS:,} elements or more"
                if onednn.enabled() else
                "float32 convolutions are lowered to matrix products, their batch chunks on that many threads, each "
                "product on one")
     print(f"PyTorch runs in a process of its own with torch.set_num_threads({threads}), the threads of the BLAS "
-          f"behind our matrix products (our {kernels}; our other elementwise kernels run on one thread). Our runs: "
+          f"behind our matrix products (our {kernels}; our other elementwise kernels run on one thread, or split over the kernel workers from "
+          f"{workers.SPLIT_NELEMS:,} elements). Our runs: "
           "the coordinator's executor, with its BLAS environment, "
           f"policy {POLICY}, swaps to host memory at {cost.d2h_bytes_per_s / 1e9:.1f} GB/s out and "
           f"{cost.h2d_bytes_per_s / 1e9:.1f} GB/s in, {cost.issue_s * 1e6:.1f} us of the executor's thread to issue "
