@@ -127,6 +127,19 @@ def test_the_two_placements_give_the_same_offsets(seed, monkeypatch):
     assert plans[0] == plans[1]
 
 
+def test_a_trace_is_placed_in_python_where_its_overlaps_are_sparse():
+    """Overlaps are worked out, and placed over in Python, for at most SMALL_TRACE allocations
+    with at most SPARSE_PAIRS overlapping pairs each on average; else None (vectorised)."""
+    n = lifetimes.SPARSE_PAIRS + 10
+    chain = [alloc(i, 1, (i, i + 1)) for i in range(lifetimes.SMALL_TRACE)]   # each overlaps two
+    assert lifetimes.small_overlaps(chain) == lifetimes.overlaps_of(chain)
+    assert lifetimes.small_overlaps(chain + [alloc("one more", 1, (0, 1))]) is None
+    together = [alloc(i, 1, (0, 9)) for i in range(n)]          # each overlaps every other
+    assert lifetimes.small_overlaps(together) is None
+    assert lifetimes.small_overlaps(together[:lifetimes.SPARSE_PAIRS + 1]) is not None
+    assert plan_offsets(together, overlaps=None).offsets == plan_offsets(together).offsets
+
+
 @pytest.mark.parametrize("small", [True, False], ids=["in Python", "vectorised"])
 def test_blocks_at_one_offset_are_read_in_the_order_they_were_placed(small, monkeypatch):
     """Two blocks at one offset, the second empty: the gap after them starts at the end of the

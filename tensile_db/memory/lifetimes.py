@@ -30,15 +30,21 @@ a few dozen elements cost more than the arithmetic; in one of six runs the searc
 bound and the pool's region never fitted.
 
 Approach: the overlaps of every allocation are the same in every order, so
-:func:`overlaps_of` works them out once per trace, and a small trace (up to :data:`SMALL_TRACE`
-allocations) is placed in Python: each placed block enters the sorted list of each allocation
-it overlaps, and a placement walks only its own list. Larger traces keep the vectorised
-placement, where the overlaps are many (one ResNet-50 period at an eighth of its width, batch 64:
-1,285 allocations, 1.4 million overlapping pairs: 37 ms a try vectorised, 160 ms in Python).
-One try of the MLP's period: about 0.17 ms; the small CNN's (114 allocations): 1.3-1.4 ms
-against 1.5-2.1 ms; VGG's at an eighth (237): 6.5-8.6 ms against 3.5-3.8 ms, hence the
-threshold. Both give the same offsets for every order, strategy and fixed allocation (a test
-says so), so a search reaches the same packings, sooner.
+:func:`overlaps_of` works them out once per trace, and a sparse trace is placed in Python: each
+placed block enters the sorted list of each allocation it overlaps, and a placement walks only
+its own list. A try in Python costs about 0.14 µs per overlapping pair, a vectorised one about
+13.5 µs per allocation (``bench/pool.py``'s single-job traces and two recorded periods, largest
+first, best fit, on this project's 2-core machine): the small CNN of ``bench/throughput.py`` at
+half its peak (132 allocations, 3,116 pairs) 0.6 against 1.8 ms; VGG-16 at an eighth of its
+width, batch 64 (237 allocations, 43,456 pairs) 6.0 against 3.6 ms, with the swaps of half its
+peak (267, 13,792) 2.3 against 3.7 ms; one ResNet-50 at an eighth (1,285 allocations, 1.4
+million pairs) 313 against 32 ms. So a trace of at most :data:`SMALL_TRACE` allocations with at
+most :data:`SPARSE_PAIRS` overlapping pairs per allocation is placed in Python, any other
+vectorised (the overlaps of a larger trace are not worked out: that alone took 150 ms on the
+ResNet-50). The count of allocations alone chose before: at most 128 in Python, which placed the
+small CNN's period above (132) vectorised, and its planned pool's offset plan, at most 15 tries,
+took 27 ms of a core instead of 10. Both give the same offsets for every order, strategy and
+fixed allocation (a test says so), so a search reaches the same packings, sooner.
 """
 
 from __future__ import annotations
@@ -122,9 +128,11 @@ def _bound_order(allocs: list[Allocation]) -> list[Allocation]:
     return sorted(allocs, key=lambda a: (-breadth[a.key], -a.nbytes, -a.length, str(a.key)))
 
 
-#: Allocations up to which :func:`plan_offsets` places in Python over the overlaps worked out once
-#: (Note [Two placements of one rule])
-SMALL_TRACE = 128
+#: Allocations up to which :func:`plan_offsets` may place in Python over the overlaps worked out
+#: once (Note [Two placements of one rule])
+SMALL_TRACE = 512
+#: Overlapping pairs per allocation up to which it does
+SPARSE_PAIRS = 96
 
 
 def _segments(allocs: list[Allocation]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -156,24 +164,28 @@ def overlaps_of(allocs: list[Allocation]) -> list[list[int]]:
 
 
 def small_overlaps(allocs: list[Allocation]) -> list[list[int]] | None:
-    """:func:`overlaps_of` ``allocs`` where :func:`plan_offsets` places them in Python (up to
-    :data:`SMALL_TRACE` allocations), else None: what a caller that places one trace in several
-    orders passes to each."""
-    return overlaps_of(allocs) if len(allocs) <= SMALL_TRACE else None
+    """:func:`overlaps_of` ``allocs`` where :func:`plan_offsets` places them in Python (at most
+    :data:`SMALL_TRACE` allocations with at most :data:`SPARSE_PAIRS` overlapping pairs each, on
+    average), else None: what a caller that places one trace in several orders passes to each."""
+    if len(allocs) > SMALL_TRACE:
+        return None
+    overlaps = overlaps_of(allocs)
+    return overlaps if sum(map(len, overlaps)) <= SPARSE_PAIRS * len(allocs) else None
 
 
 def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="largest",
-                 fixed: dict | None = None, overlaps: list[list[int]] | None = None) -> PoolPlan:
+                 fixed: dict | None = None, overlaps: list[list[int]] | None | str = "auto") -> PoolPlan:
     """Place ``allocs`` in ``order`` (a name in :data:`ORDERS`, default largest first, longer
     lifetime first among equal sizes; or a list of the allocations in the order to place them).
     Each goes into a gap between the already placed allocations whose lifetimes overlap its own:
     the smallest gap that fits (``best_fit``) or the lowest (``first_fit``); with no gap that
     fits, above all of them. ``fixed``: key -> offset (bytes) of allocations placed there first,
     before the others (the caller keeps them apart: blocks live together where they lie now).
-    ``overlaps``: :func:`overlaps_of` ``allocs``, for a caller that places the same allocations
-    in many orders (used up to :data:`SMALL_TRACE` allocations; Note [Two placements of one
-    rule]). Returns a :class:`PoolPlan`; vectorised O(n * s) in n allocations and s segments,
-    in Python O(e * d) in e overlapping pairs and d the most allocations one overlaps.
+    ``overlaps``: :func:`small_overlaps` ``allocs``, for a caller that places the same
+    allocations in many orders (a list: the placement runs in Python over it; None: vectorised;
+    ``"auto"``: worked out here; Note [Two placements of one rule]). Returns a
+    :class:`PoolPlan`; vectorised O(n * s) in n allocations and s segments, in Python O(e * d)
+    in e overlapping pairs and d the most allocations one overlaps.
 
     Raises:
         ValueError: an unknown strategy or order, or ``overlaps`` not of ``allocs``' length.
@@ -190,11 +202,13 @@ def plan_offsets(allocs: list[Allocation], strategy: str = "best_fit", order="la
     if kept:
         ordered = kept + [a for a in ordered if a.key not in fixed]
         name += "/kept"
+    if overlaps == "auto":
+        overlaps = small_overlaps(allocs)
     if overlaps is not None and len(overlaps) != len(allocs):
         raise ValueError(f"overlaps of {len(overlaps)} allocations for a trace of {len(allocs)}: pass "
                          "overlaps_of(allocs) of the same list")
-    if len(allocs) <= SMALL_TRACE:
-        offsets = _place_small(allocs, ordered, strategy, len(kept), fixed, overlaps or small_overlaps(allocs))
+    if overlaps is not None:
+        offsets = _place_small(allocs, ordered, strategy, len(kept), fixed, overlaps)
     else:
         offsets = _place_vectorised(ordered, strategy, len(kept), fixed)
     arena = max((offsets[a.key] + a.nbytes for a in ordered), default=0)
@@ -264,11 +278,11 @@ def _place_vectorised(ordered: list[Allocation], strategy: str, n_kept: int, fix
 
 
 def best_fixed_order(allocs: list[Allocation], strategy: str, bound_nbytes: int, fixed: dict | None = None,
-                     overlaps: list[list[int]] | None = None) -> PoolPlan:
+                     overlaps: list[list[int]] | None | str = "auto") -> PoolPlan:
     """The smallest arena of :func:`plan_offsets` over the orders of :data:`ORDERS` (``fixed`` and
     ``overlaps`` as there), in their order; the first that reaches ``bound_nbytes`` (the lower
     bound, :func:`max_live_nbytes`) at once, since none of the others can be smaller."""
-    overlaps = small_overlaps(allocs) if overlaps is None else overlaps
+    overlaps = small_overlaps(allocs) if overlaps == "auto" else overlaps
     best = None
     for order in ORDERS:
         plan = plan_offsets(allocs, strategy, order, fixed=fixed, overlaps=overlaps)
@@ -280,7 +294,8 @@ def best_fixed_order(allocs: list[Allocation], strategy: str, bound_nbytes: int,
 
 
 def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s: float = 0.0,
-                  seed: int = 0, max_tries: int | None = None, overlaps: list[list[int]] | None = None) -> PoolPlan:
+                  seed: int = 0, max_tries: int | None = None, overlaps: list[list[int]] | None | str = "auto"
+                  ) -> PoolPlan:
     """The smallest arena of :func:`plan_offsets` over every order of :data:`ORDERS`, then, for up
     to ``search_s`` seconds, over randomised orders: by size, or by size times lifetime, each
     scaled by a seeded random factor in [0.25, 1.75). Fixed greedy orders can miss by 20% or more
@@ -290,9 +305,9 @@ def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s
     randomised orders when given. Before the search, one more order (:func:`_bound_order`) is
     tried, and taken only where it reaches the bound, which no search can beat. Deterministic
     for a given ``seed`` and number of tries (so with ``max_tries`` and an unbounded
-    ``search_s``). ``overlaps``: as for :func:`plan_offsets` (worked out here when None)."""
+    ``search_s``). ``overlaps``: as for :func:`plan_offsets` (worked out here once by default)."""
     bound = max_live_nbytes(allocs)
-    overlaps = small_overlaps(allocs) if overlaps is None else overlaps
+    overlaps = small_overlaps(allocs) if overlaps == "auto" else overlaps
     best = best_fixed_order(allocs, strategy, bound, overlaps=overlaps)
     if best.arena_nbytes <= bound:
         return best
