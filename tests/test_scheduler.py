@@ -409,6 +409,27 @@ def test_large_timelines_and_pool_periods_are_planned_in_the_planning_process(mo
             assert np.array_equal(job.result[name], value), name
 
 
+def test_a_plan_that_can_take_no_action_is_not_sent_to_the_planning_process(monkeypatch):
+    """Under a budget above the jobs' peaks summed the global planner takes no action: such a
+    plan is made on the planning thread, and the planning process is sent nothing to plan."""
+    from tensile_db.scheduler import engine, worker
+
+    monkeypatch.setattr(engine, "PROCESS_MIN_OPS", 0)
+    process, sent = worker.shared(), []
+    submit = process.submit
+
+    def plan_there(policy, traces, *args):
+        sent.append(policy)
+        return submit(policy, traces, *args)
+
+    monkeypatch.setattr(process, "submit", plan_there)
+    jobs = [make_job(seed=s) for s in (1, 2)]
+    mm, ex = run(jobs, budget_of(jobs, 4.0), "tensile")
+    made = [r for r in ex.scheduler.history if r["decisions"] is not None and r["wall_s"] is not None]
+    assert ex.scheduler.plans_made >= 1 and all(r["decisions"] == 0 for r in made)
+    assert not sent
+
+
 def test_predicted_peak_matches_the_measured_peak():
     options = TrainOptions(epochs=8, batch_size=64, optimizer="adam", lr=0.005, seed=11)
     jobs = [make_job(options=options, seed=s) for s in (1, 2)]
