@@ -242,15 +242,17 @@ class MemoryManager(Residencies):
         """Place every tensor of ``working`` (pins not yet taken). With ``wait``, while other
         threads' ops pin the blocks that stand in the way, drain and wait for them (up to
         :data:`~.pins.PIN_WAIT_S`); else pack the working set at once (:meth:`Eviction.pack`)."""
-        deadline = self.pins.deadline()
+        deadline = None                                         # when a wait starts
         try:
             while True:
                 while wait and self.pins.others_drain():
+                    deadline = deadline or self.pins.deadline()
                     self.pins.wait(deadline, need, self.allocator.in_use_nbytes, self.budget_nbytes, what)
                 self._acquiring = {t.id for t in working}      # not evicted, but may be moved
                 try:
                     for t in working:
-                        self.make_resident(t)
+                        if t.residency is not Residency.DEVICE:   # (make_resident's no-op, without the call)
+                            self.make_resident(t)
                     return
                 except Fragmented:
                     if not (wait and self.pins.held_elsewhere(self._tensors.values())):
@@ -259,6 +261,7 @@ class MemoryManager(Residencies):
                 finally:
                     self._acquiring = set()
                 self.pins.drain()
+                deadline = deadline or self.pins.deadline()
                 self.pins.wait(deadline, need, self.allocator.in_use_nbytes, self.budget_nbytes, what)
         finally:
             self.pins.stop_draining()
