@@ -17,7 +17,7 @@ import pytest
 
 from tensile_db.errors import InvalidArgument
 from tensile_db.memory.manager import MemoryManager
-from tensile_db.runtime.device import CpuCopyEngine, CpuDevice
+from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.simulated import SimDevice
 from tensile_db.scheduler import cost as cost_module
 from tensile_db.scheduler.cost import CostModel, measure_bandwidth, measure_issue
@@ -97,7 +97,7 @@ def test_the_measurement_finds_a_cost_on_cpu_and_its_inline_copies():
     finally:
         manager.close()
     assert 0.0 < cost.issue_s < 0.01
-    assert cost.inline_nbytes == CpuCopyEngine.INLINE_NBYTES > 0
+    assert cost.inline_nbytes == manager.engine.inline_nbytes > 0
 
 
 def test_the_simulated_device_measures_no_issue_cost_and_no_inline_copy():

@@ -582,19 +582,45 @@ def test_a_region_install_that_would_stage_much_through_a_host_link_is_not_made(
     mm.close()
 
 
+def test_where_the_kernels_take_every_core_every_cpu_copy_runs_here(monkeypatch):
+    """No core is left for the copy thread where the kernels' workers take every one: the
+    engine makes every copy between the arena and host memory on the caller's thread, done when
+    the call returns (Note [Copies beside kernels on every core])."""
+    import sys
+
+    from tensile_db.runtime import device, workers
+
+    monkeypatch.setattr(workers, "count", lambda: 2)
+    monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid: {0, 1})
+    engine = CpuDevice().copy_engine()
+    try:
+        assert engine.inline_nbytes == sys.maxsize
+        values, arena = pattern(1 << 21, 3), np.zeros(1 << 21, np.float32)      # 8 MiB
+        assert engine.to_device(values, arena).done() and same_bits(arena, values)
+        outward = engine.to_host(arena)
+        assert outward.done() and same_bits(outward.host, values)
+    finally:
+        engine.close()
+
+
 def test_cpu_copies_of_a_mebibyte_run_here_and_larger_ones_on_the_copy_thread(monkeypatch):
-    """The CPU's copy engine: a copy between the arena and host memory of at most
-    ``INLINE_NBYTES`` is done when the call returns, on the caller's thread; a larger one runs on
-    the copy thread. Both copy exactly, both ways."""
+    """The CPU's copy engine with a core free for its copy thread: a copy between the arena and
+    host memory of at most ``SPARE_CORE_INLINE_NBYTES`` is done when the call returns, on the
+    caller's thread; a larger one runs on the copy thread. Both copy exactly, both ways."""
     import threading
 
+    from tensile_db.runtime import device, workers
     from tensile_db.runtime.device import CpuCopyEngine
 
     threads, copyto = [], np.copyto
     monkeypatch.setattr(np, "copyto", lambda dst, src: (threads.append(threading.get_ident()), copyto(dst, src))[1])
+    monkeypatch.setattr(workers, "count", lambda: 1)
+    monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid: {0, 1})
     engine = CpuDevice().copy_engine()
+    limit = CpuCopyEngine.SPARE_CORE_INLINE_NBYTES
+    assert engine.inline_nbytes == limit
     try:
-        for n, here in ((CpuCopyEngine.INLINE_NBYTES // 4, True), (CpuCopyEngine.INLINE_NBYTES // 4 + 1, False)):
+        for n, here in ((limit // 4, True), (limit // 4 + 1, False)):
             values, arena = pattern(n, n), np.zeros(n, np.float32)
             inward = engine.to_device(values, arena)
             if here:

@@ -19,12 +19,15 @@ import concurrent.futures
 import contextlib
 import math
 import mmap
+import os
+import sys
 import threading
 import time
 
 import numpy as np
 
 from ..errors import InvalidArgument
+from . import workers
 
 
 class Transfer:
@@ -55,8 +58,8 @@ class CopyEngine:
 
     duplex = False
     #: The largest copy to or from host memory done on the caller's thread, done when the call
-    #: returns (0: none; the cost model puts such copies on the compute stream).
-    INLINE_NBYTES = 0
+    #: returns, bytes (0: none; the cost model puts such copies on the compute stream).
+    inline_nbytes = 0
 
     def to_host(self, array) -> Transfer:
         """Start copying the device array ``array`` into a new host array (``Transfer.host``)."""
@@ -94,22 +97,52 @@ class CpuCopyEngine(CopyEngine):
     """``cpu``: one copy thread does the copies, the disk tier's reads and writes included (NumPy
     releases the GIL while copying, so they overlap the executor's arithmetic on another core);
     the two directions share it. A copy between the arena and host memory of at most
-    :attr:`INLINE_NBYTES` runs on the caller's thread instead, done when it returns. A spill
-    write reads the arena block itself, a spill read fills it (Note [Spill I/O] in
-    :mod:`tensile_db.memory.spill`); the synchronous ones (:meth:`write_now`, :meth:`read_now`)
-    run on the caller's thread."""
+    :attr:`inline_nbytes` runs on the caller's thread instead, done when it returns (Note [Copies
+    beside kernels on every core]). A spill write reads the arena block itself, a spill read fills
+    it (Note [Spill I/O] in :mod:`tensile_db.memory.spill`); the synchronous ones
+    (:meth:`write_now`, :meth:`read_now`) run on the caller's thread.
 
-    #: The largest copy done on the caller's thread: handing a copy to the copy thread and waiting
-    #: for it took about 30 µs more than the copy itself here (59 against 29 µs at 1 MiB, 46
-    #: against 17 µs at 256 KiB; 139 against 102 µs at 4 MiB), and the thread then shares the
-    #: cores with the arithmetic. ``bench/throughput.py --quick --repeats 3``, the MLP at half its
-    #: peak (28 swap-ins and 28 swap-outs of at most 1 MiB an iteration), runs alternated: 1.39x
-    #: and 1.22x its unlimited time per iteration with these copies here, 2.06x and 1.83x with all
-    #: on the thread; again: 1.46x and 1.36x at 1 MiB, 1.54x and 1.37x at 256 KiB, 1.43x and
-    #: 1.30x with every copy here (not decided between these three).
-    INLINE_NBYTES = 1 << 20
+    Args:
+        inline_nbytes: the largest copy done on the caller's thread, bytes; None:
+            :func:`cpu_inline_nbytes`.
 
-    def __init__(self):
+    Note [Copies beside kernels on every core]
+    ------------------------------------------
+    Rationale: a copy thread overlaps the arithmetic only where a core is free for it. Where the
+    kernels' workers take every core (:func:`.workers.count`, the BLAS's threads, against the
+    cores this process may run on), it shares one with a kernel's thread, and an OpenMP region
+    waits for its slowest thread: the kernels slow down by more than the copy takes, and the
+    copy, slowed too, lands after the op that waits for it. The small CNN of
+    ``bench/throughput.py`` at half its peak (about 21 MiB swapped each way an iteration, most of
+    it 4 MiB activations) on this project's 2-core machine, copies above 1 MiB on the thread
+    against every copy on the executor's: 44.8, 44.2, 46.2 against 42.6, 42.5, 44.3 ms an
+    iteration over the run (three alternated runs of five repeats), 40.7, 40.7, 41.1 against
+    38.4, 39.1, 41.3 once the planned pool served; over 60 iterations, 40.2 to 41.0 against 38.0
+    to 40.1 (six runs).
+
+    Approach: where the kernels take every core, every copy between the arena and host memory is
+    made on the caller's thread; the cost model then puts every copy on the compute stream (Note
+    [Issue cost] in :mod:`tensile_db.scheduler.cost`), so the plans price them as they run.
+    Elsewhere a copy of at most :data:`SPARE_CORE_INLINE_NBYTES` is. The disk tier's reads and
+    writes stay on the thread (they wait for the disk, not for a core).
+
+    Limitations: measured where the kernels take every core; the threshold where a core is free
+    comes from a machine without one (below), and a copy thread that shares the cores with
+    another process's work is not seen.
+    """
+
+    #: The largest copy done on the caller's thread where a core is free for the copy thread:
+    #: handing a copy to the copy thread and waiting for it took about 30 µs more than the copy
+    #: itself here (59 against 29 µs at 1 MiB, 46 against 17 µs at 256 KiB; 139 against 102 µs at
+    #: 4 MiB). ``bench/throughput.py --quick --repeats 3``, the MLP at half its peak (28 swap-ins
+    #: and 28 swap-outs of at most 1 MiB an iteration), runs alternated: 1.39x and 1.22x its
+    #: unlimited time per iteration with these copies here, 2.06x and 1.83x with all on the
+    #: thread; again: 1.46x and 1.36x at 1 MiB, 1.54x and 1.37x at 256 KiB, 1.43x and 1.30x with
+    #: every copy here (not decided between these three).
+    SPARE_CORE_INLINE_NBYTES = 1 << 20
+
+    def __init__(self, inline_nbytes: int | None = None):
+        self.inline_nbytes = cpu_inline_nbytes() if inline_nbytes is None else inline_nbytes
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-copy")
 
     def _run(self, fn, *args, host=None) -> Transfer:
@@ -117,7 +150,7 @@ class CpuCopyEngine(CopyEngine):
         return Transfer(future.done, future.result, host)
 
     def _copy(self, dst, src, host=None) -> Transfer:
-        if src.nbytes > self.INLINE_NBYTES:
+        if src.nbytes > self.inline_nbytes:
             return self._run(np.copyto, dst, src, host=host)
         np.copyto(dst, src)
         return Transfer(lambda: True, lambda: None, host)
@@ -145,6 +178,16 @@ class CpuCopyEngine(CopyEngine):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def cpu_inline_nbytes() -> int:
+    """The largest copy a :class:`CpuCopyEngine` makes on the caller's thread (Note [Copies beside
+    kernels on every core]), bytes: every one (:data:`sys.maxsize`) where the kernels' workers
+    take every core this process may run on, else
+    :data:`CpuCopyEngine.SPARE_CORE_INLINE_NBYTES`."""
+    if workers.count() >= len(os.sched_getaffinity(0)):
+        return sys.maxsize
+    return CpuCopyEngine.SPARE_CORE_INLINE_NBYTES
 
 
 #: The roofline of :meth:`Device.op_seconds` where a device has no model of its own: FLOP/s and

@@ -65,7 +65,7 @@ memory manager of the probe's own (:func:`measure_issue`), less the copies, whic
 prices apart: a copy on a copy engine is waited for outside the timing, and one the executor's
 thread makes itself (``cpu``) is taken off at the measured latency. The planners' simulation adds
 it to the compute stream at each swap-out and each swap-in it issues. On ``cpu`` a copy of at most
-:attr:`~tensile_db.runtime.device.CopyEngine.INLINE_NBYTES` runs on the executor's thread
+:attr:`~tensile_db.runtime.device.CopyEngine.inline_nbytes` runs on the executor's thread
 (:class:`~tensile_db.runtime.device.CpuCopyEngine`): :attr:`CostModel.inline_nbytes`, whose
 copies the simulation puts on the compute stream too, done when issued, and not on a copy
 channel (so without contention). The probe measures 6.8 µs per action on this project's
@@ -254,15 +254,15 @@ def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) 
     return CostModel(h2d_bytes_per_s=bandwidth(h2d), d2h_bytes_per_s=bandwidth(d2h), latency_s=latency,
                      duplex=engine.duplex, contention=_contention(device, engine, dev, repeats, to_host),
                      issue_s=_issue_less_copies(measure_issue(device), latency, engine),
-                     inline_nbytes=engine.INLINE_NBYTES)
+                     inline_nbytes=engine.inline_nbytes)
 
 
 def _issue_less_copies(issue_s: float, latency_s: float, engine) -> float:
     """The probe's seconds per action without its copy where the caller's thread made the copy
-    (an engine whose :attr:`~tensile_db.runtime.device.CopyEngine.INLINE_NBYTES` holds the probe's
+    (an engine whose :attr:`~tensile_db.runtime.device.CopyEngine.inline_nbytes` holds the probe's
     tensor: ``cpu``): the simulation prices that copy apart, at ``latency_s`` and up (Note [Issue
     cost])."""
-    if ISSUE_PROBE_NBYTES <= engine.INLINE_NBYTES:
+    if ISSUE_PROBE_NBYTES <= engine.inline_nbytes:
         return max(issue_s - latency_s, 0.0)
     return issue_s
 
