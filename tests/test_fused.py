@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import shutil
 import sys
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from tensile_db.runtime import fused
+from tensile_db.runtime import fused, workers
 from tensile_db.runtime import kernels as K
 
 ADAM = dict(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8)
@@ -128,6 +129,49 @@ def test_relu_backward_leaves_what_it_cannot_take_to_numpy(rng, monkeypatch):
     monkeypatch.setenv("TENSILE_FUSED", "0")
     assert not fused.relu_backward(y, dy, dx)
     assert not dx.any()
+
+
+@needs_library
+@pytest.mark.parametrize("nbytes", [fused.COPY_PARALLEL_MIN_NBYTES, (4 << 20) + 12])
+def test_a_copy_on_the_team_copies_every_byte(rng, nbytes):
+    """Over the OpenMP team (with oneDNN there), whatever the length: the parts end where the
+    next begins, the last at the copy's end."""
+    src = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes + 64, np.uint8)
+    workers.note_team()                                 # this thread runs the kernels' team
+    team = fused._threads(fused.PARALLEL_MIN_NELEMS) > 1
+    assert fused.copy(dst[:nbytes], src) is team
+    if team:
+        assert np.array_equal(dst[:nbytes], src) and not dst[nbytes:].any()
+
+
+@needs_library
+def test_a_copy_on_another_thread_than_the_teams_starts_no_team(rng):
+    """Note [One OpenMP team]: a thread that has run no region on the kernels' team leaves its
+    copy to NumPy, even a large one."""
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    workers.note_team()
+    took = []
+    thread = threading.Thread(target=lambda: took.append(fused.copy(dst, src)))
+    thread.start()
+    thread.join()
+    assert took == [False] and not dst.any()
+    assert workers.on_team() and not fused.copy(dst[:16], src[:16])     # too small here too
+
+
+@needs_library
+def test_what_a_copy_on_the_team_cannot_take_is_left_to_numpy(rng):
+    n = fused.COPY_PARALLEL_MIN_NBYTES // 4
+    src = rng.standard_normal(n).astype(np.float32)
+    assert not fused.copy(np.zeros(n - 16, np.float32), src[:n - 16])      # too small to split
+    assert not fused.copy(np.zeros(n, np.float64), src)                      # another dtype: a cast
+    assert not fused.copy(np.zeros((2, n), np.float32)[:, ::2], src.reshape(2, -1)[:, :n // 2])
+    both = np.zeros(2 * n, np.float32)
+    assert not fused.copy(both[n // 2:n // 2 + n], both[:n])                 # they overlap
+    frozen = np.zeros(n, np.float32)
+    frozen.flags.writeable = False
+    assert not fused.copy(frozen, src) and not frozen.any()
 
 
 def declined(arrays) -> bool:

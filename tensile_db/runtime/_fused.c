@@ -14,6 +14,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -132,5 +133,24 @@ void tensile_relu_backward_f32(const float *y, const float *dy, float *dx, int64
         int64_t lo, hi;
         team_part(n, &lo, &hi);
         relu_backward_range(y, dy, dx, lo, hi);
+    }
+}
+
+/* memcpy of n bytes from src to dst (not overlapping), split over threads OpenMP threads in parts
+   of whole cache lines; threads as for tensile_adam_f32. */
+void tensile_copy(void *dst, const void *src, int64_t n, int threads)
+{
+    if (threads <= 1) {
+        memcpy(dst, src, (size_t)n);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t lo, hi;
+        team_part((n + 3) / 4, &lo, &hi);          /* in 4-byte words: parts of 64-byte lines */
+        lo *= 4;
+        hi = hi * 4 < n ? hi * 4 : n;
+        if (hi > lo)
+            memcpy((char *)dst + lo, (const char *)src + lo, (size_t)(hi - lo));
     }
 }

@@ -1,9 +1,10 @@
 """Fused elementwise kernels on the CPU: Adam and SGD with momentum, and the relu's backward, over
-float32 NumPy arrays in one pass each, by the package's own compiled library (``_fused.c``,
-loaded by ``ctypes``).
+float32 NumPy arrays in one pass each, and copies split over the OpenMP team, by the package's
+own compiled library (``_fused.c``, loaded by ``ctypes``).
 
 :func:`adam`, :func:`sgd` and :func:`relu_backward` do the work of :func:`.kernels.adam_update`,
-:func:`.kernels.sgd_update` and :func:`.kernels.relu_backward` and return True when they can;
+:func:`.kernels.sgd_update` and :func:`.kernels.relu_backward`, and :func:`copy` that of
+``np.copyto`` (Note [Copies on the team]), and return True when they can;
 else False, and the caller makes its NumPy passes as before (CuPy arrays, float64, arrays that are not C-contiguous, aligned or
 writeable, arrays that overlap, a weight decay that rounds to 0 in float32, an installation built
 without a C compiler, ``TENSILE_FUSED=0`` in the environment).
@@ -46,6 +47,22 @@ not stay in cache between the passes.
 Approach: one loop of the same float32 operations in the same order (so a NaN or an infinite
 ``dy`` where ``y <= 0`` still gives NaN, and a negative one -0, as NumPy's passes do), split over
 the OpenMP team as the optimiser steps are (:data:`PARALLEL_MIN_NELEMS`).
+
+Note [Copies on the team]
+-------------------------
+Rationale: where the kernels take every core, the CPU's copy engine copies between the arena and
+host memory on the executor's thread (Note [Copies beside kernels on every core] in
+:mod:`.device`), between ops, while the kernels' other threads wait. One thread's ``memcpy`` of
+data not in cache ran at about 6.3 GB/s here: 650 us for 4 MiB, 160 us for 1 MiB (NumPy's
+``copyto`` the same); the small CNN of ``bench/throughput.py`` at half its peak spent 4.5 ms of
+a 43 ms iteration in such copies.
+
+Approach: a copy of at least :data:`COPY_PARALLEL_MIN_NBYTES` splits over the OpenMP team where
+the kernels run on it (as the large optimiser steps do), from the thread that runs them only
+(Note [One OpenMP team] in :mod:`.workers`), in parts of whole cache lines: 4 MiB in
+332 us, 1 MiB in 85, 256 KiB in 25 against 42, 128 KiB in 15 against 23 (medians, sources
+rotated over 256 MiB so that none is in cache; two threads); in cache, 128 KiB took 5.1 against
+4.5 us, and smaller copies stay on one thread.
 """
 
 from __future__ import annotations
@@ -68,6 +85,8 @@ LIBRARY_MODULE = __package__ + "._fused"
 #: Elements from which a step splits its loop over :func:`.workers.count` OpenMP threads (where
 #: the dense products run on oneDNN's, the same team); below, one thread.
 PARALLEL_MIN_NELEMS = 1 << 16
+#: Bytes from which :func:`copy` splits a copy over them (Note [Copies on the team])
+COPY_PARALLEL_MIN_NBYTES = 1 << 17
 
 _lock = threading.Lock()
 _state: dict = {"library": None, "tried": False, "forked": False}
@@ -77,6 +96,7 @@ _SIGNATURES = {
     "tensile_adam_f32": [_P, _P, _P, _P, _N, _F, _F, _F, _F, _F, _F, _I],
     "tensile_sgd_f32": [_P, _P, _P, _N, _F, _F, _F, _I],
     "tensile_relu_backward_f32": [_P, _P, _P, _N, _I],
+    "tensile_copy": [_P, _P, _N, _I],
 }
 
 
@@ -132,6 +152,7 @@ def _threads(nelems: int) -> int:
     whose OpenMP team the step then shares; else 1, the calling thread alone."""
     if nelems < PARALLEL_MIN_NELEMS or _state["forked"] or not onednn.enabled():
         return 1
+    workers.note_team()
     return workers.count()
 
 
@@ -188,4 +209,25 @@ def relu_backward(y, dy, dx) -> bool:
     if pointers is None:
         return False
     _state["library"].tensile_relu_backward_f32(*pointers, y.size, _threads(y.size))
+    return True
+
+
+def copy(dst, src) -> bool:
+    """``dst[...] = src`` over the OpenMP team (Note [Copies on the team]) where it is there and
+    the copy has at least :data:`COPY_PARALLEL_MIN_NBYTES` bytes: NumPy arrays of one shape and
+    dtype, C-contiguous, ``dst`` writeable, not overlapping; returns whether it copied (False:
+    nothing written)."""
+    if (type(dst) is not np.ndarray or type(src) is not np.ndarray or dst.nbytes < COPY_PARALLEL_MIN_NBYTES
+            or dst.dtype != src.dtype or dst.shape != src.shape):
+        return False
+    if not workers.on_team():              # never a team of this thread's own (Note [One OpenMP team])
+        return False
+    threads = _threads(PARALLEL_MIN_NELEMS)
+    if threads <= 1 or not enabled() or not (dst.flags.c_contiguous and src.flags.c_contiguous
+                                              and dst.flags.writeable):
+        return False
+    to, start = dst.ctypes.data, src.ctypes.data
+    if to < start + src.nbytes and start < to + dst.nbytes:
+        return False                                    # they overlap
+    _state["library"].tensile_copy(to, start, dst.nbytes, threads)
     return True

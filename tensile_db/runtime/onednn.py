@@ -431,6 +431,7 @@ class _Matmul(_Built):
             _check(lib.dnnl_memory_set_data_handle(memory, pointer), "memory handle")
         _set_threads(lib)
         stream = _stream()
+        workers.note_team()
         _check(lib.dnnl_primitive_execute(self.matmul, stream, len(bound.args), bound.args), "primitive execution")
         _check(lib.dnnl_stream_wait(stream), "stream wait")
 
@@ -543,6 +544,7 @@ class _Call:
     def run(self, primitive, **args) -> None:
         pairs = [(_ARG_IDS[name], m) for name, m in args.items() if m is not None]
         array = (_Arg * len(pairs))(*(_Arg(a, m) for a, m in pairs))
+        workers.note_team()
         _check(self._lib.dnnl_primitive_execute(primitive, _stream(), len(pairs), array), "primitive execution")
 
     def __enter__(self):

@@ -67,6 +67,24 @@ decided (alternated runs of the two, six each; ``bench/throughput.py`` measures 
 
 Limitations: a worker whose chunk is slow still holds the op up by that one chunk; the weight
 gradients are added on whichever thread completes the chunk that allows it, under a lock.
+
+Note [One OpenMP team]
+----------------------
+Rationale: GNU OpenMP gives every thread that starts a parallel region a team of its own, and
+where its teams' threads outnumber the cores it throttles the spinning of every team: the
+threads sleep at once after a region and each region wakes them again. When the swap engine's
+copies first split over the team (Note [Copies on the team] in :mod:`.fused`), the coordinator's
+start-up probe of the copy bandwidth, on the thread that builds the scheduler, started a second
+team beside the executor's: the MLP of ``bench/throughput.py`` with unlimited memory then took
+5.13 ms an iteration against 3.55 ms, every kernel slower.
+
+Approach: the thread that runs a region on the kernels' team says so (:func:`note_team`: a
+oneDNN primitive, a fused step on several threads), and work that may join the team but has no
+need to start one (a copy) splits over it only on that thread (:func:`on_team`); elsewhere it
+runs on one thread.
+
+Limitations: kernels themselves run wherever they are called (an inference on a connection's
+thread starts a team of its own there, as before).
 """
 
 from __future__ import annotations
@@ -84,7 +102,21 @@ BLAS_ENVIRONMENT = {"OPENBLAS_THREAD_TIMEOUT": "22"}
 
 _lock = threading.Lock()
 _here = threading.local()          # .working: this thread runs a share of run()'s work now
-_state: dict = {"pool": None, "size": 0, "count": None, "controller": None, "inside": 0, "limited": None}
+_state: dict = {"pool": None, "size": 0, "count": None, "controller": None, "inside": 0, "limited": None,
+                "team": None}
+
+
+def note_team() -> None:
+    """The calling thread runs a parallel region on the kernels' GNU OpenMP team now (a oneDNN
+    primitive, a fused step): the team is its (Note [One OpenMP team])."""
+    _state["team"] = threading.get_ident()
+
+
+def on_team() -> bool:
+    """Whether the calling thread is the one that last ran a region on the kernels' OpenMP team
+    (:func:`note_team`): work that may join the team but must not start another (Note [One
+    OpenMP team]) splits over it only then."""
+    return _state["team"] == threading.get_ident()
 
 
 def with_blas_environment() -> None:
