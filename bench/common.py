@@ -5,6 +5,7 @@ difference the noise could make)."""
 from __future__ import annotations
 
 import statistics
+import sys
 
 from tensile_db.settings import UNPLANNED_POLICIES
 
@@ -52,3 +53,11 @@ def better(ours, theirs, higher_is_better: bool) -> str | None:
 def verdict(parts) -> str:
     """PASS if every part is ``yes``, FAIL if any is ``no``, else not decided."""
     return "PASS" if all(p == "yes" for p in parts) else "FAIL" if "no" in parts else "not decided"
+
+
+def inline_copies(cost) -> str:
+    """What the cost model ``cost`` says the executor's thread copies itself (Note [Copies beside
+    kernels on every core] in ``tensile_db.runtime.device``), as a phrase."""
+    if cost.inline_nbytes >= sys.maxsize:
+        return "every copy to and from host memory"
+    return f"copies of up to {cost.inline_nbytes:,} bytes"

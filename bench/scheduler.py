@@ -350,7 +350,7 @@ def print_header(args, cost: CostModel, iterations: int) -> None:
     print(f"Cost model (measured once, shared by every run): host->device "
           f"{cost.h2d_bytes_per_s / 1e9:.1f} GB/s, device->host {cost.d2h_bytes_per_s / 1e9:.1f} GB/s, "
           f"latency {cost.latency_s * 1e6:.0f} us per copy, {cost.issue_s * 1e6:.1f} us of the executor's thread to "
-          f"issue each swap-out and swap-in, copies of up to {cost.inline_nbytes:,} bytes on that thread.\n")
+          f"issue each swap-out and swap-in, {common.inline_copies(cost)} on that thread.\n")
     rows = []
     for name, m in MODELS.items():
         job = make_job(name, 0, 1, name)

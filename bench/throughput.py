@@ -50,7 +50,6 @@ import collections
 import concurrent.futures
 import multiprocessing
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -58,7 +57,7 @@ import numpy as np
 from tabulate import tabulate
 
 import cnn
-from common import decided
+from common import decided, inline_copies
 from tensile_db.coordinator.__main__ import fix_mmap_threshold
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, TrainingJob
@@ -342,15 +341,13 @@ def main() -> None:
                if onednn.enabled() else
                "float32 convolutions are lowered to matrix products, their batch chunks on that many threads, each "
                "product on one")
-    copies_here = ("every copy to and from host memory" if cost.inline_nbytes >= sys.maxsize
-                   else f"copies of up to {cost.inline_nbytes:,} bytes")
     print(f"PyTorch runs in a process of its own with torch.set_num_threads({threads}), the threads of the BLAS "
           f"behind our matrix products (our {kernels}; our other elementwise kernels run on one thread, or split over the kernel workers from "
           f"{workers.SPLIT_NELEMS:,} elements). Our runs: "
           "the coordinator's executor, with its BLAS environment, "
           f"policy {POLICY}, swaps to host memory at {cost.d2h_bytes_per_s / 1e9:.1f} GB/s out and "
           f"{cost.h2d_bytes_per_s / 1e9:.1f} GB/s in, {cost.issue_s * 1e6:.1f} us of the executor's thread to issue "
-          f"each, {copies_here} on that thread (measured once). Wall-clock times: "
+          f"each, {inline_copies(cost)} on that thread (measured once). Wall-clock times: "
           "noisy where other "
           "work shares the machine; hence medians and spreads over interleaved repeats.")
     for w in loads:

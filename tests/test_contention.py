@@ -61,7 +61,10 @@ def test_on_cpu_the_measured_swap_outs_copy_into_one_warm_buffer(monkeypatch):
         measure_bandwidth(device, engine, nbytes=4 << 20, repeats=2)
     finally:
         manager.close()
-    assert len(into) >= 6 and None not in into      # the bandwidth's, the latency's, contention's
+    # the bandwidth's and the latency's, and the contention's where the engine copies on a thread of
+    # its own (where it copies on the caller's, a thread copies beside the kernels, into a buffer of
+    # its own)
+    assert len(into) >= (4 if engine.inline_nbytes >= 4 << 20 else 6) and None not in into
     assert len(set(into)) == 1
 
 

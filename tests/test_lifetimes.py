@@ -137,7 +137,8 @@ def test_a_trace_is_placed_in_python_where_its_overlaps_are_sparse():
     together = [alloc(i, 1, (0, 9)) for i in range(n)]          # each overlaps every other
     assert lifetimes.small_overlaps(together) is None
     assert lifetimes.small_overlaps(together[:lifetimes.SPARSE_PAIRS + 1]) is not None
-    assert plan_offsets(together, overlaps=None).offsets == plan_offsets(together).offsets
+    assert plan_offsets(together).offsets == plan_offsets(together, overlaps=None).offsets \
+        == plan_offsets(together, overlaps=lifetimes.overlaps_of(together)).offsets     # vectorised, then in Python
 
 
 @pytest.mark.parametrize("small", [True, False], ids=["in Python", "vectorised"])

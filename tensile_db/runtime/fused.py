@@ -46,7 +46,9 @@ not stay in cache between the passes.
 
 Approach: one loop of the same float32 operations in the same order (so a NaN or an infinite
 ``dy`` where ``y <= 0`` still gives NaN, and a negative one -0, as NumPy's passes do), split over
-the OpenMP team as the optimiser steps are (:data:`PARALLEL_MIN_NELEMS`).
+the OpenMP team as the optimiser steps are (:data:`PARALLEL_MIN_NELEMS`). Without the team
+(oneDNN off), a backward of :data:`.workers.SPLIT_NELEMS` elements or more keeps its NumPy passes,
+which split over the kernel workers.
 
 Note [Copies on the team]
 -------------------------
@@ -152,8 +154,10 @@ def _threads(nelems: int) -> int:
     whose OpenMP team the step then shares; else 1, the calling thread alone."""
     if nelems < PARALLEL_MIN_NELEMS or _state["forked"] or not onednn.enabled():
         return 1
-    workers.note_team()
-    return workers.count()
+    n = workers.count()
+    if n > 1:
+        workers.note_team()                 # the caller runs a region on the team now
+    return n
 
 
 def _pointers(weight_decay: float, *arrays) -> list[int] | None:
@@ -208,17 +212,20 @@ def relu_backward(y, dy, dx) -> bool:
     pointers = _pointers(0.0, y, dy, dx)
     if pointers is None:
         return False
-    _state["library"].tensile_relu_backward_f32(*pointers, y.size, _threads(y.size))
+    threads = _threads(y.size)
+    if threads == 1 and y.size >= workers.SPLIT_NELEMS and workers.count() > 1:
+        return False                    # no team (oneDNN off): the NumPy passes split over the workers
+    _state["library"].tensile_relu_backward_f32(*pointers, y.size, threads)
     return True
 
 
 def copy(dst, src) -> bool:
     """``dst[...] = src`` over the OpenMP team (Note [Copies on the team]) where it is there and
     the copy has at least :data:`COPY_PARALLEL_MIN_NBYTES` bytes: NumPy arrays of one shape and
-    dtype, C-contiguous, ``dst`` writeable, not overlapping; returns whether it copied (False:
-    nothing written)."""
+    dtype (not of objects), C-contiguous, ``dst`` writeable, not overlapping; returns whether it
+    copied (False: nothing written)."""
     if (type(dst) is not np.ndarray or type(src) is not np.ndarray or dst.nbytes < COPY_PARALLEL_MIN_NBYTES
-            or dst.dtype != src.dtype or dst.shape != src.shape):
+            or dst.dtype != src.dtype or dst.dtype.hasobject or dst.shape != src.shape):
         return False
     if not workers.on_team():              # never a team of this thread's own (Note [One OpenMP team])
         return False

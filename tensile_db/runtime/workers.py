@@ -81,10 +81,14 @@ team beside the executor's: the MLP of ``bench/throughput.py`` with unlimited me
 Approach: the thread that runs a region on the kernels' team says so (:func:`note_team`: a
 oneDNN primitive, a fused step on several threads), and work that may join the team but has no
 need to start one (a copy) splits over it only on that thread (:func:`on_team`); elsewhere it
-runs on one thread.
+runs on one thread. The cost model's start-up probe times its copies on a thread of its own that
+runs as the team's meanwhile and then ends, taking its team with it
+(:func:`~tensile_db.scheduler.cost.measure_bandwidth`).
 
 Limitations: kernels themselves run wherever they are called (an inference on a connection's
-thread starts a team of its own there, as before).
+thread starts a team of its own there, as before). A thread's identity is its ident, which a
+thread started after another has ended may get again: it is then taken for the team's thread
+until another runs a region (its copies then start a team of its own).
 """
 
 from __future__ import annotations

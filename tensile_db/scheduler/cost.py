@@ -86,6 +86,7 @@ cost is only predicted.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -94,6 +95,7 @@ import numpy as np
 from ..errors import DiskError, DiskFull, InvalidArgument
 from ..memory.manager import MemoryManager
 from ..memory.spill import ALIGN_NBYTES
+from ..runtime import workers
 from ..runtime.program import Kind, Slot
 
 log = logging.getLogger(__name__)
@@ -207,6 +209,34 @@ class CostModel:
 
 
 def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) -> CostModel:
+    """Measure host<->device bandwidth through ``engine`` (:func:`_measure_bandwidth`). Where the
+    arena is host memory (``cpu``) the executor's thread, which runs the kernels' OpenMP team,
+    splits its copies over that team (Note [Copies on the team] in
+    :mod:`tensile_db.runtime.fused`): the copies are timed on a thread of their own that runs as
+    the team's meanwhile and then ends, taking the team it started with it (Note [One OpenMP
+    team] in :mod:`tensile_db.runtime.workers`). Timed on the caller's thread, which runs no
+    team, they were one thread's: about 6.3 GB/s here against 12.5 on the team, and the plans
+    priced every copy at twice its time."""
+    if not device.arena_in_host_memory:
+        return _measure_bandwidth(device, engine, nbytes, repeats)
+    out: dict = {}
+
+    def measure() -> None:
+        workers.note_team()
+        try:
+            out["cost"] = _measure_bandwidth(device, engine, nbytes, repeats)
+        except BaseException as exc:        # raised again on the caller's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=measure, name="tensile-probe")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["cost"]
+
+
+def _measure_bandwidth(device, engine, nbytes: int, repeats: int) -> CostModel:
     """Measure host<->device bandwidth through ``engine`` (a
     :meth:`~tensile_db.runtime.device.Device.copy_engine`): the best of ``repeats`` copies of
     ``nbytes`` bytes each way, and the latency (best of a 512-byte copy each way); the bandwidth
@@ -313,14 +343,29 @@ def _contention(device, engine, dev, repeats: int, to_host) -> float:
     size = dev.nbytes // 8
     scratch = device.arena_buffer(2 * size)
 
+    inline = dev.nbytes <= engine.inline_nbytes
+    landing = device.host_empty(dev.shape, dev.dtype) if inline else None
+
+    def beside_copy():
+        if not inline:
+            return to_host(dev)
+        # an engine that would make this copy on the caller's thread (``cpu`` where the kernels
+        # take every core): a thread copies beside the kernels instead, as a copy thread does
+        # (the disk tier's), for those copies the cost model prices with contention
+        thread = threading.Thread(target=np.copyto, args=(landing, dev), name="tensile-probe-copy")
+        thread.start()
+        return thread
+
     def kernel_s(beside: bool, loops: int) -> float:
-        copy = to_host(dev) if beside else None
+        copy = beside_copy() if beside else None
         start = device.now()
         for _ in range(loops):
             device.copy_within(scratch, 0, size, size)
         device.synchronize()
         seconds = device.now() - start
-        if copy is not None:
+        if isinstance(copy, threading.Thread):
+            copy.join()
+        elif copy is not None:
             copy.wait()
         return seconds
 

@@ -528,9 +528,10 @@ class Scheduler:
         if request.traces:
             try:
                 ops = sum(len(t.sequence.program.ops) * t.repeats for t in request.traces)
-                # where the jobs' peaks, summed, fit the target, the global planner takes no action
-                # and returns at once: made here, the plan costs less than the planning process's
-                # round trip (the traces pickled, a core taken there; Note [Planning off the GIL])
+                # where the jobs' peaks, summed, fit the target, the global planner takes no action:
+                # made here, the plan costs a timeline and one simulation of it on this thread, less
+                # than the planning process's round trip (the traces pickled, a core taken there;
+                # Note [Planning off the GIL])
                 idle = self.policy == "tensile" and request.target >= sum(
                     t.sequence.program.vanilla_peak_nbytes() for t in request.traces)
                 if not self.deterministic and ops > PROCESS_MIN_OPS and not idle:

@@ -38,9 +38,11 @@ about 15 ms, or 50 to 90 ms when the collection of cyclic garbage runs over a la
 
 Who uses it (Note [Planning off the GIL]): on ``cpu`` and ``cuda`` the scheduler sends the plans
 of timelines of more than :data:`PROCESS_MIN_OPS` ops per period (every one, but a plan of the
-global planner that can take no action: the jobs' peaks, summed, fit its target; it returns at
-once, and the MLP of ``bench/throughput.py`` with unlimited memory lost its planning process's
-round trip, about 1.6% of its time per iteration over 64), and the planned pool its offset plans of more than :data:`~tensile_db.memory.planned.OFFLOAD_MIN_ALLOCATIONS`
+global planner that can take no action, the jobs' peaks summed fitting its target: made on the
+planning thread, it builds the timeline and simulates it once; the MLP of ``bench/throughput.py``
+with unlimited memory lost the round trip, about 1.6% of its time per iteration over 64, and a
+timeline of thousands of ops would hold the GIL for tens of milliseconds), and the planned pool
+its offset plans of more than :data:`~tensile_db.memory.planned.OFFLOAD_MIN_ALLOCATIONS`
 allocations (every one), to one process-wide child (:func:`shared`), which the scheduler starts
 when it is made, so that the first plan need not wait for it.
 
