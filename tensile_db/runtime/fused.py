@@ -4,10 +4,10 @@ own compiled library (``_fused.c``, loaded by ``ctypes``).
 
 :func:`adam`, :func:`sgd` and :func:`relu_backward` do the work of :func:`.kernels.adam_update`,
 :func:`.kernels.sgd_update` and :func:`.kernels.relu_backward`, and :func:`copy` that of
-``np.copyto`` (Note [Copies on the team]), and return True when they can;
-else False, and the caller makes its NumPy passes as before (CuPy arrays, float64, arrays that are not C-contiguous, aligned or
-writeable, arrays that overlap, a weight decay that rounds to 0 in float32, an installation built
-without a C compiler, ``TENSILE_FUSED=0`` in the environment).
+``np.copyto`` (Note [Copies on the team]), and return True when they can; else False, and the
+caller makes its NumPy passes as before (CuPy arrays, float64, arrays that are not C-contiguous,
+aligned or writeable, arrays that overlap, a weight decay that rounds to 0 in float32, an
+installation built without a C compiler, ``TENSILE_FUSED=0`` in the environment).
 
 Note [Fused optimiser steps]
 ----------------------------

@@ -335,7 +335,9 @@ def _contention(device, engine, dev, repeats: int, to_host) -> float:
     """Note [Contention]: how much slower device-to-device copies of an eighth of ``dev``'s bytes
     (kernels on the compute stream, run in a loop at least :data:`CONTENTION_KERNEL_S` long, so
     that launches and the clock's resolution do not decide) run while a swap-out of all of
-    ``dev`` (``to_host(dev)``, as :func:`measure_bandwidth` makes it) is in flight than alone:
+    ``dev`` (``to_host(dev)``, as :func:`measure_bandwidth` makes it; where the engine would make
+    it on the caller's thread, done before the kernels start, a thread's copy of it) is in
+    flight than alone:
     the median over ``2 * repeats`` pairs, each timed alone then beside one, of the ratio less 1
     (interleaved, so that the machine's other work falls on both alike); 0 where noise makes it
     look faster, at most :data:`MAX_CONTENTION`. A loop that outlasts the swap-out runs partly
