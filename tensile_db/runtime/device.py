@@ -152,8 +152,7 @@ class CpuCopyEngine(CopyEngine):
     def _copy(self, dst, src, host=None) -> Transfer:
         if src.nbytes > self.inline_nbytes:
             return self._run(np.copyto, dst, src, host=host)
-        if not fused.copy(dst, src):                # on the kernels' team (Note [Copies on the team])
-            np.copyto(dst, src)
+        copy_here(dst, src)
         return Transfer(lambda: True, lambda: None, host)
 
     def to_host(self, array, host: np.ndarray | None = None) -> Transfer:
@@ -179,6 +178,13 @@ class CpuCopyEngine(CopyEngine):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def copy_here(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` on the calling thread, split over the kernels' OpenMP team where it may
+    be (:func:`.fused.copy`, Note [Copies on the team]), else by NumPy."""
+    if not fused.copy(dst, src):
+        np.copyto(dst, src)
 
 
 def cpu_inline_nbytes() -> int:
@@ -348,12 +354,10 @@ class CpuDevice(Device):
         return out
 
     def to_host_into(self, array, out: np.ndarray) -> None:
-        if not fused.copy(out, array):              # on the kernels' team (Note [Copies on the team])
-            np.copyto(out, array)
+        copy_here(out, array)
 
     def to_device(self, host: np.ndarray, array) -> None:
-        if not fused.copy(array, host):
-            np.copyto(array, host)
+        copy_here(array, host)
 
     def move_down(self, buffer, src: int, dst: int, nbytes: int) -> None:
         """NumPy copies overlapping slices correctly."""

@@ -148,16 +148,25 @@ def _forked() -> None:
 os.register_at_fork(after_in_child=_forked)
 
 
+def _team() -> int:
+    """Threads of the kernels' OpenMP team: :func:`.workers.count` where the process's matrix
+    products run on oneDNN (whose team a step then shares), else 1."""
+    return 1 if _state["forked"] or not onednn.enabled() else workers.count()
+
+
 def _threads(nelems: int) -> int:
     """OpenMP threads a step of ``nelems`` elements runs on (Note [Fused optimiser steps]): the
-    kernels' workers where the step is large and the process's matrix products run on oneDNN,
-    whose OpenMP team the step then shares; else 1, the calling thread alone."""
-    if nelems < PARALLEL_MIN_NELEMS or _state["forked"] or not onednn.enabled():
-        return 1
-    n = workers.count()
+    kernels' team (:func:`_team`) where the step is large; else 1, the calling thread alone."""
+    n = _team() if nelems >= PARALLEL_MIN_NELEMS else 1
     if n > 1:
         workers.note_team()                 # the caller runs a region on the team now
     return n
+
+
+def _disjoint(pointers: list[int], nbytes: int) -> bool:
+    """Whether no two of the blocks of ``nbytes`` bytes at ``pointers`` overlap."""
+    ordered = sorted(pointers)
+    return all(later - earlier >= nbytes for earlier, later in zip(ordered, ordered[1:]))
 
 
 def _pointers(weight_decay: float, *arrays) -> list[int] | None:
@@ -175,10 +184,7 @@ def _pointers(weight_decay: float, *arrays) -> list[int] | None:
     if (weight_decay and np.float32(weight_decay) == 0) or not enabled():
         return None
     pointers = [a.ctypes.data for a in arrays]
-    ordered, nbytes = sorted(pointers), arrays[0].nbytes
-    if any(later - earlier < nbytes for earlier, later in zip(ordered, ordered[1:])):
-        return None                                     # two of them overlap
-    return pointers
+    return pointers if _disjoint(pointers, arrays[0].nbytes) else None
 
 
 def adam(w, g, m, v, lr: float, beta1: float, beta2: float, eps: float, step: int, weight_decay: float) -> bool:
@@ -229,12 +235,12 @@ def copy(dst, src) -> bool:
         return False
     if not workers.on_team():              # never a team of this thread's own (Note [One OpenMP team])
         return False
-    threads = _threads(PARALLEL_MIN_NELEMS)
+    threads = _team()
     if threads <= 1 or not enabled() or not (dst.flags.c_contiguous and src.flags.c_contiguous
                                               and dst.flags.writeable):
         return False
-    to, start = dst.ctypes.data, src.ctypes.data
-    if to < start + src.nbytes and start < to + dst.nbytes:
-        return False                                    # they overlap
-    _state["library"].tensile_copy(to, start, dst.nbytes, threads)
+    pointers = [dst.ctypes.data, src.ctypes.data]
+    if not _disjoint(pointers, dst.nbytes):
+        return False
+    _state["library"].tensile_copy(*pointers, dst.nbytes, threads)
     return True

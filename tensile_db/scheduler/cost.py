@@ -85,6 +85,7 @@ cost is only predicted.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -96,6 +97,7 @@ from ..errors import DiskError, DiskFull, InvalidArgument
 from ..memory.manager import MemoryManager
 from ..memory.spill import ALIGN_NBYTES
 from ..runtime import workers
+from ..runtime.device import Transfer
 from ..runtime.program import Kind, Slot
 
 log = logging.getLogger(__name__)
@@ -219,21 +221,13 @@ def measure_bandwidth(device, engine, nbytes: int = 16 << 20, repeats: int = 3) 
     priced every copy at twice its time."""
     if not device.arena_in_host_memory:
         return _measure_bandwidth(device, engine, nbytes, repeats)
-    out: dict = {}
 
-    def measure() -> None:
+    def on_the_team() -> CostModel:
         workers.note_team()
-        try:
-            out["cost"] = _measure_bandwidth(device, engine, nbytes, repeats)
-        except BaseException as exc:        # raised again on the caller's thread
-            out["error"] = exc
+        return _measure_bandwidth(device, engine, nbytes, repeats)
 
-    thread = threading.Thread(target=measure, name="tensile-probe")
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["cost"]
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-probe") as probe:
+        return probe.submit(on_the_team).result()       # its thread ends with the pool
 
 
 def _measure_bandwidth(device, engine, nbytes: int, repeats: int) -> CostModel:
@@ -348,7 +342,7 @@ def _contention(device, engine, dev, repeats: int, to_host) -> float:
     inline = dev.nbytes <= engine.inline_nbytes
     landing = device.host_empty(dev.shape, dev.dtype) if inline else None
 
-    def beside_copy():
+    def beside_copy() -> Transfer:
         if not inline:
             return to_host(dev)
         # an engine that would make this copy on the caller's thread (``cpu`` where the kernels
@@ -356,7 +350,7 @@ def _contention(device, engine, dev, repeats: int, to_host) -> float:
         # (the disk tier's), for those copies the cost model prices with contention
         thread = threading.Thread(target=np.copyto, args=(landing, dev), name="tensile-probe-copy")
         thread.start()
-        return thread
+        return Transfer(lambda: not thread.is_alive(), thread.join)
 
     def kernel_s(beside: bool, loops: int) -> float:
         copy = beside_copy() if beside else None
@@ -365,9 +359,7 @@ def _contention(device, engine, dev, repeats: int, to_host) -> float:
             device.copy_within(scratch, 0, size, size)
         device.synchronize()
         seconds = device.now() - start
-        if isinstance(copy, threading.Thread):
-            copy.join()
-        elif copy is not None:
+        if copy is not None:
             copy.wait()
         return seconds
 
