@@ -21,7 +21,7 @@ from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.simulated import SimDevice
 from tensile_db.scheduler import cost as cost_module
 from tensile_db.scheduler.cost import CostModel, measure_bandwidth, measure_issue
-from tensile_db.scheduler.timeline import Decision, simulate
+from tensile_db.scheduler.timeline import Decision, Simulator, simulate
 from tensile_db.scheduler.worker import make_plan
 from timeline_helpers import PLAIN, N, timeline
 
@@ -48,6 +48,49 @@ def test_an_inline_copy_runs_on_the_compute_stream_at_its_own_speed(contention):
     # one byte more than inline: on the channel, hidden again, but for the contention's loss
     wider = simulate(tl, [replace(HIDDEN, nbytes=N + 1)], cost).extra_s
     assert wider == pytest.approx(contention * PLAIN.swap_out_s(N + 1), rel=1e-9, abs=1e-12)
+
+
+def _replayed_extra_s(sim: Simulator, also: Decision | None = None) -> float:
+    """:meth:`Simulator.extra_s` by the replay of the events, whatever the decisions."""
+    _, period_s, _, _, _ = sim._replay(*sim._with(also), len(sim.decisions) + 1, timed=False)
+    return period_s - sim._compute_s
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_trial_of_inline_decisions_adds_their_seconds_as_the_replay_times_them(recompute):
+    # Note [Inline plans add up]: every copy on the compute stream, one tier
+    tl = timeline()
+    cost = replace(PLAIN, issue_s=ISSUE_S, inline_nbytes=N)
+    taken = [HIDDEN, Decision(1, "u", N // 2, "swap", 6, 3, 8, 1)]
+    if recompute:
+        taken.append(Decision(1, "r", N, "recompute", 10, 14, 11, 14, recipe_s=3e-4))
+    sim = Simulator(tl, cost, taken)
+    for also in (None, Decision(1, "v", N // 4, "swap", 12, 20, 13, 19),
+                 Decision(1, "w", N, "recompute", 4, 9, 5, 9, recipe_s=5e-4)):
+        steps = tl.work.steps
+        added = sim.extra_s(also)
+        assert tl.work.steps == steps + 1              # added up, not replayed
+        assert added == pytest.approx(_replayed_extra_s(sim, also), rel=1e-12, abs=1e-15)
+    expected = sum(2 * ISSUE_S + PLAIN.swap_in_s(d.nbytes) + PLAIN.swap_out_s(d.nbytes) if d.method == "swap"
+                   else d.recipe_s for d in taken)
+    assert sim.extra_s() == pytest.approx(expected, rel=1e-12)
+    assert sim.simulate().extra_s == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_trial_replays_the_events_once_a_copy_takes_a_channel():
+    tl = timeline()
+    cost = replace(PLAIN, issue_s=ISSUE_S, inline_nbytes=N)
+    sim = Simulator(tl, cost, [HIDDEN])
+    wide = Decision(1, "x", 2 * N, "swap", 3, 12, 5, 10)      # above inline: its copies on the channel
+    assert sim.extra_s(wide) == pytest.approx(_replayed_extra_s(sim, wide), rel=1e-12)
+    sim.add(wide)
+    steps = tl.work.steps
+    assert sim.extra_s() == pytest.approx(_replayed_extra_s(sim), rel=1e-12)
+    assert tl.work.steps > steps + 1              # replayed, not added up
+    tiered = Simulator(tl, replace(cost, host_budget_nbytes=N, **TIERS), [HIDDEN])
+    steps = tl.work.steps
+    assert tiered.extra_s() == pytest.approx(_replayed_extra_s(tiered), rel=1e-12)
+    assert tl.work.steps > steps + 1
 
 
 TIERS = dict(disk_read_bytes_per_s=1e9, disk_write_bytes_per_s=1e9)
