@@ -588,10 +588,10 @@ def test_where_the_kernels_take_every_core_every_cpu_copy_runs_here(monkeypatch)
     the call returns (Note [Copies beside kernels on every core])."""
     import sys
 
-    from tensile_db.runtime import device, workers
+    from tensile_db.runtime import workers
 
     monkeypatch.setattr(workers, "count", lambda: 2)
-    monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(workers.os, "sched_getaffinity", lambda pid: {0, 1})
     engine = CpuDevice().copy_engine()
     try:
         assert engine.inline_nbytes == sys.maxsize
@@ -609,13 +609,13 @@ def test_cpu_copies_of_a_mebibyte_run_here_and_larger_ones_on_the_copy_thread(mo
     caller's thread; a larger one runs on the copy thread. Both copy exactly, both ways."""
     import threading
 
-    from tensile_db.runtime import device, workers
+    from tensile_db.runtime import workers
     from tensile_db.runtime.device import CpuCopyEngine
 
     threads, copyto = [], np.copyto
     monkeypatch.setattr(np, "copyto", lambda dst, src: (threads.append(threading.get_ident()), copyto(dst, src))[1])
     monkeypatch.setattr(workers, "count", lambda: 1)
-    monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(workers.os, "sched_getaffinity", lambda pid: {0, 1})
     engine = CpuDevice().copy_engine()
     limit = CpuCopyEngine.SPARE_CORE_INLINE_NBYTES
     assert engine.inline_nbytes == limit

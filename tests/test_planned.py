@@ -408,6 +408,38 @@ def test_a_replan_to_the_same_actions_keeps_the_pool_serving():
     ex.stop()
 
 
+@pytest.mark.parametrize("every_core", [True, False])
+def test_where_the_kernels_take_every_core_each_plan_is_waited_for(monkeypatch, every_core):
+    """Note [Plans beside kernels on every core]: where the kernels' workers take every core the
+    executor waits for each plan it asks for (no round runs while one is being made), and the
+    boundary that ends the pool's recorded period waits for its offsets and installs them (the
+    pool is never left planning); elsewhere both are made beside the jobs."""
+    from tensile_db.runtime import workers
+
+    monkeypatch.setattr(workers, "every_core", lambda: every_core)
+    job = make_job(options=OPTIONS)
+    mm = MemoryManager(CpuDevice(), budget_of([job], 0.5))
+    ex = Executor(mm, policy="tensile", cost=FAST)
+    assert ex.scheduler.waits_for_plans is every_core and mm.pool.waits_for_plans is every_core
+    if not every_core:
+        ex.stop()
+        return
+    ex.submit(job)
+    states = set()
+    with mm.device.using():
+        while job.state in (JobState.QUEUED, JobState.RUNNING) and mm.pool.plans_installed == 0:
+            ex.step()
+            assert ex.scheduler._pending is None, "a round ran while a plan was being made"
+            states.add(mm.pool.state)
+        assert ex.scheduler.plans_made >= 1 and mm.pool.plans_installed == 1
+        assert State.PLANNING not in states and State.SERVING in states
+        for _ in range(2 * len(job.program.ops)):      # and it serves the periods that follow
+            ex.step()
+            mm.check()
+    assert mm.pool.state is State.SERVING and mm.pool.mismatches == 0 and mm.pool.periods_served >= 1
+    ex.stop()
+
+
 def test_a_first_plan_of_no_actions_leaves_the_pool_recording(monkeypatch):
     """Under a budget far above the peak the first plan of a measured job takes no actions: to
     the planned pool it is the same as none, so the period it is recording or planning from

@@ -198,6 +198,9 @@ class PlannedPool:
         #: ``offload(fn, *args) -> Future`` running ``fn`` in another process, for plans of more
         #: than :data:`OFFLOAD_MIN_ALLOCATIONS` (None: the planning thread makes every plan)
         self.offload: Callable | None = None
+        #: whether the boundary that asks for a plan waits for it and installs it at once (Note
+        #: [Plans beside kernels on every core] in :mod:`tensile_db.scheduler.engine`)
+        self.waits_for_plans = False
 
     @property
     def packing_ratio(self) -> float | None:
@@ -300,12 +303,14 @@ class PlannedPool:
         live, unkeyed_nbytes = snapshot()
         if self.state is State.RECORDING:
             why = self._finish_recording(live)
-            if why is None:
+            if why is None and not self.waits_for_plans:
                 return
-            self._fail(why)
+            if why is not None:
+                self._fail(why)
         if self.state is State.PLANNING:
             self._planning_periods += 1
-            if not self._planning.done() and self._planning_periods < PLAN_WAIT_PERIODS:
+            if (not self.waits_for_plans and not self._planning.done()
+                    and self._planning_periods < PLAN_WAIT_PERIODS):
                 return
             why = self._install_planned(live)
             if why is None:

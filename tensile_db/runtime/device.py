@@ -19,7 +19,6 @@ import concurrent.futures
 import contextlib
 import math
 import mmap
-import os
 import sys
 import threading
 import time
@@ -192,7 +191,7 @@ def cpu_inline_nbytes() -> int:
     kernels on every core]), bytes: every one (:data:`sys.maxsize`) where the kernels' workers
     take every core this process may run on, else
     :data:`CpuCopyEngine.SPARE_CORE_INLINE_NBYTES`."""
-    if workers.count() >= len(os.sched_getaffinity(0)):
+    if workers.every_core():
         return sys.maxsize
     return CpuCopyEngine.SPARE_CORE_INLINE_NBYTES
 
@@ -218,6 +217,13 @@ class Device:
     #: Whether the arena is host memory (``cpu``): a move staged through host memory costs what a
     #: direct one does, and the bandwidth probe's buffers need no room in the arena.
     arena_in_host_memory = False
+
+    @property
+    def kernels_on_every_core(self) -> bool:
+        """Whether its kernels run on every core this process may use (``cpu`` where the kernels'
+        workers take them all, :func:`.workers.every_core`): then no other work of the process's
+        runs beside a kernel without taking a core from it."""
+        return False
 
     def describe(self) -> str:
         """The device in words, as benchmark output names it."""
@@ -332,6 +338,10 @@ class CpuDevice(Device):
 
     def __init__(self):
         self._compute = threading.Lock()
+
+    @property
+    def kernels_on_every_core(self) -> bool:
+        return workers.every_core()
 
     def copy_engine(self) -> CopyEngine:
         return CpuCopyEngine()

@@ -177,6 +177,14 @@ def count() -> int:
         return _state["count"]
 
 
+def every_core() -> bool:
+    """Whether the kernels' workers (:func:`count`) take every core this process may run on: then
+    whatever else the process runs beside a kernel takes a core from it (Note [Copies beside
+    kernels on every core] in :mod:`.device`, Note [Plans beside kernels on every core] in
+    :mod:`tensile_db.scheduler.engine`)."""
+    return count() >= len(os.sched_getaffinity(0))
+
+
 def _pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
     """The process's pool of at least ``n`` kernel threads (``count() - 1`` when first made; a
     larger one replaces it, the old one's threads ending when idle, the BLAS limit's count kept)."""

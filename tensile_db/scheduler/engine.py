@@ -87,6 +87,37 @@ beside the device (TENSILE, arXiv 2105.13336, section 5, measures its planning t
 ``cpu`` and ``cuda`` a large timeline is planned in the planning process (Note [Planning off the
 GIL] in :mod:`~.worker`).
 
+Note [Plans beside kernels on every core]
+-----------------------------------------
+Rationale: a plan made beside the jobs costs them nothing only where a core is free for the
+planner. On ``cpu``, where the kernels' workers take every core (:func:`~tensile_db.runtime.workers.every_core`),
+the planning process shares a core with a thread of the kernels' OpenMP team, and each parallel
+region waits for that thread's turn on it. On this project's 2-core machine the MLP of
+``bench/throughput.py`` at half its peak took 41 to 49 ms to plan there, against 5 to 18 ms
+alone, and its iterations meanwhile 12 to 38 ms against 5.5; a synchronous copy that splits over
+the team took about 1 ms instead of 0.06. The planned pool's offsets, planned there too, stalled
+the iteration they fell in the same way.
+
+Approach: where the device's kernels take every core (:attr:`~tensile_db.runtime.device.Device.kernels_on_every_core`),
+the executor waits for each plan it asks for (:meth:`Scheduler.replan` as with ``wait``), and the
+period boundary that ends the planned pool's recorded period waits for its offsets and installs
+them there, instead of at a later boundary (:attr:`~tensile_db.memory.planned.PlannedPool.waits_for_plans`).
+The jobs then lose the plan's own time, on a core of its own. Elsewhere (``cuda``, whose kernels
+run on the device; ``cpu`` with a core to spare) plans are made beside the jobs as before; the
+simulated device plans synchronously anyway. ``bench/throughput.py`` (three alternated runs of
+five repeats each): the pool served from the 4th iteration at half the peak (the 6th before, for
+the CNN the 5th) and from the 2nd with unlimited memory (the 3rd or 4th); the CNN at half its peak
+1.26, 1.23, 1.19 -> 1.17, 1.19, 1.23 times its unlimited time per iteration, the MLP 1.51, 1.42,
+1.47 -> 1.45, 1.40, 1.45 (not decided). Over ten alternated runs of the small CNN at half its
+peak (24 iterations each, in one process), the first eight iterations' time above the steady
+state went from 84 ms (65 to 159) to 70 ms (50 to 83), and the time per iteration from 1.18
+(1.13 to 1.29) to 1.14 (1.07 to 1.17) times the unlimited run's.
+
+Limitations: every job waits for a plan of all of them, the longest ones' too (a timeline of
+thousands of ops plans for a second or more), and a job's cancel is seen once the plan is made;
+beside the kernels the same plan would have slowed every job for longer. A plan that drifts and
+re-plans often costs its planning time each time.
+
 Note [Headroom for the pool]
 ----------------------------
 A plan aims below the budget by ``headroom`` (3%), for the arena's fragmentation. With four jobs
@@ -262,6 +293,9 @@ class Scheduler:
         if not self.deterministic:              # offset plans go to the planning process too
             manager.pool.offload = shared().call
             shared().start()                    # now, so that the first plan need not wait for it
+        #: whether the executor waits for each plan it asks for (Note [Plans beside kernels on every core])
+        self.waits_for_plans = not self.deterministic and manager.device.kernels_on_every_core
+        manager.pool.waits_for_plans = self.waits_for_plans
         self._pending: concurrent.futures.Future | None = None
         self._request: _Request | None = None
         # superseded requests that were being made: installed when done (Note [Paid planning])
@@ -407,7 +441,9 @@ class Scheduler:
         of their access sequences; :meth:`poll` installs it when it is ready (with ``wait``, at
         once). ``phases``: job id -> the round (mod ``period``, the executor's rounds per period)
         its current period started in; ``repeats``: job id -> iterations per period (1 for a job
-        not in it). Jobs run meanwhile under the previous plan, so planning never stalls them."""
+        not in it). Jobs run meanwhile under the previous plan, so planning never stalls them,
+        except where the device's kernels take every core (:attr:`waits_for_plans`: Note [Plans
+        beside kernels on every core])."""
         reasons, self.replan_reasons = tuple(self.replan_reasons), []
         measured = [j for j in self.jobs.values() if self.sequences[j.id].measured]
         estimate = self.policy == "tensile"              # Note [Estimated cold starts]
@@ -438,7 +474,7 @@ class Scheduler:
         if self.deterministic:
             self._pending.result()
             self._schedule_on_worker(request)
-        if wait:
+        if wait or self.waits_for_plans:
             request.ready_s = None
             self._pending.result()
             self.poll()
