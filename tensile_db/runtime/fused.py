@@ -64,7 +64,11 @@ the kernels run on it (as the large optimiser steps do), from the thread that ru
 (Note [One OpenMP team] in :mod:`.workers`), in parts of whole cache lines: 4 MiB in
 332 us, 1 MiB in 85, 256 KiB in 25 against 42, 128 KiB in 15 against 23 (medians, sources
 rotated over 256 MiB so that none is in cache; two threads); in cache, 128 KiB took 5.1 against
-4.5 us, and smaller copies stay on one thread.
+4.5 us. The swaps themselves decide the threshold: under the executor, the MLP of
+``bench/throughput.py`` at half its peak copied each 128 KiB tensor in 22 to 24 us on the team
+and 11 to 12 us on one thread, each 512 KiB one in 34 us against 44, each 1 MiB one in 58 to 64
+against 88 to 94 (mean per copy over 300 iterations, two runs each): the team pays about 7 us
+to start, and gains from about 200 KiB, so smaller copies stay on one thread.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ LIBRARY_MODULE = __package__ + "._fused"
 #: the dense products run on oneDNN's, the same team); below, one thread.
 PARALLEL_MIN_NELEMS = 1 << 16
 #: Bytes from which :func:`copy` splits a copy over them (Note [Copies on the team])
-COPY_PARALLEL_MIN_NBYTES = 1 << 17
+COPY_PARALLEL_MIN_NBYTES = 1 << 18
 
 _lock = threading.Lock()
 _state: dict = {"library": None, "tried": False, "forked": False}
