@@ -50,9 +50,9 @@ def test_an_inline_copy_runs_on_the_compute_stream_at_its_own_speed(contention):
     assert wider == pytest.approx(contention * PLAIN.swap_out_s(N + 1), rel=1e-9, abs=1e-12)
 
 
-def _replayed_extra_s(sim: Simulator, also: Decision | None = None) -> float:
+def _replayed_extra_s(sim: Simulator, also: Decision | None = None, instead: int | None = None) -> float:
     """:meth:`Simulator.extra_s` by the replay of the events, whatever the decisions."""
-    _, period_s, _, _, _ = sim._replay(*sim._with(also), len(sim.decisions) + 1, timed=False)
+    _, period_s, _, _, _ = sim._replay(*sim._with(also, instead), len(sim.decisions) + 1, timed=False)
     return period_s - sim._compute_s
 
 
@@ -75,6 +75,11 @@ def test_a_trial_of_inline_decisions_adds_their_seconds_as_the_replay_times_them
                    else d.recipe_s for d in taken)
     assert sim.extra_s() == pytest.approx(expected, rel=1e-12)
     assert sim.simulate().extra_s == pytest.approx(expected, rel=1e-12)
+    wider = replace(taken[1], back=0)                  # a re-timing of swap 1: swapped in an event sooner
+    assert sim.extra_s(wider, instead=1) == pytest.approx(_replayed_extra_s(sim, wider, 1), rel=1e-12)
+    sim.retime(1, wider)
+    assert sim.extra_s() == pytest.approx(_replayed_extra_s(sim), rel=1e-12)
+    assert sim.extra_s() == pytest.approx(expected, rel=1e-12)
 
 
 def test_a_trial_replays_the_events_once_a_copy_takes_a_channel():
@@ -91,6 +96,10 @@ def test_a_trial_replays_the_events_once_a_copy_takes_a_channel():
     steps = tl.work.steps
     assert tiered.extra_s() == pytest.approx(_replayed_extra_s(tiered), rel=1e-12)
     assert tl.work.steps > steps + 1
+    channels = Simulator(tl, replace(cost, inline_nbytes=0), [Decision(1, "r", N, "recompute", 10, 14, 11, 14, recipe_s=3e-4)])
+    steps = tl.work.steps
+    assert channels.extra_s() == pytest.approx(3e-4, rel=1e-9)
+    assert tl.work.steps > steps + 1              # no copy on the compute stream: always replayed
 
 
 TIERS = dict(disk_read_bytes_per_s=1e9, disk_write_bytes_per_s=1e9)

@@ -67,8 +67,10 @@ rotated over 256 MiB so that none is in cache; two threads); in cache, 128 KiB t
 4.5 us. The swaps themselves decide the threshold: under the executor, the MLP of
 ``bench/throughput.py`` at half its peak copied each 128 KiB tensor in 22 to 24 us on the team
 and 11 to 12 us on one thread, each 512 KiB one in 34 us against 44, each 1 MiB one in 58 to 64
-against 88 to 94 (mean per copy over 300 iterations, two runs each): the team pays about 7 us
-to start, and gains from about 200 KiB, so smaller copies stay on one thread.
+against 88 to 94 (mean per copy over 300 iterations, two runs each): the team gains somewhere
+between 128 and 512 KiB (about 200 to 330 KiB, as these figures are read), so copies from
+256 KiB split and smaller ones stay on one thread. No swap of that MLP or of the small CNN falls
+between 128 KiB and 512 KiB, so the exact threshold was not measured.
 """
 
 from __future__ import annotations

@@ -115,8 +115,11 @@ state went from 84 ms (65 to 159) to 70 ms (50 to 83), and the time per iteratio
 
 Limitations: every job waits for a plan of all of them, the longest ones' too (a timeline of
 thousands of ops plans for a second or more), and a job's cancel is seen once the plan is made;
-beside the kernels the same plan would have slowed every job for longer. A plan that drifts and
-re-plans often costs its planning time each time.
+beside the kernels the same plan would have slowed every job for longer. A plan stopped at its
+time limit (:data:`~.planners.MAX_PLAN_SECONDS`) asks for its continuation, which the jobs wait
+for again, and a plan that drifts and re-plans often costs its planning time each time. While
+the executor waits, the round trip to the planning process buys nothing (its thread could plan
+as the simulated device's does); it is kept so that one path makes every real device's plans.
 
 Note [Headroom for the pool]
 ----------------------------

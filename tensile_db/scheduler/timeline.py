@@ -345,15 +345,18 @@ class Simulator:
     CPU the jobs need (Note [Plans beside kernels on every core] in
     :mod:`tensile_db.scheduler.engine`).
 
-    Approach: while every decision added costs the compute stream alone and there is one tier
-    (no host budget), the simulator keeps their seconds summed, and :meth:`extra_s` answers a
+    Approach: where the cost model makes copies on the compute stream (``inline_nbytes``), while
+    every decision added costs the compute stream alone and there is one tier (no host budget),
+    the simulator keeps their seconds summed, and :meth:`extra_s` answers a
     trial of such a candidate with that sum and the candidate's own seconds (a re-timed swap:
     the sum) without a replay. The first decision that takes a copy channel, or a host budget,
     sends every trial back to the replay. :meth:`simulate` always replays. The same plans came out,
     decision for decision, on the two workloads at 50% and 70% of their peaks, in 23 and 9.5 ms.
 
     Limitations: the sum and the replay's clock add the same seconds in different orders, so
-    they may differ in the last bits (a tie between two candidates may break the other way).
+    they may differ in the last bits (a tie between two candidates may break the other way). A
+    device that makes no copy on the compute stream (``cuda``, the simulated one, whose modelled
+    planning time counts the steps) always replays, even for a plan of recomputes alone.
     """
 
     def __init__(self, timeline: Timeline, cost: CostModel, decisions: Sequence[Decision] = ()):
@@ -374,7 +377,7 @@ class Simulator:
         self._transfer_nbytes = 0
         # Note [Inline plans add up]: whether every decision so far costs the compute stream alone,
         # and their seconds summed
-        self._additive = cost.host_budget_nbytes is None
+        self._additive = cost.host_budget_nbytes is None and cost.inline_nbytes > 0
         self._added_s = 0.0
         self._durations = timeline.durations_s.tolist()
         self._prefix_s = [0.0, *itertools.accumulate(self._durations)]   # the ops' seconds before each event

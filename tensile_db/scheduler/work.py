@@ -17,7 +17,8 @@ Units (each counted where the work is done, once):
   replay of a period by the simulator that times each op
   (:meth:`~tensile_db.scheduler.timeline.Simulator.simulate`), every usage profile computed;
 - ``steps``: events visited one by one in Python by the simulator (the events with actions; a
-  candidate's trial, :meth:`~tensile_db.scheduler.timeline.Simulator.extra_s`, visits only these);
+  candidate's trial, :meth:`~tensile_db.scheduler.timeline.Simulator.extra_s`, visits only these,
+  and counts one where it adds seconds up instead: Note [Inline plans add up] there);
 - ``rows``: absences scanned by a vectorised search of the planner's store (candidates at a peak);
 - ``items``: objects made one by one in Python: a timeline's events and tensors, the absences of
   the planner's store;
