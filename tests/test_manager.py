@@ -375,6 +375,24 @@ def test_a_landed_swap_in_s_host_buffer_serves_the_next_swap_out_of_its_size():
     mm.unpin([tb])
 
 
+def test_an_eviction_copies_into_a_spare_buffer_and_its_landing_gives_the_buffer_back():
+    """The reactive path's evictions take their host copies from the spare buffers too (Note
+    [Spare host buffers]): a landed swap-in's buffer serves the next eviction of its size, and
+    that copy's own landing keeps it as a spare again."""
+    mm = make(8)
+    a, b = pattern(2 * F32_PER_UNIT, 4), pattern(2 * F32_PER_UNIT, 5)
+    ta, tb = new(mm, 1, "a", 2, a), new(mm, 1, "b", 2, b)
+    swap_round_trip(mm, ta)
+    tier = mm.host_tier
+    (spare,) = tier.spares[ta.nbytes]
+    mm.evict(tb)
+    assert tb.residency is Residency.HOST and tb.host.base is spare and tier.spare_nbytes == 0
+    mm.acquire(1, [tb], [])                                     # a passive swap-in lands it
+    assert same_bits(mm.array(tb), b) and same_bits(mm.array(ta), a)
+    mm.unpin([tb])
+    assert tier.spares[tb.nbytes] == [spare]
+
+
 def test_adopted_values_are_never_taken_as_spare_buffers():
     mm = make(4)
     value = pattern(2 * F32_PER_UNIT, 9)

@@ -71,6 +71,15 @@ class Residencies:
 
     # -- planned moves ------------------------------------------------------------------------
 
+    def _host_copy(self, t: Tensor) -> np.ndarray:
+        """A host copy of resident ``t``'s values made now, for the host tier: into a spare
+        buffer where the arena is host memory (Note [Spare host buffers] in :mod:`.tiers`)."""
+        if not self.device.arena_in_host_memory:
+            return self.device.to_host(self.array(t))
+        host = self.host_tier.host_buffer(t.shape, t.dtype)
+        self.device.to_host_into(self.array(t), host)
+        return host
+
     def swap_out(self, t: Tensor) -> None:
         """Start copying a resident, unpinned tensor to the host tier, or to the disk tier when
         the host tier has no room for it (:meth:`_host_room`); its block stays taken until
@@ -133,7 +142,7 @@ class Residencies:
                 if drop and not t.keeps:
                     self.drop(t)
                 elif self._host_room(t.nbytes):
-                    self._left(t, host=self.device.to_host(self.array(t)))
+                    self._left(t, host=self._host_copy(t))
                 else:
                     self._left(t, spill=self.host_tier.spill_now(t, self._block(t)))
 
