@@ -56,9 +56,9 @@ class HostTier:
     path's eviction there (a fresh 1 MiB copy took 355 us against 68 us into a reused buffer,
     medians of 200), takes its copy's buffer from :meth:`host_buffer`: a spare of the same size,
     kept when an earlier swap-in of a copy this tier made landed (:meth:`give_back`), else a new
-    one. The spares are bytes the
-    process holds: they are kept only within :data:`SPARE_NBYTES_MAX` and, with the bytes in use,
-    within the host budget, and dropped as the bytes in use grow into it (:meth:`note_peak`).
+    one. The spares are bytes the process holds: they are kept only within
+    :data:`SPARE_NBYTES_MAX` and, with the bytes in use, within the host budget, and dropped as
+    the bytes in use grow into it (:meth:`note_peak`).
 
     Limitations: only a buffer of the very size is reused; ``cuda`` swaps to its own page-locked
     copies as before.

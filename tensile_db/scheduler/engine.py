@@ -90,19 +90,20 @@ GIL] in :mod:`~.worker`).
 Note [Plans beside kernels on every core]
 -----------------------------------------
 Rationale: a plan made beside the jobs costs them nothing only where a core is free for the
-planner. On ``cpu``, where the kernels' workers take every core (:func:`~tensile_db.runtime.workers.every_core`),
-the planning process shares a core with a thread of the kernels' OpenMP team, and each parallel
-region waits for that thread's turn on it. On this project's 2-core machine the MLP of
+planner. On ``cpu``, where the kernels' workers take every core
+(:func:`~tensile_db.runtime.workers.every_core`), the planning process shares a core with a
+thread of the kernels' OpenMP team, and each parallel region waits for that thread's turn on it. On this project's 2-core machine the MLP of
 ``bench/throughput.py`` at half its peak took 41 to 49 ms to plan there, against 5 to 18 ms
 alone, and its iterations meanwhile 12 to 38 ms against 5.5; a synchronous copy that splits over
 the team took about 1 ms instead of 0.06. The planned pool's offsets, planned there too, stalled
 the iteration they fell in the same way.
 
-Approach: where the device's kernels take every core (:attr:`~tensile_db.runtime.device.Device.kernels_on_every_core`),
-the executor waits for each plan it asks for (:meth:`Scheduler.replan` as with ``wait``), and the
-period boundary that ends the planned pool's recorded period waits for its offsets and installs
-them there, instead of at a later boundary (:attr:`~tensile_db.memory.planned.PlannedPool.waits_for_plans`).
-The jobs then lose the plan's own time, on a core of its own. Elsewhere (``cuda``, whose kernels
+Approach: where the device's kernels take every core
+(:attr:`~tensile_db.runtime.device.Device.kernels_on_every_core`), the executor waits for each
+plan it asks for (:meth:`Scheduler.replan` as with ``wait``), and the period boundary that ends
+the planned pool's recorded period waits for its offsets and installs them there, instead of at
+a later boundary (:attr:`~tensile_db.memory.planned.PlannedPool.waits_for_plans`). The jobs then
+lose the plan's own time, on a core of its own. Elsewhere (``cuda``, whose kernels
 run on the device; ``cpu`` with a core to spare) plans are made beside the jobs as before; the
 simulated device plans synchronously anyway. ``bench/throughput.py`` (three alternated runs of
 five repeats each): the pool served from the 4th iteration at half the peak (the 6th before, for

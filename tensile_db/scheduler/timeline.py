@@ -347,11 +347,11 @@ class Simulator:
 
     Approach: where the cost model makes copies on the compute stream (``inline_nbytes``), while
     every decision added costs the compute stream alone and there is one tier (no host budget),
-    the simulator keeps their seconds summed, and :meth:`extra_s` answers a
-    trial of such a candidate with that sum and the candidate's own seconds (a re-timed swap:
-    the sum) without a replay. The first decision that takes a copy channel, or a host budget,
-    sends every trial back to the replay. :meth:`simulate` always replays. The same plans came out,
-    decision for decision, on the two workloads at 50% and 70% of their peaks, in 23 and 9.5 ms.
+    the simulator keeps their seconds summed, and :meth:`extra_s` answers a trial of such a
+    candidate with that sum and the candidate's own seconds (a re-timed swap: the sum) without a
+    replay. The first decision that takes a copy channel sends every trial back to the replay,
+    and so does a host budget; :meth:`simulate` always replays. The same plans came out, decision
+    for decision, on the two workloads at 50% and 70% of their peaks, in 23 and 9.5 ms.
 
     Limitations: the sum and the replay's clock add the same seconds in different orders, so
     they may differ in the last bits (a tie between two candidates may break the other way). A
