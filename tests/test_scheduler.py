@@ -539,6 +539,35 @@ def test_replans_when_measured_times_drift():
     sched.close()
 
 
+def test_a_plan_waited_for_beside_kernels_on_every_core_is_waited_for_no_longer_than_the_limit(monkeypatch):
+    """Note [Plans beside kernels on every core]: where the executor waits for its plans, a plan
+    not made within ``PLAN_WAIT_S`` (a planning process that hangs, say) lets the jobs go on, and
+    it is installed once it is made."""
+    import concurrent.futures
+    import threading
+
+    from tensile_db.runtime import workers
+    from tensile_db.scheduler import Scheduler, engine
+
+    monkeypatch.setattr(workers, "every_core", lambda: True)
+    monkeypatch.setattr(engine, "PLAN_WAIT_S", 0.05)
+    job = make_job(seed=1)
+    sched = Scheduler(MemoryManager(CpuDevice(), job.vanilla_peak_nbytes // 2), "tensile", FAST)
+    assert sched.waits_for_plans
+    made = concurrent.futures.Future()
+    monkeypatch.setattr(sched._planning, "submit", lambda fn, request: made)
+    sched.admit(job)
+    asking = threading.Thread(target=sched.replan, args=({job.id: 0}, len(job.program.ops)), daemon=True)
+    asking.start()
+    asking.join(10)
+    assert not asking.is_alive(), "the executor waited for a plan that is never made"
+    assert sched._pending is made and sched.plan is None
+    request = sched._request
+    made.set_result((request, sched._make(request)[1], 0.0))
+    assert sched.poll() and sched._pending is None
+    sched.close()
+
+
 def test_a_warm_up_cold_start_is_measured_by_the_first_warm_iteration():
     """With ``warm_up`` the cold start's times are provisional: the sequence is measured only
     after the first warm iteration, whose times replace them (not averaged with them), and the

@@ -92,11 +92,11 @@ Note [Plans beside kernels on every core]
 Rationale: a plan made beside the jobs costs them nothing only where a core is free for the
 planner. On ``cpu``, where the kernels' workers take every core
 (:func:`~tensile_db.runtime.workers.every_core`), the planning process shares a core with a
-thread of the kernels' OpenMP team, and each parallel region waits for that thread's turn on it. On this project's 2-core machine the MLP of
-``bench/throughput.py`` at half its peak took 41 to 49 ms to plan there, against 5 to 18 ms
-alone, and its iterations meanwhile 12 to 38 ms against 5.5; a synchronous copy that splits over
-the team took about 1 ms instead of 0.06. The planned pool's offsets, planned there too, stalled
-the iteration they fell in the same way.
+thread of the kernels' OpenMP team, and each parallel region waits for that thread's turn on
+it. On this project's 2-core machine the MLP of ``bench/throughput.py`` at half its peak took 41
+to 49 ms to plan there, against 5 to 18 ms alone, and its iterations meanwhile 12 to 38 ms
+against 5.5; a synchronous copy that splits over the team took about 1 ms instead of 0.06. The
+planned pool's offsets, planned there too, stalled the iteration they fell in the same way.
 
 Approach: where the device's kernels take every core
 (:attr:`~tensile_db.runtime.device.Device.kernels_on_every_core`), the executor waits for each
@@ -115,12 +115,14 @@ state went from 84 ms (65 to 159) to 70 ms (50 to 83), and the time per iteratio
 (1.13 to 1.29) to 1.14 (1.07 to 1.17) times the unlimited run's.
 
 Limitations: every job waits for a plan of all of them, the longest ones' too (a timeline of
-thousands of ops plans for a second or more), and a job's cancel is seen once the plan is made;
-beside the kernels the same plan would have slowed every job for longer. A plan stopped at its
-time limit (:data:`~.planners.MAX_PLAN_SECONDS`) asks for its continuation, which the jobs wait
-for again, and a plan that drifts and re-plans often costs its planning time each time. While
-the executor waits, the round trip to the planning process buys nothing (its thread could plan
-as the simulated device's does); it is kept so that one path makes every real device's plans.
+thousands of ops plans for a second or more; the wait ends after :data:`PLAN_WAIT_S`, and a plan
+not made by then lands when it is, as elsewhere), and a job's cancel is seen once the plan is
+made; beside the kernels the same plan would have slowed every job for longer. A plan stopped at
+its time limit (:data:`~.planners.MAX_PLAN_SECONDS`) asks for its continuation, which the jobs
+wait for again, and a plan that drifts and re-plans often costs its planning time each time.
+While the executor waits, the round trip to the planning process buys nothing (its thread could
+plan as the simulated device's does); it is kept so that one path makes every real device's
+plans.
 
 Note [Headroom for the pool]
 ----------------------------
@@ -224,6 +226,9 @@ log = logging.getLogger(__name__)
 DTR_FALLBACK = ("dtr", "tensile")
 #: most delays :meth:`Scheduler.stagger` compares (a period may be tens of thousands of rounds)
 STAGGER_CANDIDATES = 256
+#: Seconds the executor waits for a plan where it waits for them (Note [Plans beside kernels on
+#: every core]): twice the planners' own limit; a plan not made by then lands when it is made.
+PLAN_WAIT_S = 2 * MAX_PLAN_SECONDS
 #: What each plan action does to its tensor: the memory manager's operation of that name.
 _ACTIONS = {"swap_out": lambda mm, t: mm.swap_out(t), "release": lambda mm, t: mm.release(t),
             "swap_in": lambda mm, t: mm.swap_in(t), "drop": lambda mm, t: mm.drop(t)}
@@ -478,9 +483,12 @@ class Scheduler:
         if self.deterministic:
             self._pending.result()
             self._schedule_on_worker(request)
-        if wait or self.waits_for_plans:
+        if wait:
             request.ready_s = None
             self._pending.result()
+            self.poll()
+        elif self.waits_for_plans:
+            concurrent.futures.wait([self._pending], timeout=PLAN_WAIT_S)
             self.poll()
 
     def traces(self, phases: dict[int, int], repeats: dict[int, int] | None = None,
