@@ -103,6 +103,36 @@ def serving_pool(arena):
     return pool
 
 
+def test_a_pool_that_waits_for_its_plans_installs_at_the_boundary_that_asks_or_waits_no_longer_than_wait_s(
+        monkeypatch):
+    """Note [Plans beside kernels on every core]: the boundary that ends the recorded period
+    waits for the offsets and installs them there; an offset plan not made within ``WAIT_S`` (a
+    planning process that hangs) leaves the pool planning, and the boundary returns (the
+    boundaries after it wait as they do where plans are made beside the jobs)."""
+    import concurrent.futures
+    import threading
+
+    arena = FakeArena()
+    pool = PlannedPool(arena.install, arena.dissolve)
+    pool.waits_for_plans = True
+    pool.boundary(lambda: (LIVE, 0))
+    play(pool, PERIOD)
+    pool.boundary(lambda: (LIVE, 0))                     # planned and installed at once
+    assert pool.state is State.SERVING and len(arena.installed) == 1
+    monkeypatch.setattr(planned, "WAIT_S", 0.05)
+    never = concurrent.futures.Future()
+    pool.offload = lambda fn, *args: never
+    pool.invalidate("the test asks")
+    pool.boundary(lambda: (LIVE, 0))
+    play(pool, [(kind, key, 2 * nbytes) for kind, key, nbytes in PERIOD])     # another period: a new plan
+    asking = threading.Thread(target=pool.boundary, args=(lambda: (LIVE, 0),), daemon=True)
+    asking.start()
+    asking.join(10)
+    assert not asking.is_alive(), "the boundary waited for a plan that is never made"
+    assert pool.state is State.PLANNING and len(arena.installed) == 1
+    never.cancel()
+
+
 def test_a_recorded_period_is_planned_installed_and_served_by_lookup():
     arena = FakeArena()
     pool = serving_pool(arena)

@@ -126,6 +126,9 @@ KEPT_MAX_RATIO = 1.05
 #: Boundaries a plan may take before the executor waits for it: a planner competes with the
 #: executor (for the GIL on the pool's thread, for a core in the planning process) and can starve.
 PLAN_WAIT_PERIODS = 4
+#: Seconds the boundary that asks for a plan waits for it where plans are waited for (Note [Plans
+#: beside kernels on every core] in :mod:`tensile_db.scheduler.engine`); after that, as elsewhere.
+WAIT_S = 4.0
 #: Periods the pool waits before recording again after a region found no room (Note [A region that
 #: does not fit]), unless invalidated first.
 NO_ROOM_BACKOFF_PERIODS = 1024
@@ -198,8 +201,9 @@ class PlannedPool:
         #: ``offload(fn, *args) -> Future`` running ``fn`` in another process, for plans of more
         #: than :data:`OFFLOAD_MIN_ALLOCATIONS` (None: the planning thread makes every plan)
         self.offload: Callable | None = None
-        #: whether the boundary that asks for a plan waits for it and installs it at once (Note
-        #: [Plans beside kernels on every core] in :mod:`tensile_db.scheduler.engine`)
+        #: whether the boundary that asks for a plan waits for it (at most :data:`WAIT_S`) and
+        #: installs it at once (Note [Plans beside kernels on every core] in
+        #: :mod:`tensile_db.scheduler.engine`)
         self.waits_for_plans = False
 
     @property
@@ -309,8 +313,9 @@ class PlannedPool:
                 self._fail(why)
         if self.state is State.PLANNING:
             self._planning_periods += 1
-            if (not self.waits_for_plans and not self._planning.done()
-                    and self._planning_periods < PLAN_WAIT_PERIODS):
+            if self.waits_for_plans:
+                concurrent.futures.wait([self._planning], timeout=WAIT_S)
+            if not self._planning.done() and self._planning_periods < PLAN_WAIT_PERIODS:
                 return
             why = self._install_planned(live)
             if why is None:
