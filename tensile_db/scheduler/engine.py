@@ -102,8 +102,9 @@ Approach: where the device's kernels take every core
 (:attr:`~tensile_db.runtime.device.Device.kernels_on_every_core`), the executor waits for each
 plan it asks for (:meth:`Scheduler.replan` as with ``wait``), and the period boundary that ends
 the planned pool's recorded period waits for its offsets and installs them there, instead of at
-a later boundary (:attr:`~tensile_db.memory.planned.PlannedPool.waits_for_plans`). The jobs then
-lose the plan's own time, on a core of its own. Elsewhere (``cuda``, whose kernels
+a later boundary (:attr:`~tensile_db.memory.planned.PlannedPool.waits_for_plans`), each wait
+bounded (:data:`PLAN_WAIT_S`, :data:`~tensile_db.memory.planned.WAIT_S`). The jobs then lose the
+plan's own time, on a core of its own. Elsewhere (``cuda``, whose kernels
 run on the device; ``cpu`` with a core to spare) plans are made beside the jobs as before; the
 simulated device plans synchronously anyway. ``bench/throughput.py`` (three alternated runs of
 five repeats each): the pool served from the 4th iteration at half the peak (the 6th before, for
