@@ -123,7 +123,9 @@ its time limit (:data:`~.planners.MAX_PLAN_SECONDS`) asks for its continuation, 
 wait for again, and a plan that drifts and re-plans often costs its planning time each time.
 While the executor waits, the round trip to the planning process buys nothing (its thread could
 plan as the simulated device's does); it is kept so that one path makes every real device's
-plans.
+plans. The boundary waits for the offsets with the memory manager's lock held (as it did after
+:data:`~tensile_db.memory.planned.PLAN_WAIT_PERIODS` before): an inference call that needs the
+lock then waits too, a few milliseconds once per schedule.
 
 Note [Headroom for the pool]
 ----------------------------
