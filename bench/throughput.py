@@ -14,16 +14,16 @@ Runs: PyTorch (the same network in ``torch.nn`` node for node, :func:`cnn.torch_
 run on) in a process of its own, and our runtime through the coordinator's executor and memory
 manager (the ``tensile`` policy) with an unlimited budget and under budgets that are fractions of
 the job's vanilla peak (raised to its largest working set where that is larger: no policy can go
-below it). The runs of every configuration alternate within each repeat (the order reversed
-every other repeat), so drift of the machine falls on all of them alike. PyTorch's process is spawned once and makes
-the same data; it runs apart because its wheel bundles its own GNU OpenMP, a second runtime
-beside the system's that oneDNN and our fused steps run on, and in one process the idle threads
-of the two take each other's cores: after a PyTorch run beside it, our MLP took 6.2 ms an
+below it). The runs of every configuration alternate within each repeat (the order reversed every
+other repeat), so drift of the machine falls on all of them alike. PyTorch's process is spawned
+once and makes the same data; it runs apart because its wheel bundles its own GNU OpenMP, a second
+runtime beside the system's that oneDNN and our fused steps run on, and in one process the idle
+threads of the two take each other's cores: after a PyTorch run beside it, our MLP took 6.2 ms an
 iteration against 3.95 ms in a process without PyTorch (the coordinator never has PyTorch in it).
-Our process fixes glibc's mmap threshold as the coordinator does (``fix_mmap_threshold``), so
-that a swap-out's host copy costs what it costs there: with glibc's default the copies came from
-the heap once PyTorch's frees had raised the threshold, and the budgeted runs looked faster than
-the coordinator runs them.
+Our process fixes glibc's mmap threshold as the coordinator does (``fix_mmap_threshold``), so that
+a swap-out's host copy costs what it costs there: with glibc's default the copies came from the
+heap once PyTorch's frees had raised the threshold, and the budgeted runs looked faster than the
+coordinator runs them.
 
 samples/s counts the iterations after a run's first (the first touches a fresh arena and is the
 scheduler's cold start: it is timed on neither side; our second, whose op times the first plan

@@ -307,10 +307,10 @@ class PlannedPool:
         live, unkeyed_nbytes = snapshot()
         if self.state is State.RECORDING:
             why = self._finish_recording(live)
-            if why is None and not self.waits_for_plans:
-                return
             if why is not None:
                 self._fail(why)
+            elif not self.waits_for_plans:          # else waited for and installed below
+                return
         if self.state is State.PLANNING:
             self._planning_periods += 1
             if self.waits_for_plans:

@@ -429,7 +429,7 @@ class Simulator:
         if d.method != "swap":
             return d.recipe_s
         cost = self.cost
-        if not 0 < cost.inline_nbytes or d.nbytes > cost.inline_nbytes:
+        if d.nbytes > cost.inline_nbytes:
             return None
         return 2 * cost.issue_s + cost.swap_in_s(d.nbytes) + cost.swap_out_s(d.nbytes)
 
