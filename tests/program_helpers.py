@@ -21,8 +21,9 @@ class HostDevice:
 
 
 def allocate(prog: Program, weights: dict, dtype) -> dict[str, np.ndarray]:
-    """An array per slot, float32 slots in ``dtype``: the weights given, zero optimizer state,
-    NaN elsewhere (so that reading what no op wrote shows)."""
+    """An array per slot, float32 slots in ``dtype``: the weights given (a node's joined
+    parameters filled from theirs), zero optimizer state, NaN elsewhere (so that reading what no
+    op wrote shows)."""
     arrays = {}
     for name, slot in prog.slots.items():
         dt = np.dtype(dtype if slot.dtype == "float32" else slot.dtype)
@@ -32,12 +33,20 @@ def allocate(prog: Program, weights: dict, dtype) -> dict[str, np.ndarray]:
             arrays[name] = np.zeros(slot.shape, dt)
         else:
             arrays[name] = np.full(slot.shape, np.nan, dt)
+    for name, view in member_views(prog, arrays).items():
+        if name in weights:
+            view[...] = weights[name]
     return arrays
 
 
+def member_views(prog: Program, arrays: dict) -> dict[str, np.ndarray]:
+    """Each weight held in a node's joined slot, as a view of that slot's array in ``arrays``."""
+    return {name: arrays[slot][start:start + int(np.prod(shape))].reshape(shape)
+            for name, (slot, start, shape) in prog.members.items()}
+
+
 def first_optimizer_op(spec: ModelSpec, prog: Program) -> int:
-    params = {p for node in spec.network.nodes for p in node.params}
-    return next(i for i, op in enumerate(prog.ops) if params & set(op.writes))
+    return next(i for i, op in enumerate(prog.ops) if op.unit == "optimizer")
 
 
 def batch_of(spec: ModelSpec, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

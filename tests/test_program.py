@@ -13,22 +13,24 @@ other jobs sharing the device.
 
 from __future__ import annotations
 
+import math
 import pickle
 import queue
 
 import numpy as np
 import pytest
 
+from program_helpers import HostDevice, allocate, batch_of, member_views
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
 from tensile_db.errors import DeviceOutOfMemory, InvalidArgument
 from tensile_db.memory.arena import UNIT_NBYTES, round_up
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import zoo
-from tensile_db.runtime.builder import build_training_program
+from tensile_db.runtime.builder import ProgramBuilder, build_training_program
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions, parse_architecture
-from tensile_db.runtime.program import Kind, Op, Program, Slot
+from tensile_db.runtime.program import Kind, Op, Program, Slot, StepContext
 
 SPECS = {
     "clf-relu-dropout-tanh-adam": (
@@ -126,12 +128,71 @@ def test_structure_follows_the_spec(program):
         assert (f"dropout{i}" in names) == bool(layer.dropout)
         assert (f"dropout{i}_backward" in names) == bool(layer.dropout)
     n_dense = len(spec.architecture.layers) + 1
-    assert names[-2 * n_dense:] == [f"{options.optimizer}_{p}{i}" for i in range(n_dense) for p in "Wb"]
+    steps = [[f"params{i}"] if f"params{i}" in prog.slots else [f"W{i}", f"b{i}"] for i in range(n_dense)]
+    steps = [p for node in steps for p in node]     # a dense layer's joined W and b take one step
+    assert names[-len(steps):] == [f"{options.optimizer}_{p}" for p in steps]
     persistent = {n for n, s in prog.slots.items() if s.kind.persistent}
     per_param = 2 if options.optimizer == "adam" else 1
-    assert len(persistent) == 2 * n_dense * (1 + per_param)
+    assert len(persistent) == len(steps) * (1 + per_param)
     assert prog.slots["y"].dtype == ("int32" if spec.task == "classification" else "float32")
     assert prog.slots["x"].shape == (BATCH, spec.n_features)
+
+
+def _separate(spec: ModelSpec, options: TrainOptions, batch: int = BATCH) -> Program:
+    """The program with one slot per parameter (no node's parameters joined)."""
+    return ProgramBuilder(spec, options, batch).program()
+
+
+def test_joining_a_node_s_parameters_never_raises_the_largest_working_set(program):
+    spec, options, prog = program
+    separate = _separate(spec, options)
+    assert prog.min_working_set_nbytes <= separate.min_working_set_nbytes
+    assert prog.vanilla_peak_nbytes() <= separate.vanilla_peak_nbytes() + UNIT_NBYTES * len(prog.ops)
+    for name, (slot, start, shape) in prog.members.items():        # the parameters, one after another
+        assert prog.slots[slot].kind is Kind.WEIGHT and name in separate.slots
+        assert separate.slots[name].shape == shape and start + math.prod(shape) <= prog.slots[slot].shape[0]
+
+
+def test_a_node_s_parameters_are_joined_unless_that_raises_the_largest_working_set():
+    # the bench's MLP: its largest op is the Adam step of the 512 x 512 layer, which would hold the
+    # layer's bias, its gradient and moments too: that layer keeps its slots, the others are joined
+    mlp = ModelSpec(Architecture((Layer(512, "relu"), Layer(512, "relu"), Layer(256, "relu"))), 64, 10,
+                    "classification")
+    options = TrainOptions(optimizer="adam")
+    prog, separate = build_training_program(mlp, options, 128), _separate(mlp, options, 128)
+    assert separate.ops[max(range(len(separate.ops)), key=separate.working_set_nbytes)].name == "adam_W1"
+    assert [op.name for op in prog.ops if op.unit == "optimizer"] == \
+        ["adam_params0", "adam_W1", "adam_b1", "adam_params2", "adam_params3"]
+    assert {"dparams0", "adam_v_params3"} <= set(prog.slots) and not {"W0", "dW2", "adam_m_b3"} & set(prog.slots)
+    assert prog.min_working_set_nbytes == separate.min_working_set_nbytes
+    # a narrow net whose largest op is a layer's backward, which reads the weight but not the bias
+    narrow = ModelSpec(Architecture((Layer(96, "relu", 0.2), Layer(64, "tanh"), Layer(48, "relu"))), 16, 4,
+                       "classification")
+    prog, separate = build_training_program(narrow, options, 64), _separate(narrow, options, 64)
+    assert separate.ops[max(range(len(separate.ops)), key=separate.working_set_nbytes)].name == "dense1_backward"
+    assert {"W1", "b1", "dW1", "db1", "params0", "params2", "params3"} <= set(prog.slots)
+    assert prog.min_working_set_nbytes == separate.min_working_set_nbytes
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_joined_parameters_train_bit_for_bit_as_separate_ones(name):
+    spec, options = SPECS[name]
+    weights = spec.network.init_weights(5)
+    x, y = batch_of(spec, BATCH, seed=6)
+    values, joined = [], build_training_program(spec, options, BATCH)
+    assert joined.members                               # some node's parameters are one slot
+    for prog in (joined, _separate(spec, options)):
+        arrays = allocate(prog, weights, np.float32)
+        for step in (1, 2):
+            ctx = StepContext(HostDevice(), step=step, seed=3 + step, batch_x=x.astype(np.float32), batch_y=y)
+            for op in prog.ops:
+                op.run(arrays, ctx)
+        views = member_views(prog, arrays)
+        values.append({w: (views[w] if w in views else arrays[w]).copy() for w in weights})
+    assert values[0].keys() == values[1].keys()
+    for w in weights:
+        np.testing.assert_array_equal(values[0][w], values[1][w])
+        assert not np.array_equal(values[0][w], weights[w]) or w.startswith(("rm", "rv"))   # trained
 
 
 def _recomputed_peak(prog: Program) -> int:
@@ -368,7 +429,8 @@ def test_recipes_read_only_slots_that_outlive_the_target():
     recipes = {name: prog.recipe(name) for name in prog.slots}
     assert recipes["d0"] is None                     # h0 (no activation) dies at dropout0
     assert recipes["h1"] is not None and recipes["mask0"] is not None and recipes["d1"] is not None
-    assert recipes["probs"] is None and recipes["W0"] is None and recipes["x"] is None
+    assert recipes["probs"] is None and recipes["x"] is None
+    assert all(recipes[s] is None for s, slot in prog.slots.items() if slot.kind is Kind.WEIGHT)
     for name, recipe in recipes.items():
         if recipe is None:
             continue

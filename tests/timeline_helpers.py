@@ -4,7 +4,7 @@ model (:data:`PLAIN`) that copies them in 1 ms each way."""
 
 from __future__ import annotations
 
-from tensile_db.runtime.builder import build_training_program
+from tensile_db.runtime.builder import ProgramBuilder
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
 from tensile_db.scheduler.cost import CostModel
 from tensile_db.scheduler.timeline import JobTrace, Timeline
@@ -18,8 +18,9 @@ PLAIN = CostModel(h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, duplex=True)
 
 
 def timeline() -> Timeline:
-    """The job's timeline, every op measured at :data:`OP_S` seconds."""
-    seq = AccessSequence(build_training_program(SPEC, OPTIONS, 64))
+    """The job's timeline, every op measured at :data:`OP_S` seconds: the program with one slot per
+    parameter (28 ops), which the tests' hand-made decisions are placed on."""
+    seq = AccessSequence(ProgramBuilder(SPEC, OPTIONS, 64).program())
     for p in range(len(seq.program.ops)):
         seq.record(p, OP_S)
     seq.end_iteration()

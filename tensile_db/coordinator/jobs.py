@@ -33,7 +33,7 @@ from ..memory.spill import SpilledArrays
 from ..runtime import model as models
 from ..runtime import preprocess
 from ..runtime.builder import build_training_program
-from ..runtime.program import Program, StepContext
+from ..runtime.program import Kind, Program, StepContext
 from .reports import JobRow
 
 _job_ids = itertools.count(1)
@@ -185,11 +185,22 @@ class TrainingJob:
 
     def _adopt_state(self, mm: MemoryManager, device) -> None:
         """Register the initial weights and the zeroed optimizer state with the manager, one
-        array at a time (each goes to the host tier or the disk tier); on a device without
-        values, their shapes only."""
+        array at a time (each goes to the host tier or the disk tier; a node's joined parameters
+        one slot at a time, filled from its arrays); on a device without values, their shapes
+        only."""
         initial = self.spec.network.iter_init_weights(self.options.seed) if device.holds_values else ()
+        members, filling = self.program.members, {}   # joined slot -> [its array, elements not yet filled]
         for name, value in initial:
-            if name in self.program.slots:
+            if name in members:
+                slot, start, _ = members[name]
+                if slot not in filling:
+                    array = np.empty(self.program.slots[slot].shape, np.float32)
+                    filling[slot] = [array, array.size]
+                filling[slot][0][start:start + value.size] = value.reshape(-1)
+                filling[slot][1] -= value.size
+                if not filling[slot][1]:                            # its last parameter
+                    self.tensors[slot] = mm.adopt(self.id, slot, Kind.WEIGHT, filling.pop(slot)[0])
+            elif name in self.program.slots:
                 self.tensors[name] = mm.adopt(self.id, name, self.program.slots[name].kind, value)
         for name, slot in self.program.slots.items():
             if slot.kind.persistent and name not in self.tensors:     # optimizer state
@@ -218,12 +229,19 @@ class TrainingJob:
                 yield
         return loss_sum
 
+    def _weight_views(self, names) -> dict[str, tuple[Tensor, int, tuple[int, ...]]]:
+        """name -> (its tensor, first element, shape) of each of the weights ``names``: the
+        tensor of a node's joined parameters for each of them, else its own."""
+        members = self.program.members
+        return {name: (self.tensors[members[name][0]], *members[name][1:]) if name in members
+                else (self.tensors[name], 0, self.tensors[name].shape) for name in names}
+
     def _validate(self, mm: MemoryManager, weights: list, current, best, record: dict) -> tuple:
         """Copy the epoch's weights, put their held-out loss in ``record`` and keep the copy of
         the best epoch (for early stopping); returns the (current, best) copies."""
         if current is not None and current is not best:
             current.close()
-        current = copy_weights(mm, self.id, {name: self.tensors[name] for name in weights})
+        current = copy_weights(mm, self.id, self._weight_views(weights))
         self._copies = [c for c in (current, best) if c is not None]   # discard_result closes them
         record["val_loss"] = self.validation_loss(current)
         if self.best_epoch is None or record["val_loss"] < self.history[self.best_epoch - 1]["val_loss"]:
@@ -255,7 +273,7 @@ class TrainingJob:
         elif current is not None:
             result = current                      # the last epoch's, copied for its held-out loss
         else:
-            result = copy_weights(mm, self.id, {name: self.tensors[name] for name in weights})
+            result = copy_weights(mm, self.id, self._weight_views(weights))
         result.add(self.scaling)
         return result
 
@@ -413,25 +431,36 @@ class WeightsCopy(collections.abc.Mapping):
 _copy_names = itertools.count(1)
 
 
-def copy_weights(mm: MemoryManager, job_id: int, tensors: dict[str, Tensor]) -> WeightsCopy:
-    """The current values of ``tensors`` by name: in host memory when the host tier has room
-    for all of them (:meth:`MemoryManager.take_host`), else in a spill file, copied one tensor at
-    a time. Raises TensileError when the spill file's I/O fails."""
-    nbytes = sum(t.nbytes for t in tensors.values())
+def copy_weights(mm: MemoryManager, job_id: int, views: dict[str, tuple[Tensor, int, tuple[int, ...]]]) -> WeightsCopy:
+    """The current values of ``views`` by name (name -> (tensor, first element, shape): a
+    tensor's values from that element on, in that shape): in host memory when the host tier has
+    room for all of them (:meth:`MemoryManager.take_host`), else in a spill file, copied one
+    tensor at a time. Raises TensileError when the spill file's I/O fails."""
+    nbytes = sum(math.prod(shape) * t.dtype.itemsize for t, _, shape in views.values())
     if mm.take_host(nbytes):
         try:
-            return WeightsCopy({name: mm.to_host(t) for name, t in tensors.items()}, lambda: mm.give_host(nbytes))
+            return WeightsCopy(dict(_host_values(mm, views)), lambda: mm.give_host(nbytes))
         except BaseException:
             mm.give_host(nbytes)
             raise
     spilled = SpilledArrays(mm.host_tier.spill.open(f"weights-{job_id}-{next(_copy_names)}"))
     try:
-        for name, t in tensors.items():
-            spilled.put(name, mm.to_host(t))
+        for name, array in _host_values(mm, views):
+            spilled.put(name, array)
     except BaseException:
         spilled.close()
         raise
     return WeightsCopy(spilled, spilled.close)
+
+
+def _host_values(mm: MemoryManager, views: dict):
+    """(name, host array) of each of ``views`` (as :func:`copy_weights` takes them), copying
+    each tensor to the host once: the views of one tensor come one after another."""
+    last = None
+    for name, (t, start, shape) in views.items():
+        if last is None or last[0] is not t:
+            last = (t, mm.to_host(t).reshape(-1))
+        yield name, last[1][start:start + math.prod(shape)].reshape(shape)
 
 
 #: Bytes of one node's output a host forward pass may hold per chunk of rows: each chunk costs a

@@ -118,11 +118,15 @@ class Program:
         ops: the ops in execution order.
         positions: name -> sorted op indices that access the slot (the access sequence).
         frees_after: for each op index, the non-persistent slots whose last access it is.
+        members: each weight held within a slot of a node's parameters joined (Note [One tensor
+            per node's parameters] in :mod:`.builder`): name -> (slot, first element, shape).
     """
 
-    def __init__(self, slots: dict[str, Slot], ops: list[Op]):
+    def __init__(self, slots: dict[str, Slot], ops: list[Op],
+                 members: dict[str, tuple[str, int, tuple[int, ...]]] | None = None):
         self.slots = slots
         self.ops = ops
+        self.members = members or {}
         self.positions: dict[str, list[int]] = {name: [] for name in slots}
         for i, op in enumerate(ops):
             for name in op.accesses:
@@ -145,7 +149,7 @@ class Program:
             def bare(op: Op | None) -> Op | None:
                 return None if op is None else replace(op, run=None, replay=bare(op.replay))
 
-            self._skeleton = Program(dict(self.slots), [bare(op) for op in self.ops])
+            self._skeleton = Program(dict(self.slots), [bare(op) for op in self.ops], dict(self.members))
             self._skeleton._skeleton = self._skeleton
         return self._skeleton
 

@@ -116,4 +116,4 @@ class ConvOp(NodeOp):
 def conv_flops(tb, out: str, w: str) -> int:
     """Multiply-adds of a convolution, times two: each output element (``out``: B, OH, OW, OC)
     takes a dot product over the kernel's ``C/g * KH * KW`` taps (``w``: OC, C/g, KH, KW)."""
-    return 2 * tb.numel(out) * math.prod(tb.slots[w].shape[1:])
+    return 2 * tb.numel(out) * math.prod(tb.shape(w)[1:])
