@@ -37,7 +37,7 @@ SMALL_CNN = {"input": {"shape": IMAGE}, "layers": [
     {"max_pool": 2}, {"concat": [[], [{"conv": 8, "kernel": 1}]]},
     {"conv": 32, "padding": 1}, {"global_avg_pool": {}}, {"dense": 64}]}
 #: ResNet-50's topology (bottleneck blocks 3, 4, 6, 3, batch norm) at an eighth of its channels:
-#: many small tensors (528 ops an iteration).
+#: many small tensors (474 ops an iteration).
 RESNET = {"model": "resnet50", "width": 0.125, "input": {"shape": IMAGE}}
 #: VGG-16's topology (13 convolutions, 5 max pools, two dense layers with dropout) at an eighth.
 VGG = {"model": "vgg16", "width": 0.125, "input": {"shape": IMAGE}}

@@ -199,7 +199,8 @@ def test_the_tensor_of_least_h_is_evicted_not_the_oldest_or_the_largest():
 
 def test_a_tensor_its_job_cannot_recompute_is_copied_out_at_the_cost_of_the_copies():
     mm, dtr, program, clock = policy_on(8, {}, cost=FAST)
-    w = place(mm, program, "W1", 0.0, clock)         # a weight: no recipe
+    weight = next(name for name, slot in program.slots.items() if slot.kind is Kind.WEIGHT)
+    w = place(mm, program, weight, 0.0, clock)      # a weight: no recipe
     h2 = place(mm, program, "h2", 9.0, clock)
     clock.now_s = 10.0
     assert not dtr.drops(w) and dtr.drops(h2)

@@ -174,9 +174,19 @@ def test_a_node_s_parameters_are_joined_unless_that_raises_the_largest_working_s
     assert prog.min_working_set_nbytes == separate.min_working_set_nbytes
 
 
-@pytest.mark.parametrize("name", list(SPECS))
+#: a network of every layer kind with parameters: a convolution without bias and one with, batch and
+#: layer normalisation, a residual block, a concatenation, dense with dropout
+IMAGES = ModelSpec.parse({"input": {"shape": [3, 8, 8]}, "layers": [
+    {"conv": 4, "kernel": 3, "padding": 1, "bias": False, "activation": "none"}, {"batch_norm": {}, "activation": "relu"},
+    {"residual": [{"conv": 4, "padding": 1}, {"conv": 4, "padding": 1, "activation": "none"}], "activation": "relu"},
+    {"layer_norm": {}}, {"max_pool": 2}, {"concat": [[], [{"conv": 2, "kernel": 1}]]},
+    {"conv": 8, "padding": 1}, {"global_avg_pool": {}}, {"dense": 16, "dropout": 0.3}]}, 3 * 8 * 8, 5, "classification")
+
+
+@pytest.mark.parametrize("name", [*SPECS, "images-adam", "images-sgd"])
 def test_joined_parameters_train_bit_for_bit_as_separate_ones(name):
-    spec, options = SPECS[name]
+    spec, options = SPECS[name] if name in SPECS else \
+        (IMAGES, TrainOptions(optimizer=name.split("-")[1], lr=0.01, weight_decay=0.01))
     weights = spec.network.init_weights(5)
     x, y = batch_of(spec, BATCH, seed=6)
     values, joined = [], build_training_program(spec, options, BATCH)

@@ -192,7 +192,10 @@ class TrainingJob:
         members, filling = self.program.members, {}   # joined slot -> [its array, elements not yet filled]
         for name, value in initial:
             if name in members:
-                slot, start, _ = members[name]
+                slot, start, shape = members[name]
+                if value.shape != shape:
+                    raise TensileError(f"internal error: initial weight {name!r} of job {self.id} has shape "
+                                       f"{value.shape}, its slot {slot!r} holds {shape}; report this with the model")
                 if slot not in filling:
                     array = np.empty(self.program.slots[slot].shape, np.float32)
                     filling[slot] = [array, array.size]
@@ -202,6 +205,9 @@ class TrainingJob:
                     self.tensors[slot] = mm.adopt(self.id, slot, Kind.WEIGHT, filling.pop(slot)[0])
             elif name in self.program.slots:
                 self.tensors[name] = mm.adopt(self.id, name, self.program.slots[name].kind, value)
+        if filling:
+            raise TensileError(f"internal error: the initial weights of job {self.id} leave part of "
+                               f"{', '.join(filling)} unset; report this with the model")
         for name, slot in self.program.slots.items():
             if slot.kind.persistent and name not in self.tensors:     # optimizer state
                 value = np.zeros(slot.shape, slot.dtype) if device.holds_values else device.host_empty(slot.shape, slot.dtype)
@@ -455,10 +461,14 @@ def copy_weights(mm: MemoryManager, job_id: int, views: dict[str, tuple[Tensor, 
 
 def _host_values(mm: MemoryManager, views: dict):
     """(name, host array) of each of ``views`` (as :func:`copy_weights` takes them), copying
-    each tensor to the host once: the views of one tensor come one after another."""
-    last = None
+    each tensor to the host once and holding one tensor's copy at a time (a spill file's copy
+    never holds the model whole): the views of one tensor must come one after another, as a
+    node's parameters do. Raises AssertionError where they do not."""
+    last, done = None, set()
     for name, (t, start, shape) in views.items():
         if last is None or last[0] is not t:
+            assert t.id not in done, f"the views of {t.slot} of job {t.job_id} are not one after another"
+            done.add(t.id)
             last = (t, mm.to_host(t).reshape(-1))
         yield name, last[1][start:start + math.prod(shape)].reshape(shape)
 

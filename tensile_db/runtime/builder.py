@@ -104,7 +104,8 @@ def build_training_program(spec: ModelSpec, options: TrainOptions, batch: int) -
 
 def _with_views(run, views: tuple):
     """``run`` given, besides its arrays, each of ``views`` ((name, flat slot, first element,
-    shape), Note [One tensor per node's parameters]) as a view of its slot's array."""
+    shape), Note [One tensor per node's parameters]) as a view of its slot's array: added to the
+    caller's dict of arrays (a fresh one per op in a job; a test's dict keeps them)."""
     def viewed(a, ctx):
         for name, flat, start, shape in views:
             a[name] = a[flat][start:start + math.prod(shape)].reshape(shape)
@@ -151,6 +152,9 @@ class ProgramBuilder:
         flops = flops or sum(self.numel(s) for s in writes if self.kind(s) is not Kind.WORKSPACE)
         views = tuple((s, *self.members[s]) for s in dict.fromkeys(tuple(reads) + tuple(writes)) if s in self.members)
         if views:                       # parameters of a node joined into one slot: the op touches the slot
+            for flat in {v[1] for v in views if self.slots[v[1]].kind is Kind.GRADIENT}:    # written whole
+                parts = {m for m, member in self.members.items() if member[0] == flat}
+                assert parts <= set(writes), f"op {name} writes part of {flat}: its gradients are written by one op"
             reads = dict.fromkeys(self.members[s][0] if s in self.members else s for s in reads)
             writes = dict.fromkeys(self.members[s][0] if s in self.members else s for s in writes)
             run = _with_views(run, views)

@@ -1,13 +1,14 @@
 """Training programs: one iteration of a job as an ordered list of operators over named slots.
 
-A *slot* is a tensor of an iteration (``x``, ``h0``, ``W1``, ``dW1`` ...) with its kind, shape and
-dtype. An :class:`Op` names the slots it reads and writes and carries a ``run`` function that calls
-the kernels on the slots' arrays (:mod:`.builder` builds the program of a network). A program's
-:meth:`~Program.skeleton` is the same program without the kernels: it pickles, so a planning
-process (:mod:`tensile_db.scheduler.worker`) can plan for it. Because a training iteration is
-static, the program is also the job's **access sequence** (TENSILE, arXiv 2105.13336, section 3):
-for each slot the op indices at which it is accessed, from which lifetimes, next uses and working
-sets follow exactly, from the very first iteration.
+A *slot* is a tensor of an iteration (``x``, ``h0``, ``params1`` a node's parameters, ``dparams1``
+their gradients, ``W1`` ...) with its kind, shape and dtype. An :class:`Op` names the slots it reads
+and writes and carries a ``run`` function that calls the kernels on the slots' arrays
+(:mod:`.builder` builds the program of a network). A program's :meth:`~Program.skeleton` is the same
+program without the kernels: it pickles, so a planning process (:mod:`tensile_db.scheduler.worker`)
+can plan for it. Because a training iteration is static, the program is also the job's **access
+sequence** (TENSILE, arXiv 2105.13336, section 3): for each slot the op indices at which it is
+accessed, from which lifetimes, next uses and working sets follow exactly, from the very first
+iteration.
 
 Lifetimes: a non-persistent slot is allocated by the first op that writes it and freed after its
 last access in the iteration; persistent slots (weights and optimizer state) live across
