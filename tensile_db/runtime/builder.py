@@ -96,8 +96,8 @@ def build_training_program(spec: ModelSpec, options: TrainOptions, batch: int) -
     while joined:
         builder = ProgramBuilder(spec, options, batch, joined)
         program = builder.program()
-        raising = {builder.joined_by[s] for i, op in enumerate(program.ops)
-                   if program.working_set_nbytes(i) > floor for s in op.accesses if s in builder.joined_by}
+        raising = {builder.flats[s][0] for i, op in enumerate(program.ops)
+                   if program.working_set_nbytes(i) > floor for s in op.accesses if s in builder.flats}
         if not raising:
             return program
         joined -= raising
@@ -128,7 +128,7 @@ class ProgramBuilder:
         self.joined = joined                       # nodes whose parameters are one slot
         self.slots: dict[str, Slot] = {}
         self.members: dict[str, tuple[str, int, tuple[int, ...]]] = {}   # name -> (flat slot, first element, shape)
-        self.joined_by: dict[str, int] = {}        # flat slot -> its node
+        self.flats: dict[str, tuple[int, tuple[str, ...]]] = {}   # flat slot -> (its node, its members)
         self.ops: list[Op] = []
         self.out: dict[int, str] = {}              # node (or INPUT) -> the slot its readers read
         self.grad: dict[int, str] = {}             # node -> the gradient slot of ``out[node]``
@@ -155,8 +155,8 @@ class ProgramBuilder:
         views = tuple((s, *self.members[s]) for s in dict.fromkeys(tuple(reads) + tuple(writes)) if s in self.members)
         if views:                       # parameters of a node joined into one slot: the op touches the slot
             for flat in {v[1] for v in views if self.slots[v[1]].kind is Kind.GRADIENT}:    # written whole
-                parts = {m for m, member in self.members.items() if member[0] == flat}
-                assert parts <= set(writes), f"op {name} writes part of {flat}: its gradients are written by one op"
+                assert set(self.flats[flat][1]) <= set(writes), \
+                    f"op {name} writes part of {flat}: its gradients are written by one op"
             reads = dict.fromkeys(self.members[s][0] if s in self.members else s for s in reads)
             writes = dict.fromkeys(self.members[s][0] if s in self.members else s for s in writes)
             run = _with_views(run, views)
@@ -277,7 +277,7 @@ class ProgramBuilder:
             self.members[member] = (name, start, tuple(int(d) for d in shape))
             start += math.prod(shape)
         self.slot(name, kind, (start,))
-        self.joined_by[name] = node.index
+        self.flats[name] = (node.index, tuple(members))
 
     def workspace(self, name: str, nelems: int) -> str:
         return self.slot(name, Kind.WORKSPACE, (nelems,))
