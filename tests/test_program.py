@@ -26,7 +26,7 @@ from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
 from tensile_db.errors import DeviceOutOfMemory, InvalidArgument
 from tensile_db.memory.arena import UNIT_NBYTES, round_up
 from tensile_db.memory.manager import MemoryManager
-from tensile_db.runtime import zoo
+from tensile_db.runtime import builder, zoo
 from tensile_db.runtime.builder import ProgramBuilder, build_training_program
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions, parse_architecture
@@ -154,15 +154,16 @@ def test_joining_a_node_s_parameters_never_raises_the_largest_working_set(progra
 
 
 def test_a_node_s_parameters_are_joined_unless_that_raises_the_largest_working_set():
-    # the bench's MLP: its largest op is the Adam step of the 512 x 512 layer, which would hold the
-    # layer's bias, its gradient and moments too: that layer keeps its slots, the others are joined
+    # the bench's MLP: its largest op is the backward of the 512 x 512 layer (its Adam step runs in
+    # sub-groups), which would hold the layer's bias and its gradient too: that layer keeps its
+    # slots, the others are joined
     mlp = ModelSpec(Architecture((Layer(512, "relu"), Layer(512, "relu"), Layer(256, "relu"))), 64, 10,
                     "classification")
     options = TrainOptions(optimizer="adam")
     prog, separate = build_training_program(mlp, options, 128), _separate(mlp, options, 128)
-    assert separate.ops[max(range(len(separate.ops)), key=separate.working_set_nbytes)].name == "adam_W1"
+    assert separate.ops[max(range(len(separate.ops)), key=separate.working_set_nbytes)].name == "dense1_backward"
     assert [op.name for op in prog.ops if op.unit == "optimizer"] == \
-        ["adam_params0", "adam_W1", "adam_b1", "adam_params2", "adam_params3"]
+        ["adam_params0", "adam_W1.0", "adam_W1.1", "adam_W1.2", "adam_b1", "adam_params2", "adam_params3"]
     assert {"dparams0", "adam_v_params3"} <= set(prog.slots) and not {"W0", "dW2", "adam_m_b3"} & set(prog.slots)
     assert prog.min_working_set_nbytes == separate.min_working_set_nbytes
     # a narrow net whose largest op is a layer's backward, which reads the weight but not the bias
@@ -183,26 +184,63 @@ IMAGES = ModelSpec.parse({"input": {"shape": [3, 8, 8]}, "layers": [
     {"conv": 8, "padding": 1}, {"global_avg_pool": {}}, {"dense": 16, "dropout": 0.3}]}, 3 * 8 * 8, 5, "classification")
 
 
+def _trained(spec: ModelSpec, prog: Program, weights: dict, batch: int) -> dict[str, np.ndarray]:
+    """``weights`` after two training steps of ``prog`` on one batch of ``spec``'s rows, by name."""
+    x, y = batch_of(spec, batch, seed=6)
+    arrays = allocate(prog, weights, np.float32)
+    for step in (1, 2):
+        ctx = StepContext(HostDevice(), step=step, seed=3 + step, batch_x=x.astype(np.float32), batch_y=y)
+        for op in prog.ops:
+            op.run(arrays, ctx)
+    views = member_views(prog, arrays)
+    return {w: (views[w] if w in views else arrays[w]).copy() for w in weights}
+
+
 @pytest.mark.parametrize("name", [*SPECS, "images-adam", "images-sgd"])
 def test_joined_parameters_train_bit_for_bit_as_separate_ones(name):
     spec, options = SPECS[name] if name in SPECS else \
         (IMAGES, TrainOptions(optimizer=name.split("-")[1], lr=0.01, weight_decay=0.01))
     weights = spec.network.init_weights(5)
-    x, y = batch_of(spec, BATCH, seed=6)
-    values, joined = [], build_training_program(spec, options, BATCH)
+    joined = build_training_program(spec, options, BATCH)
     assert joined.members                               # some node's parameters are one slot
-    for prog in (joined, _separate(spec, options)):
-        arrays = allocate(prog, weights, np.float32)
-        for step in (1, 2):
-            ctx = StepContext(HostDevice(), step=step, seed=3 + step, batch_x=x.astype(np.float32), batch_y=y)
-            for op in prog.ops:
-                op.run(arrays, ctx)
-        views = member_views(prog, arrays)
-        values.append({w: (views[w] if w in views else arrays[w]).copy() for w in weights})
+    values = [_trained(spec, prog, weights, BATCH) for prog in (joined, _separate(spec, options))]
     assert values[0].keys() == values[1].keys()
     for w in weights:
         np.testing.assert_array_equal(values[0][w], values[1][w])
         assert not np.array_equal(values[0][w], weights[w]) or w.startswith(("rm", "rv"))   # trained
+
+
+#: the bench's MLP: one Adam step of its 512 x 512 layer would hold 4 MiB (the weight, its gradient
+#: and two moments), more than any op of the forward and backward passes
+MLP = ModelSpec(Architecture((Layer(512, "relu"), Layer(512, "relu"), Layer(256, "relu"))), 64, 10, "classification")
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_an_optimizer_step_in_sub_groups_trains_bit_for_bit_as_one_step(optimizer, monkeypatch):
+    options = TrainOptions(optimizer=optimizer, lr=0.01, weight_decay=0.01)
+    grouped = build_training_program(MLP, options, 128)
+    monkeypatch.setattr(builder, "MAX_SUBGROUPS", 1)
+    whole = build_training_program(MLP, options, 128)
+    first = min(i for i, op in enumerate(grouped.ops) if op.unit == "optimizer")
+    passes = max(grouped.working_set_nbytes(i) for i in range(first))         # forward and backward
+    steps = [i for i, op in enumerate(grouped.ops) if op.name.startswith(f"{options.optimizer}_W1.")]
+    assert len(steps) > 1 and grouped.min_working_set_nbytes == passes < whole.min_working_set_nbytes
+    assert all(grouped.working_set_nbytes(i) <= passes for i in steps)
+    state = [s for s in grouped.slots.values() if s.kind is Kind.OPTIMIZER_STATE and "W1." in s.name]
+    assert sum(s.nbytes for s in state) == sum(s.nbytes for s in whole.slots.values()
+                                               if s.kind is Kind.OPTIMIZER_STATE and s.name.endswith("_W1"))
+    weights = MLP.network.init_weights(5)
+    values = [_trained(MLP, prog, weights, 128) for prog in (grouped, whole)]
+    for w in weights:
+        np.testing.assert_array_equal(values[0][w], values[1][w])
+        assert not np.array_equal(values[0][w], weights[w])                     # trained
+
+
+def test_a_step_within_the_passes_stays_whole(program):
+    _, _, prog = program
+    steps = [i for i, op in enumerate(prog.ops) if op.unit == "optimizer"]
+    passes = max(prog.working_set_nbytes(i) for i in range(steps[0]))
+    assert all(prog.working_set_nbytes(i) <= passes and "." not in prog.ops[i].name for i in steps)
 
 
 def _recomputed_peak(prog: Program) -> int:

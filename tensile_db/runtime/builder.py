@@ -15,7 +15,9 @@ normalisation's batch statistics ``bm{i}`` / ``bs{i}``, ...). A node's parameter
 ``params{i}``, as are their gradients ``dparams{i}`` and each optimizer state (``adam_m_params{i}``
 ...), where that does not raise the program's largest working set (Note [One tensor per node's
 parameters]); else each parameter is a slot of :mod:`.network`'s name (``W{i}``, its gradient
-``dW{i}``, ``adam_m_W{i}`` ...). An op that must not run twice (batch normalisation's, which updates
+``dW{i}``, ``adam_m_W{i}`` ...). A step that would hold more than the largest op of the forward and
+backward passes runs in sub-groups, each with its own slots of state (``adam_m_W{i}.0`` ...: Note
+[Optimizer steps in sub-groups]). An op that must not run twice (batch normalisation's, which updates
 the running statistics) carries a *replay* op that recomputes its output exactly; workspaces are
 not inputs of a recipe: a replay allocates its own.
 
@@ -48,7 +50,8 @@ budget, 9,728 bytes over in every order tried, so the CNN ran on the reactive fa
 1.37 times its unlimited time at half its peak, against 1.19 to 1.26.
 
 Measured (``bench/throughput.py``, five repeats, six runs alternated with the program of one slot
-per parameter; the runs' medians): the MLP at its largest working set swaps 17 tensors an
+per parameter; the runs' medians; before the optimizer steps ran in sub-groups, Note [Optimizer
+steps in sub-groups]): the MLP at its largest working set swaps 17 tensors an
 iteration instead of 28, the same bytes (its 512 x 512 layer keeps its slots: its optimizer step
 is the largest op), in 1.30 to 1.36 times the unlimited run's time per iteration against 1.36 to
 1.46, and its samples/s against PyTorch's went from 0.80 to 0.85 to 0.86 to 0.88; the small CNN
@@ -62,8 +65,37 @@ against 0.129 to 0.206), and the worst packing of a recorded period by the plann
 Limitations: a stored model keeps one array per parameter: the flat slots are filled from them when
 a job starts and read back into them in its copies of its weights; a node with one parameter is
 one slot as before; a node whose parameters stay apart to keep the largest working set keeps all
-its small tensors apart (the MLP's 512 x 512 layer's bias, its gradient and moments). Building
+its small tensors apart (the MLP's 512 x 512 layer's bias, its gradient and moments: joined, they
+would be held by the layer's backward, its largest op now). Building
 the program takes two or three passes instead of one (DenseNet-121: 88 against 25 ms).
+
+Note [Optimizer steps in sub-groups]
+------------------------------------
+Rationale: an optimizer step holds its parameter, the gradient and every state array (Adam's two
+moments) at once, so a large layer's step can be the largest working set of the whole program,
+which is the least budget the program can run in, and at that budget every other tensor must
+leave the device for it. The MLP of ``bench/throughput.py``: Adam on its 512 x 512 layer held
+4 MiB, against 2.75 MiB for the layer's backward, the largest op of the passes; at half the MLP's
+peak the budget had to be raised to those 4 MiB, and the plan swapped 17 tensors an iteration,
+4.4 MiB each way.
+
+Approach: the step is elementwise, so it may run over parts of the parameter: where one step
+would hold more than the largest op before the optimizer, its state is split into the fewest
+sub-groups (at most :data:`MAX_SUBGROUPS`) whose steps hold no more, each sub-group a slot of its
+own (``adam_m_W1.0`` ...) and a step of its own over that part of the parameter and the gradient
+(views), in order; the values are those of one step, bit for bit. The parameter and its gradient
+stay whole: the passes' ops read and write them whole. DeepSpeed's ZeRO-3 with offload
+(Rajbhandari et al., ZeRO-Infinity, SC 2021) steps its optimizer over sub-groups of the flat
+parameters (its ``sub_group_size``) to bound the step's working set the same way.
+
+Measured (``bench/throughput.py``): the MLP's largest working set went from 4,194,304 to
+2,885,632 bytes (its 512 x 512 layer's step in three sub-groups), so half its peak (3,782,656
+bytes) is a budget it runs in as it is; there its plan swaps 10 tensors an iteration, 4.0 MiB each
+way. Among the seed papers' networks only VGG-16's steps are split (its first dense layer's, 392
+MiB of weights, into 8 sub-groups), and its largest working set went from 1,568 to 882 MiB.
+
+Limitations: a step that the most sub-groups do not bring within the passes' largest op (VGG-16's)
+stays the program's largest; each sub-group is one op more an iteration.
 """
 
 from __future__ import annotations
@@ -76,6 +108,14 @@ from .layers.base import ACTIVATIONS
 from .model import ModelSpec, TrainOptions
 from .network import INPUT, Node
 from .program import Kind, Op, Program, Slot
+from .units import UNIT_NBYTES, round_up
+
+#: most sub-groups one parameter's optimizer step is split into (Note [Optimizer steps in sub-groups]):
+#: a step's working set then lies within an eighth of its state's bytes of the parameter and
+#: gradient's it cannot go below (Adam: 2.25 against 2 times the parameter's bytes)
+MAX_SUBGROUPS = 8
+#: float32 elements in an arena unit: a sub-group's size is a whole number of them
+UNIT_ELEMS = UNIT_NBYTES // 4
 
 
 def build_training_program(spec: ModelSpec, options: TrainOptions, batch: int) -> Program:
@@ -144,13 +184,14 @@ class ProgramBuilder:
         return name
 
     def op(self, name: str, reads, writes, run, replay: Op | None = None, flops: int = 0,
-           unit: str = "elementwise") -> None:
-        self.ops.append(self.make_op(name, reads, writes, run, replay, flops, unit))
+           unit: str = "elementwise", nbytes: int | None = None) -> None:
+        self.ops.append(self.make_op(name, reads, writes, run, replay, flops, unit, nbytes))
 
     def make_op(self, name: str, reads, writes, run, replay: Op | None = None, flops: int = 0,
-                unit: str = "elementwise") -> Op:
-        """An op costing ``flops`` (elementwise ops: one per element written, when 0) and the
-        bytes of the slots it reads and writes, workspaces left out (:class:`Op`)."""
+                unit: str = "elementwise", nbytes: int | None = None) -> Op:
+        """An op costing ``flops`` (elementwise ops: one per element written, when 0) and
+        ``nbytes``, by default the bytes of the slots it reads and writes, workspaces left out
+        (:class:`Op`)."""
         flops = flops or sum(self.numel(s) for s in writes if self.kind(s) is not Kind.WORKSPACE)
         views = tuple((s, *self.members[s]) for s in dict.fromkeys(tuple(reads) + tuple(writes)) if s in self.members)
         if views:                       # parameters of a node joined into one slot: the op touches the slot
@@ -160,8 +201,10 @@ class ProgramBuilder:
             reads = dict.fromkeys(self.members[s][0] if s in self.members else s for s in reads)
             writes = dict.fromkeys(self.members[s][0] if s in self.members else s for s in writes)
             run = _with_views(run, views)
-        moved = [self.slots[s] for s in tuple(reads) + tuple(writes) if self.slots[s].kind is not Kind.WORKSPACE]
-        return Op(name, tuple(reads), tuple(writes), run, replay, int(flops), sum(s.nbytes for s in moved), unit)
+        if nbytes is None:
+            nbytes = sum(self.slots[s].nbytes for s in tuple(reads) + tuple(writes)
+                         if self.slots[s].kind is not Kind.WORKSPACE)
+        return Op(name, tuple(reads), tuple(writes), run, replay, int(flops), int(nbytes), unit)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of a slot or of a parameter (or its gradient) within a node's joined slot."""
@@ -331,23 +374,61 @@ class ProgramBuilder:
     # -- optimizer ----------------------------------------------------------------------------------
 
     def optimizer(self) -> None:
+        """One step per node's parameters (per parameter where the node's are apart), each over
+        sub-groups of its state where one step would hold more than the largest op before it
+        (Note [Optimizer steps in sub-groups])."""
         options = self.options
         lr, wd = options.learning_rate, options.weight_decay
+        passes = max((sum(self.slots[s].arena_nbytes for s in op.accesses) for op in self.ops), default=0)
         for node in self.net.nodes:
             params = {f"params{node.index}": self.slots[f"params{node.index}"].shape} \
                 if node.index in self.joined else node.params
             for p, shape in params.items():
                 grad = f"d{p}"
-                if options.optimizer == "adam":
-                    m = self.slot(f"adam_m_{p}", Kind.OPTIMIZER_STATE, shape)
-                    v = self.slot(f"adam_v_{p}", Kind.OPTIMIZER_STATE, shape)
-                    self.op(f"adam_{p}", (p, grad, m, v), (p, grad, m, v),
-                        lambda a, ctx, p=p, grad=grad, m=m, v=v: kernels.adam_update(
-                            a[p], a[grad], a[m], a[v], lr, 0.9, 0.999, 1e-8, ctx.step, wd),
-                        flops=12 * self.numel(p), unit="optimizer")
-                else:
-                    vel = self.slot(f"sgd_velocity_{p}", Kind.OPTIMIZER_STATE, shape)
-                    self.op(f"sgd_{p}", (p, grad, vel), (p, grad, vel),
-                        lambda a, ctx, p=p, grad=grad, vel=vel: kernels.sgd_update(
-                            a[p], a[grad], a[vel], lr, options.momentum, wd),
-                        flops=4 * self.numel(p), unit="optimizer")
+                names = ("adam_m", "adam_v") if options.optimizer == "adam" else ("sgd_velocity",)
+                groups = self.subgroups(p, grad, len(names), passes)
+                for j, (lo, hi) in enumerate(groups):
+                    tag = p if len(groups) == 1 else f"{p}.{j}"
+                    state = [self.slot(f"{name}_{tag}", Kind.OPTIMIZER_STATE, shape if len(groups) == 1 else (hi - lo,))
+                             for name in names]
+                    part = None if len(groups) == 1 else (lo, hi)
+                    # read and written: its part of the parameter and the gradient, and its state
+                    nbytes = None if part is None else 2 * 4 * (hi - lo) * (2 + len(state))
+                    if options.optimizer == "adam":
+                        m, v = state
+                        self.op(f"adam_{tag}", (p, grad, m, v), (p, grad, m, v),
+                            lambda a, ctx, p=p, grad=grad, m=m, v=v, part=part: kernels.adam_update(
+                                _part(a[p], part), _part(a[grad], part), a[m], a[v], lr, 0.9, 0.999, 1e-8,
+                                ctx.step, wd),
+                            flops=12 * (hi - lo), unit="optimizer", nbytes=nbytes)
+                    else:
+                        vel, = state
+                        self.op(f"sgd_{tag}", (p, grad, vel), (p, grad, vel),
+                            lambda a, ctx, p=p, grad=grad, vel=vel, part=part: kernels.sgd_update(
+                                _part(a[p], part), _part(a[grad], part), a[vel], lr, options.momentum, wd),
+                            flops=4 * (hi - lo), unit="optimizer", nbytes=nbytes)
+
+    def subgroups(self, p: str, grad: str, states: int, floor_nbytes: int) -> list[tuple[int, int]]:
+        """The (first, last + 1) elements of each sub-group of ``p``'s optimizer step, with
+        ``states`` float32 state arrays of ``p``'s size: one group where the step's working set is
+        at most ``floor_nbytes``, else the fewest (at most :data:`MAX_SUBGROUPS`) that bring every
+        group's within it, or the most where none does; groups of whole arena units, the last the
+        rest (Note [Optimizer steps in sub-groups])."""
+        n = self.numel(p)
+        held = self.slots[p].arena_nbytes + self.slots[grad].arena_nbytes
+        groups = [(0, n)]
+        if held + states * round_up(4 * n) <= floor_nbytes:
+            return groups
+        for k in range(2, MAX_SUBGROUPS + 1):
+            size = -(-n // (k * UNIT_ELEMS)) * UNIT_ELEMS
+            if size >= n:
+                break                                 # too few elements to split further
+            groups = [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+            if held + states * round_up(4 * size) <= floor_nbytes:
+                break
+        return groups
+
+
+def _part(array, part: tuple[int, int] | None):
+    """``array`` whole, or the elements ``part`` (first, last + 1) of it flattened (a view)."""
+    return array if part is None else array.reshape(-1)[part[0]:part[1]]
