@@ -201,6 +201,19 @@ def test_training_program_traces(scheduled):
     assert plan.arena_nbytes >= bound
 
 
+def test_a_packing_within_enough_bytes_ends_the_search_before_it_starts():
+    """The same allocations: where the fixed orders' packing is enough, it is taken as it is, one
+    unit above the bound that the search would have reached."""
+    allocs = [alloc("t0", 3, (4, 4)), alloc("t1", 3, (2, 6)), alloc("t2", 2, (4, 8)), alloc("t3", 2, (3, 5)),
+              alloc("t4", 4, (1, 3)), alloc("t5", 1, (2, 6))]
+    bound = max_live_nbytes(allocs)
+    fixed = min(plan_offsets(allocs, "best_fit", order).arena_nbytes for order in ORDERS)
+    assert plan_smallest(allocs, "best_fit", max_tries=0, enough_nbytes=fixed - 1).arena_nbytes == bound
+    plan = plan_smallest(allocs, "best_fit", search_s=10.0, enough_nbytes=fixed)
+    check_plan(allocs, plan)
+    assert plan.arena_nbytes == fixed > bound
+
+
 def test_a_packing_at_the_lower_bound_ends_the_search_before_it_starts():
     """Every fixed order packs these a unit above the most bytes live at once; the order by
     breadth, then size, then lifetime reaches it, and is taken with no randomised try."""

@@ -252,6 +252,26 @@ def test_invalidation_dissolves_without_counting_a_mismatch():
     assert pool.state is State.RECORDING
 
 
+@pytest.mark.parametrize("waits", [True, False], ids=["waited for", "beside the jobs"])
+def test_the_search_the_jobs_wait_for_is_told_the_region_s_room(waits, monkeypatch):
+    """Where the boundary waits for the offsets, the planner gets the budget less the library
+    temporaries' bytes as the room within which a packing ends the search; elsewhere none."""
+    rooms = []
+    original = planned._plan
+    monkeypatch.setattr(planned, "_plan", lambda allocs, *a: rooms.append(a[3]) or original(allocs, *a))
+    arena = FakeArena()
+    pool = PlannedPool(arena.install, arena.dissolve, room=lambda: 64 * U)
+    pool.waits_for_plans = waits
+    pool.boundary(lambda: (LIVE, 3 * U))
+    play(pool, PERIOD)
+    pool.boundary(lambda: (LIVE, 3 * U))                 # waited for: installs here
+    if not waits:
+        pool.wait_for_plan()
+        pool.boundary(lambda: (LIVE, 3 * U))
+    assert pool.state is State.SERVING and rooms == [61 * U if waits else 0]
+    pool.close()
+
+
 def test_the_same_period_recorded_again_is_not_planned_again(monkeypatch):
     """A re-plan of the scheduler that leaves the interleaving as it was records the same period:
     its plan is reused, not made again; a different period is planned."""

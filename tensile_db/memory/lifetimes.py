@@ -294,8 +294,8 @@ def best_fixed_order(allocs: list[Allocation], strategy: str, bound_nbytes: int,
 
 
 def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s: float = 0.0,
-                  seed: int = 0, max_tries: int | None = None, overlaps: list[list[int]] | None | str = "auto"
-                  ) -> PoolPlan:
+                  seed: int = 0, max_tries: int | None = None, overlaps: list[list[int]] | None | str = "auto",
+                  enough_nbytes: int = 0) -> PoolPlan:
     """The smallest arena of :func:`plan_offsets` over every order of :data:`ORDERS`, then, for up
     to ``search_s`` seconds, over randomised orders: by size, or by size times lifetime, each
     scaled by a seeded random factor in [0.25, 1.75). Fixed greedy orders can miss by 20% or more
@@ -305,11 +305,15 @@ def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s
     randomised orders when given. Before the search, one more order (:func:`_bound_order`) is
     tried, and taken only where it reaches the bound, which no search can beat. Deterministic
     for a given ``seed`` and number of tries (so with ``max_tries`` and an unbounded
-    ``search_s``). ``overlaps``: as for :func:`plan_offsets` (worked out here once by default)."""
+    ``search_s``). ``overlaps``: as for :func:`plan_offsets` (worked out here once by default).
+    ``enough_nbytes``: an arena of at most this many bytes also ends the search, or makes it
+    needless (Note [A search the jobs wait for] in :mod:`~tensile_db.memory.planned`); 0, the
+    default: only the bound does."""
     bound = max_live_nbytes(allocs)
+    goal = max(bound, enough_nbytes)
     overlaps = small_overlaps(allocs) if overlaps == "auto" else overlaps
     best = best_fixed_order(allocs, strategy, bound, overlaps=overlaps)
-    if best.arena_nbytes <= bound:
+    if best.arena_nbytes <= goal:
         return best
     at_bound = plan_offsets(allocs, strategy, _bound_order(allocs), overlaps=overlaps)
     if at_bound.arena_nbytes <= bound:
@@ -319,7 +323,7 @@ def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s
     rng = np.random.default_rng(seed)
     deadline = time.perf_counter() + search_s
     tries = 0
-    while best.arena_nbytes > bound and time.perf_counter() < deadline and tries != max_tries:
+    while best.arena_nbytes > goal and time.perf_counter() < deadline and tries != max_tries:
         weight = keys[tries % 2] * rng.uniform(0.25, 1.75, len(allocs))
         order = [allocs[i] for i in np.lexsort((np.arange(len(allocs)), -weight))]
         plan = plan_offsets(allocs, strategy, order, overlaps=overlaps)

@@ -107,7 +107,8 @@ class MemoryManager(Residencies):
         # guarded by _lock
         self.installer = RegionInstaller(self)
         self.pool = PlannedPool(self.installer.install, self.installer.dissolve, enabled=pool == "planned",
-                                synchronous=device.virtual_time, where=self._live_offsets)
+                                synchronous=device.virtual_time, where=self._live_offsets,
+                                room=lambda: self.budget_nbytes)
         self.eviction = Eviction(self)
         self.cache = WeightCache(self)
 
