@@ -95,9 +95,10 @@ Rationale: the offsets' search runs for :data:`SEARCH_S` seconds unless it reach
 bytes, which it often cannot, and where the executor waits for the offsets (Note [Plans beside
 kernels on every core] in :mod:`tensile_db.scheduler.engine`) the jobs wait that long. The MLP of
 ``bench/throughput.py`` at half its peak, its optimizer steps in sub-groups: the fixed orders
-packed its period 0.97% above the most live bytes in under a millisecond, the search brought that
-to 0.06% in 100 ms, and the iteration that waited for it took 117 to 122 ms against 5.5: in a run
-of 64 iterations, a third more time per iteration.
+packed its period 0.97% above the most live bytes in a millisecond, the search brought that to
+0.06% in 100 ms, and the iteration that waited for it took 127 to 130 ms against 5.5 to 6 (two
+runs): in a run of 64 iterations, a third more time per iteration. With the search ended as below,
+that iteration took 13 to 20 ms.
 
 Approach: where the pool's plans are waited for, the search ends at the first packing (the fixed
 orders' best included) that is at most :data:`ENOUGH_RATIO` of the most live bytes and fits the
