@@ -16,10 +16,10 @@ from job_helpers import FAST, budget_of, make_job, run
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobState
 from tensile_db.errors import InvalidArgument
-from tensile_db.memory import planned
+from tensile_db.memory import lifetimes, planned
 from tensile_db.memory.arena import UNIT_NBYTES as U
 from tensile_db.memory.arena import ArenaAllocator
-from tensile_db.memory.lifetimes import period_allocations
+from tensile_db.memory.lifetimes import Allocation, period_allocations
 from tensile_db.memory.manager import MemoryManager, Residency
 from tensile_db.memory.planned import PlannedPool, State
 from tensile_db.runtime.device import CpuDevice
@@ -269,6 +269,58 @@ def test_the_search_the_jobs_wait_for_is_told_the_region_s_room(waits, monkeypat
         pool.wait_for_plan()
         pool.boundary(lambda: (LIVE, 3 * U))
     assert pool.state is State.SERVING and rooms == [61 * U if waits else 0]
+    pool.close()
+
+
+def test_a_search_ends_at_a_packing_that_fits_the_room_within_enough_ratio(monkeypatch):
+    """``_plan`` ends the search at a packing no larger than the room and :data:`ENOUGH_RATIO`
+    of the most live bytes, whichever is less (allocations whose fixed orders pack a unit above
+    their most live bytes, without the order that reaches them)."""
+    allocs = [Allocation(f"t{i}", units * U, (segment,)) for i, (units, segment) in
+              enumerate([(3, (4, 4)), (3, (2, 6)), (2, (4, 8)), (2, (3, 5)), (4, (1, 3)), (1, (2, 6))])]
+    monkeypatch.setattr(lifetimes, "_bound_order", lambda allocs: sorted(allocs, key=lifetimes.ORDERS["largest"](allocs)))
+    bound = lifetimes.max_live_nbytes(allocs)
+    fixed = lifetimes.best_fixed_order(allocs, "best_fit", bound).arena_nbytes
+    assert fixed > bound
+    monkeypatch.setattr(planned, "ENOUGH_RATIO", 2.0)
+    assert planned._plan(allocs, 1e9, 1000, None, fixed)[1].arena_nbytes == fixed        # enough
+    assert planned._plan(allocs, 1e9, 1000, None, fixed - U)[1].arena_nbytes == bound    # does not fit
+    monkeypatch.setattr(planned, "ENOUGH_RATIO", 1.0)
+    assert planned._plan(allocs, 1e9, 1000, None, fixed)[1].arena_nbytes == bound        # not close enough
+
+
+def test_after_a_region_found_no_room_the_pool_searches_whole(monkeypatch):
+    """A region that found no room: the period recorded again after the back-off is planned with
+    no room (a whole search), not given the plan that failed; a schedule change ends that."""
+    rooms = []
+    original = planned._plan
+    monkeypatch.setattr(planned, "_plan", lambda allocs, *a: rooms.append(a[3]) or original(allocs, *a))
+
+    class Arena(FakeArena):
+        def install(self, plan, live_keys, reserve):
+            self.installed.append((plan, live_keys, reserve))
+            return planned.NoRoom("no room") if len(self.installed) == 1 else 0
+
+    arena = Arena()
+    pool = PlannedPool(arena.install, arena.dissolve, room=lambda: 64 * U)
+    pool.waits_for_plans = True
+    for _ in range(2):
+        for waited in range(planned.NO_ROOM_BACKOFF_PERIODS + 1):      # the back-off, then a recording
+            pool.boundary(lambda: (LIVE, 0))
+            if pool.state is State.RECORDING:
+                break
+        play(pool, PERIOD)
+        pool.boundary(lambda: (LIVE, 0))
+    assert waited == planned.NO_ROOM_BACKOFF_PERIODS - 2              # the boundary that failed counts one
+    assert pool.state is State.SERVING and rooms == [64 * U, 0] and len(arena.installed) == 2
+    for period in (PERIOD, PERIOD[:1] + [("a", K("v"), U), ("f", K("v"), U)] + PERIOD[1:]):
+        pool.invalidate("the schedule changed")
+        pool.boundary(lambda: (LIVE, 0))
+        play(pool, period)
+        pool.boundary(lambda: (LIVE, 0))
+        assert pool.state is State.SERVING
+    # the same period reuses the plan searched whole; another is planned for the room again
+    assert rooms == [64 * U, 0, 64 * U] and len(arena.installed) == 4
     pool.close()
 
 

@@ -215,8 +215,10 @@ def test_joined_parameters_train_bit_for_bit_as_separate_ones(name):
 MLP = ModelSpec(Architecture((Layer(512, "relu"), Layer(512, "relu"), Layer(256, "relu"))), 64, 10, "classification")
 
 
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "NumPy's passes"])
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
-def test_an_optimizer_step_in_sub_groups_trains_bit_for_bit_as_one_step(optimizer, monkeypatch):
+def test_an_optimizer_step_in_sub_groups_trains_bit_for_bit_as_one_step(optimizer, fused, monkeypatch):
+    monkeypatch.setenv("TENSILE_FUSED", fused)            # the fused step, or the passes CuPy runs too
     options = TrainOptions(optimizer=optimizer, lr=0.01, weight_decay=0.01)
     grouped = build_training_program(MLP, options, 128)
     monkeypatch.setattr(builder, "MAX_SUBGROUPS", 1)
@@ -226,6 +228,9 @@ def test_an_optimizer_step_in_sub_groups_trains_bit_for_bit_as_one_step(optimize
     steps = [i for i, op in enumerate(grouped.ops) if op.name.startswith(f"{options.optimizer}_W1.")]
     assert len(steps) > 1 and grouped.min_working_set_nbytes == passes < whole.min_working_set_nbytes
     assert all(grouped.working_set_nbytes(i) <= passes for i in steps)
+    one = next(op for op in whole.ops if op.name == f"{options.optimizer}_W1")     # the same cost, in parts
+    assert sum(grouped.ops[i].flops for i in steps) == one.flops
+    assert sum(grouped.ops[i].nbytes for i in steps) == one.nbytes
     state = [s for s in grouped.slots.values() if s.kind is Kind.OPTIMIZER_STATE and "W1." in s.name]
     assert sum(s.nbytes for s in state) == sum(s.nbytes for s in whole.slots.values()
                                                if s.kind is Kind.OPTIMIZER_STATE and s.name.endswith("_W1"))

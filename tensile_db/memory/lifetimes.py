@@ -306,14 +306,14 @@ def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s
     tried, and taken only where it reaches the bound, which no search can beat. Deterministic
     for a given ``seed`` and number of tries (so with ``max_tries`` and an unbounded
     ``search_s``). ``overlaps``: as for :func:`plan_offsets` (worked out here once by default).
-    ``enough_nbytes``: an arena of at most this many bytes also ends the search, or makes it
-    needless (Note [A search the jobs wait for] in :mod:`~tensile_db.memory.planned`); 0, the
-    default: only the bound does."""
+    ``enough_nbytes``: after the fixed orders and that one, an arena of at most this many bytes
+    ends the search, or makes it needless (Note [A search the jobs wait for] in
+    :mod:`~tensile_db.memory.planned`); 0, the default: only the bound does."""
     bound = max_live_nbytes(allocs)
     goal = max(bound, enough_nbytes)
     overlaps = small_overlaps(allocs) if overlaps == "auto" else overlaps
     best = best_fixed_order(allocs, strategy, bound, overlaps=overlaps)
-    if best.arena_nbytes <= goal:
+    if best.arena_nbytes <= bound:
         return best
     at_bound = plan_offsets(allocs, strategy, _bound_order(allocs), overlaps=overlaps)
     if at_bound.arena_nbytes <= bound:

@@ -101,15 +101,19 @@ runs): in a run of 64 iterations, a third more time per iteration. With the sear
 that iteration took 13 to 20 ms.
 
 Approach: where the pool's plans are waited for, the search ends at the first packing (the fixed
-orders' best included) that is at most :data:`ENOUGH_RATIO` of the most live bytes and fits the
-region's room, the budget less the library temporaries' bytes that the install keeps free;
-elsewhere, and where no packing found so far fits, it searches as before. A region that fits is
-installed either way, and one within the plans' headroom does not make them keep more (Note
-[Headroom for the pool] in :mod:`tensile_db.scheduler.engine`).
+orders' best, and the one more order tried before the search, included) that is at most
+:data:`ENOUGH_RATIO` of the most live bytes and fits the region's room, the budget less the
+library temporaries' bytes that the install keeps free; elsewhere, and where no packing found so
+far fits, it searches as before. A region that fits is installed either way, and one within the
+plans' headroom does not make them keep more (Note [Headroom for the pool] in
+:mod:`tensile_db.scheduler.engine`). The plan of a period recorded again is reused only where it
+fits the room of then; once a region found no room (pinned blocks, or blocks that the layout
+cannot move round), the pool searches whole again until the jobs or the schedule change.
 
 Limitations: the region may take up to :data:`ENOUGH_RATIO` of the most live bytes where a search
 would have found less, and the device's peak counts it; the room is the budget's, not what the
-blocks in use leave at the install, which may still find no room.
+blocks in use leave at the install. :data:`ENOUGH_RATIO` is the scheduler's default headroom
+written again: a job configured with another headroom does not move it.
 """
 
 from __future__ import annotations
@@ -225,6 +229,9 @@ class PlannedPool:
         self._planning: concurrent.futures.Future | None = None
         self._planning_periods = 0                   # boundaries since the plan was asked for
         self._last_plan: tuple | None = None         # _plan's result last installed or tried
+        # Note [A search the jobs wait for]: a region found no room (search whole until invalidated);
+        # the room the plan being made and the last plan were searched for (0: whole)
+        self._no_room, self._planning_room, self._last_room = False, 0, 0
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensile-pool")
         #: ``offload(fn, *args) -> Future`` running ``fn`` in another process, for plans of more
         #: than :data:`OFFLOAD_MIN_ALLOCATIONS` (None: the planning thread makes every plan)
@@ -304,7 +311,7 @@ class PlannedPool:
             self._dissolve()
             log.info("planned pool dissolved: %s", reason)
         self.state, self.plan, self._failures, self._wait = State.IDLE, None, 0, 0
-        self._planning = None
+        self._planning, self._no_room = None, False
 
     def wait_for_plan(self) -> None:
         """Block until the plan asked for at the last boundary is made (a no-op unless planning),
@@ -369,7 +376,11 @@ class PlannedPool:
         self.state, self._planning_periods = State.PLANNING, 0
         where = self._where() if self._where is not None else {}
         keep = {key: where[key] for key in live if key in where}       # Note [Blocks kept in place]
-        if self._last_plan is not None and self._last_plan[0] == allocs and self._last_plan[4] == keep:
+        # Note [A search the jobs wait for]: the region's room, the budget less the reserve
+        room = (self._room() - self._unkeyed_peak
+                if self.waits_for_plans and self._room is not None and not self._no_room else 0)
+        if (self._last_plan is not None and self._last_plan[0] == allocs and self._last_plan[4] == keep
+                and (self._last_room <= 0 or 0 < room and self._last_plan[1].arena_nbytes <= room)):
             # The same period as last time (a re-plan of the scheduler that left the interleaving
             # as it was): its plan still holds, and planning it again would only take CPU from the jobs.
             self._planning = concurrent.futures.Future()
@@ -378,18 +389,18 @@ class PlannedPool:
             self._planning = concurrent.futures.Future()
             self._planning.set_result(_plan(allocs, math.inf, SEARCH_TRIES, keep))
         else:
-            # Note [A search the jobs wait for]: the region's room, the budget less the reserve
-            room = self._room() - self._unkeyed_peak if self.waits_for_plans and self._room is not None else 0
             if self.offload is not None and len(allocs) > OFFLOAD_MIN_ALLOCATIONS:
                 self._planning = self.offload(_plan, allocs, SEARCH_S, None, keep, room)
             else:
                 self._planning = self._thread.submit(_plan, allocs, SEARCH_S, None, keep, room)
+            self._planning_room = room
         return None
 
     def _install_planned(self, live: dict[Key, int]) -> str | None:
         """Install the plan the planning thread made; None on success, else why not."""
         try:
             allocs, packed, figures, kept, _ = self._last_plan = self._planning.result()
+            self._last_room = self._planning_room
         except Exception as exc:  # a bug in the planner must not stop the jobs: stay general
             log.exception("planning the pool failed")
             return f"planning failed: {exc!r}"
@@ -429,6 +440,7 @@ class PlannedPool:
         self._fail(what)
 
     def _fail(self, why: str) -> None:
+        self._no_room |= isinstance(why, NoRoom)            # Note [A search the jobs wait for]
         self.state = State.IDLE
         self._failures += 1
         periods = (NO_ROOM_BACKOFF_PERIODS if isinstance(why, NoRoom)       # Note [A region that does not fit]

@@ -33,7 +33,8 @@ in an iteration, 19 of them under 100 KB, for 4.4 MiB each way; a small one's cy
 Approach: the parameters of a node with more than one (a dense layer's ``W{i}`` and ``b{i}``, a
 normalisation's ``gamma{i}`` and ``beta{i}``) are one float32 slot ``params{i}``, their elements
 one after another in the node's order, and so are their gradients (``dparams{i}``) and each
-optimizer state; one optimizer step per node runs over the flat slots, elementwise, so the values
+optimizer state; one optimizer step per node (or per sub-group of its state: Note [Optimizer steps
+in sub-groups]) runs over the flat slots, elementwise, so the values
 are those of one step per parameter, bit for bit. The layers' ops still name the parameters:
 :meth:`ProgramBuilder.make_op` reads and writes the flat slot for them and hands the kernel views
 of it under their names. FSDP's flat parameters (Zhao et al., "PyTorch FSDP", VLDB 2023, section
@@ -95,7 +96,11 @@ way. Among the seed papers' networks only VGG-16's steps are split (its first de
 MiB of weights, into 8 sub-groups), and its largest working set went from 1,568 to 882 MiB.
 
 Limitations: a step that the most sub-groups do not bring within the passes' largest op (VGG-16's)
-stays the program's largest; each sub-group is one op more an iteration.
+stays the program's largest; each sub-group is one op more an iteration, which costs where memory
+is plentiful (the MLP's unlimited run took about 3% longer an iteration with its two more ops,
+4.75 against 4.6 ms, medians of six runs); a sub-group of fewer than
+:data:`~.fused.PARALLEL_MIN_NELEMS` elements runs its fused step on one thread where the whole
+would have run on the OpenMP team.
 """
 
 from __future__ import annotations
@@ -120,21 +125,23 @@ UNIT_ELEMS = UNIT_NBYTES // 4
 
 def build_training_program(spec: ModelSpec, options: TrainOptions, batch: int) -> Program:
     """The training iteration of ``spec`` at batch size ``batch``: load the batch, forward, loss,
-    backward, and one optimizer step per node's parameters (after the whole backward pass, as
-    ``optimizer.step()`` in PyTorch).
+    backward, and one optimizer step per node's parameters, or per sub-group of their state where
+    one step would hold more than the passes' largest op (Note [Optimizer steps in sub-groups]);
+    after the whole backward pass, as ``optimizer.step()`` in PyTorch.
 
     Activations run in place on their node's output (their backward needs only the output);
     dropout backward runs in place on the incoming gradient; activation backward writes a new
     gradient slot, since its kernels must not overwrite ``dy`` while reading it. A node's
     parameters are one slot where that does not raise the largest working set (Note [One tensor
     per node's parameters]): the program is built with every node's joined, then again without
-    those of the nodes whose slots an op above the separate slots' largest working set accesses.
+    those of the nodes whose slots an op above the separate slots' largest working set accesses
+    (their optimizer steps split in sub-groups against that working set too).
     """
     separate = ProgramBuilder(spec, options, batch, frozenset()).program()
     floor = separate.min_working_set_nbytes
     joined = frozenset(node.index for node in spec.network.nodes if len(node.params) > 1)
     while joined:
-        builder = ProgramBuilder(spec, options, batch, joined)
+        builder = ProgramBuilder(spec, options, batch, joined, floor)
         program = builder.program()
         raising = {builder.flats[s][0] for i, op in enumerate(program.ops)
                    if program.working_set_nbytes(i) > floor for s in op.accesses if s in builder.flats}
@@ -162,10 +169,12 @@ class ProgramBuilder:
     through :meth:`slot`, :meth:`op`, :meth:`make_op`, :meth:`workspace`, :meth:`params`,
     :meth:`gradients`, :meth:`dropout` and :meth:`contribution`."""
 
-    def __init__(self, spec: ModelSpec, options: TrainOptions, batch: int, joined: frozenset = frozenset()):
+    def __init__(self, spec: ModelSpec, options: TrainOptions, batch: int, joined: frozenset = frozenset(),
+                 floor_nbytes: int | None = None):
         self.spec, self.options, self.batch = spec, options, batch
         self.net = spec.network
         self.joined = joined                       # nodes whose parameters are one slot
+        self.floor_nbytes = floor_nbytes           # an optimizer step holds at most this, where given
         self.slots: dict[str, Slot] = {}
         self.members: dict[str, tuple[str, int, tuple[int, ...]]] = {}   # name -> (flat slot, first element, shape)
         self.flats: dict[str, tuple[int, tuple[str, ...]]] = {}   # flat slot -> (its node, its members)
@@ -380,6 +389,8 @@ class ProgramBuilder:
         options = self.options
         lr, wd = options.learning_rate, options.weight_decay
         passes = max((sum(self.slots[s].arena_nbytes for s in op.accesses) for op in self.ops), default=0)
+        if self.floor_nbytes is not None:
+            passes = min(passes, self.floor_nbytes)
         for node in self.net.nodes:
             params = {f"params{node.index}": self.slots[f"params{node.index}"].shape} \
                 if node.index in self.joined else node.params
@@ -430,5 +441,9 @@ class ProgramBuilder:
 
 
 def _part(array, part: tuple[int, int] | None):
-    """``array`` whole, or the elements ``part`` (first, last + 1) of it flattened (a view)."""
-    return array if part is None else array.reshape(-1)[part[0]:part[1]]
+    """``array`` whole, or the elements ``part`` (first, last + 1) of it flattened (a view: the
+    arrays of an op are C-contiguous views of the arena, so the step writes the slot itself)."""
+    if part is None:
+        return array
+    assert array.flags.c_contiguous, "a sub-group's step would update a copy"
+    return array.reshape(-1)[part[0]:part[1]]
