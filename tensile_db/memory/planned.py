@@ -389,11 +389,9 @@ class PlannedPool:
             self._planning = concurrent.futures.Future()
             self._planning.set_result(_plan(allocs, math.inf, SEARCH_TRIES, keep))
         else:
-            if self.offload is not None and len(allocs) > OFFLOAD_MIN_ALLOCATIONS:
-                self._planning = self.offload(_plan, allocs, SEARCH_S, None, keep, room)
-            else:
-                self._planning = self._thread.submit(_plan, allocs, SEARCH_S, None, keep, room)
-            self._planning_room = room
+            submit = self.offload if self.offload is not None and len(allocs) > OFFLOAD_MIN_ALLOCATIONS \
+                else self._thread.submit
+            self._planning, self._planning_room = submit(_plan, allocs, SEARCH_S, None, keep, room), room
         return None
 
     def _install_planned(self, live: dict[Key, int]) -> str | None:

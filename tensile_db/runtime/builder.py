@@ -404,10 +404,10 @@ class ProgramBuilder:
                 names = ("adam_m", "adam_v") if options.optimizer == "adam" else ("sgd_velocity",)
                 groups = self.subgroups(p, grad, len(names), passes)
                 for j, (lo, hi) in enumerate(groups):
-                    tag = p if len(groups) == 1 else f"{p}.{j}"
-                    state = [self.slot(f"{name}_{tag}", Kind.OPTIMIZER_STATE, shape if len(groups) == 1 else (hi - lo,))
+                    part = None if len(groups) == 1 else (lo, hi)         # None: the whole step
+                    tag = p if part is None else f"{p}.{j}"
+                    state = [self.slot(f"{name}_{tag}", Kind.OPTIMIZER_STATE, shape if part is None else (hi - lo,))
                              for name in names]
-                    part = None if len(groups) == 1 else (lo, hi)
                     # read and written: its part of the parameter and the gradient, and its state
                     nbytes = None if part is None else 2 * 4 * (hi - lo) * (2 + len(state))
                     if options.optimizer == "adam":
