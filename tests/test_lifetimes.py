@@ -218,6 +218,19 @@ def test_a_packing_within_enough_bytes_ends_the_search_before_it_starts(monkeypa
     assert plan_smallest(allocs, "best_fit", search_s=1e9, max_tries=1000, enough_nbytes=fixed - 1).arena_nbytes == bound
 
 
+def test_the_order_for_the_bound_is_kept_where_it_packs_smaller_short_of_the_bound():
+    """Every fixed order packs these in 15 units, the order by breadth, then size, then lifetime
+    in 13, and none of them in the 12 live at once: its packing is the one kept, with no
+    randomised try to beat it."""
+    allocs = [alloc("t0", 3, (1, 1)), alloc("t1", 3, (2, 9)), alloc("t2", 3, (1, 7)), alloc("t3", 4, (8, 8)),
+              alloc("t4", 4, (1, 1)), alloc("t5", 3, (6, 7)), alloc("t6", 3, (3, 9)), alloc("t7", 2, (0, 3))]
+    assert max_live_nbytes(allocs) == 12 * U
+    assert min(plan_offsets(allocs, "best_fit", order).arena_nbytes for order in ORDERS) == 15 * U
+    plan = plan_smallest(allocs, "best_fit", max_tries=0)
+    check_plan(allocs, plan)
+    assert plan.arena_nbytes == 13 * U
+
+
 def test_a_packing_at_the_lower_bound_ends_the_search_before_it_starts():
     """Every fixed order packs these a unit above the most bytes live at once; the order by
     breadth, then size, then lifetime reaches it, and is taken with no randomised try."""
