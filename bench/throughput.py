@@ -66,6 +66,7 @@ from tensile_db.memory.planned import State
 from tensile_db.runtime import fused, onednn, workers
 from tensile_db.runtime import model as models
 from tensile_db.runtime.device import CpuDevice
+from tensile_db.scheduler import worker as planning
 from tensile_db.scheduler.cost import CostModel, measure_bandwidth
 
 MiB = 1 << 20
@@ -327,6 +328,7 @@ def main() -> None:
         for w in loads:                                        # warm-up: imports, first-touch of the kernels
             theirs(w, 2 * w.batch)
             ours(w, data[w.name][0][:2 * w.batch], data[w.name][1][:2 * w.batch], None, cost)
+        planning.shared().start().result()     # the planning process, ready, as the coordinator's is
         runs: dict[str, dict] = {w.name: collections.defaultdict(list) for w in loads}
         for r in range(args.repeats):
             for w in loads:

@@ -106,20 +106,23 @@ def serving_pool(arena):
 def test_a_pool_that_waits_for_its_plans_installs_at_the_boundary_that_asks_or_waits_no_longer_than_wait_s(
         monkeypatch):
     """Note [Plans beside kernels on every core]: the boundary that ends the recorded period
-    waits for the offsets and installs them there; an offset plan not made within ``WAIT_S`` (a
-    planning process that hangs) leaves the pool planning, and the boundary returns (the
-    boundaries after it wait as they do where plans are made beside the jobs)."""
+    waits for the offsets and installs them there (a small period's made there, on its thread:
+    Note [Plans the waiting thread makes]); an offset plan of a larger period not made within
+    ``WAIT_S`` (a planning process that hangs) leaves the pool planning, and the boundary returns
+    (the boundaries after it wait as they do where plans are made beside the jobs)."""
     import concurrent.futures
     import threading
 
     arena = FakeArena()
     pool = PlannedPool(arena.install, arena.dissolve)
     pool.waits_for_plans = True
+    pool.offload = lambda fn, *args: pytest.fail("a small period's offsets were not made at the boundary")
     pool.boundary(lambda: (LIVE, 0))
     play(pool, PERIOD)
     pool.boundary(lambda: (LIVE, 0))                     # planned and installed at once
     assert pool.state is State.SERVING and len(arena.installed) == 1
     monkeypatch.setattr(planned, "WAIT_S", 0.05)
+    monkeypatch.setattr(planned, "HERE_MAX_ALLOCATIONS", 0)          # every period larger than that
     never = concurrent.futures.Future()
     pool.offload = lambda fn, *args: never
     pool.invalidate("the test asks")

@@ -380,6 +380,8 @@ def test_large_timelines_and_pool_periods_are_planned_in_the_planning_process(mo
     run(reference, budget_of(reference, 0.6), "tensile")
     monkeypatch.setattr(engine, "PROCESS_MIN_OPS", 0)
     monkeypatch.setattr(planned, "OFFLOAD_MIN_ALLOCATIONS", 0)
+    monkeypatch.setattr(engine, "HERE_MAX_OPS", -1)         # none made where the executor waits
+    monkeypatch.setattr(planned, "HERE_MAX_ALLOCATIONS", -1)
     jobs = [make_job(options=options, seed=s) for s in (1, 2)]
     process, sent, offloaded = worker.shared(), [], []
     process.start().result()                 # started: short jobs would end before its first plan
@@ -407,6 +409,46 @@ def test_large_timelines_and_pool_periods_are_planned_in_the_planning_process(mo
         assert job.loss == ref.loss
         for name, value in ref.result.items():
             assert np.array_equal(job.result[name], value), name
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["small: on the executor's thread", "larger: in the process"])
+def test_where_the_executor_waits_for_its_plans_it_makes_the_small_ones_itself(small, monkeypatch):
+    """Note [Plans the waiting thread makes]: where the kernels take every core, a timeline of at
+    most ``HERE_MAX_OPS`` ops is planned on the executor's thread, and the planned pool's period of
+    at most ``HERE_MAX_ALLOCATIONS`` allocations at the boundary that waits for it; larger ones go
+    to the planning process. Training gives the same results either way."""
+    import threading
+
+    from tensile_db.memory import planned
+    from tensile_db.runtime.device import CpuDevice
+    from tensile_db.scheduler import engine, worker
+
+    if TEST_DEVICE != "cpu":
+        pytest.skip("the executor waits for its plans where a cpu device's kernels take every core")
+    monkeypatch.setattr(CpuDevice, "kernels_on_every_core", property(lambda self: True))
+    if not small:
+        monkeypatch.setattr(engine, "HERE_MAX_OPS", -1)
+        monkeypatch.setattr(planned, "HERE_MAX_ALLOCATIONS", -1)
+    planners, made, offsets = [], engine.make_plan, planned.plan_smallest
+    monkeypatch.setattr(engine, "make_plan", lambda *a: planners.append(threading.current_thread().name) or made(*a))
+    monkeypatch.setattr(planned, "plan_smallest",
+                        lambda *a, **k: planners.append(threading.current_thread().name) or offsets(*a, **k))
+    process, sent = worker.shared(), []
+    process.start().result()
+    submit, call = process.submit, process.call
+    monkeypatch.setattr(process, "submit", lambda *a: sent.append("plan") or submit(*a))
+    monkeypatch.setattr(process, "call", lambda *a: sent.append("offsets") or call(*a))
+    options = TrainOptions(epochs=6, batch_size=64, optimizer="adam", lr=0.005, seed=11)
+    jobs = [make_job(options=options, seed=1)]
+    mm, ex = run(jobs, budget_of(jobs, 0.5), "tensile")
+    assert ex.scheduler.waits_for_plans and ex.scheduler.plans_made >= 1 and mm.pool.periods_served > 0
+    if small:
+        assert not sent and planners and set(planners) == {ex._thread.name}
+    else:
+        assert {"plan", "offsets"} <= set(sent) and not planners
+    reference = [make_job(options=options, seed=1)]
+    run(reference, budget_of(reference, 4.0), "tensile")
+    assert jobs[0].loss == reference[0].loss
 
 
 def test_a_plan_that_can_take_no_action_is_not_sent_to_the_planning_process(monkeypatch):
@@ -551,6 +593,7 @@ def test_a_plan_waited_for_beside_kernels_on_every_core_is_waited_for_no_longer_
 
     monkeypatch.setattr(workers, "every_core", lambda: True)
     monkeypatch.setattr(engine, "PLAN_WAIT_S", 0.05)
+    monkeypatch.setattr(engine, "HERE_MAX_OPS", -1)            # every timeline larger than that
     job = make_job(seed=1)
     sched = Scheduler(MemoryManager(CpuDevice(), job.vanilla_peak_nbytes // 2), "tensile", FAST)
     assert sched.waits_for_plans

@@ -14,8 +14,10 @@ arXiv 1903.06631, section III, made to run across several jobs):
    start; no eviction, passive swap-in or early swap-out, whose timing depends on the allocator's
    state rather than on the schedule), turns it into :class:`~tensile_db.memory.lifetimes.Allocation`\\ s
    — a block live across the boundary is one allocation of two segments — and plans their offsets
-   on a planning thread (:func:`~tensile_db.memory.lifetimes.plan_smallest`, best fit, with a search of
-   :data:`SEARCH_S` seconds), checked by :func:`~tensile_db.memory.lifetimes.check_plan`;
+   on a planning thread or in the planning process (:func:`~tensile_db.memory.lifetimes.plan_smallest`,
+   best fit, with a search of :data:`SEARCH_S` seconds; where the executor waits for the offsets, a
+   small period's at that boundary: :data:`HERE_MAX_ALLOCATIONS`), checked by
+   :func:`~tensile_db.memory.lifetimes.check_plan`;
 3. at the first boundary after the plan is ready (or, at the latest, :data:`PLAN_WAIT_PERIODS`
    boundaries on, waiting for it), if the same keys are live as at the recorded period's start,
    asks the manager to *install* it: one block of the arena becomes the planned
@@ -169,6 +171,10 @@ NO_ROOM_BACKOFF_PERIODS = 1024
 #: executor; a search of :data:`SEARCH_S` holds the GIL the executor needs too, Note [Planning off
 #: the GIL] in :mod:`tensile_db.scheduler.worker`)
 OFFLOAD_MIN_ALLOCATIONS = 0
+#: Where the executor waits for the offsets, a period of at most this many allocations is planned
+#: at the boundary that waits, on its own thread (Note [Plans the waiting thread makes] in
+#: :mod:`tensile_db.scheduler.engine`); larger ones as elsewhere, the wait bounded by :data:`WAIT_S`.
+HERE_MAX_ALLOCATIONS = 512
 
 
 class NoRoom(str):
@@ -388,6 +394,10 @@ class PlannedPool:
         elif self.synchronous:
             self._planning = concurrent.futures.Future()
             self._planning.set_result(_plan(allocs, math.inf, SEARCH_TRIES, keep))
+        elif self.waits_for_plans and len(allocs) <= HERE_MAX_ALLOCATIONS:
+            # Note [Plans the waiting thread makes] in tensile_db.scheduler.engine
+            self._planning, self._planning_room = concurrent.futures.Future(), room
+            self._planning.set_result(_plan(allocs, SEARCH_S, None, keep, room))
         else:
             submit = self.offload if self.offload is not None and len(allocs) > OFFLOAD_MIN_ALLOCATIONS \
                 else self._thread.submit

@@ -121,11 +121,34 @@ not made by then lands when it is, as elsewhere), and a job's cancel is seen onc
 made; beside the kernels the same plan would have slowed every job for longer. A plan stopped at
 its time limit (:data:`~.planners.MAX_PLAN_SECONDS`) asks for its continuation, which the jobs
 wait for again, and a plan that drifts and re-plans often costs its planning time each time.
-While the executor waits, the round trip to the planning process buys nothing (its thread could
-plan as the simulated device's does); it is kept so that one path makes every real device's
-plans. The boundary waits for the offsets with the memory manager's lock held (as it did after
+The boundary waits for the offsets with the memory manager's lock held (as it did after
 :data:`~tensile_db.memory.planned.PLAN_WAIT_PERIODS` before): an inference call that needs the
 lock then waits too, a few milliseconds once per schedule.
+
+Note [Plans the waiting thread makes]
+-------------------------------------
+Rationale: where the executor waits for a plan (Note [Plans beside kernels on every core]), the
+round trip to the planning process buys nothing: the traces go through a pipe and come back as a
+plan, and the child, spawned apart, takes a core beside the OpenMP team's thread that still spins
+after the last kernel. The MLP of ``bench/throughput.py`` at half its peak waited 5 to 14 ms for
+its first plan, of which the child planned 2.3 to 10 ms, and 4.5 to 8.5 ms for its pool's
+offsets, which take 2 to 3 ms on the executor's thread (four runs).
+
+Approach: there, a timeline of at most :data:`HERE_MAX_OPS` ops per period is planned on the
+executor's own thread (the curves of the global planner kept between plans, as on the simulated
+device), and a period of at most :data:`~tensile_db.memory.planned.HERE_MAX_ALLOCATIONS`
+allocations by the boundary that waits for its offsets; nothing else runs on the executor's
+thread meanwhile, so holding the GIL costs it nothing. Larger ones still go to the planning process,
+the waits bounded as before: an inference call's thread shares the GIL with a plan made here
+(a switch interval at a time), which for the planners' seconds of a large timeline would slow it.
+The time of the MLP's first six iterations above six of its steady ones went from 14.1 to 7.5 ms
+with unlimited memory (medians; 9.5 to 18.8 against 5.7 to 16.5) and from 34.6 to 22.9 ms at
+half its peak (21.6 to 47.5 against 20.2 to 43.3): twelve runs each, the two trees alternated.
+
+Limitations: the limits are guesses of where a plan stays within tens of milliseconds on this
+project's 2-core machine (the small CNN's timeline has about 100 ops, ResNet-50's 474); a plan
+made here is not bounded by :data:`PLAN_WAIT_S`, only by the planners' own limit, and a cancel
+is seen once it is made, as before.
 
 Note [Headroom for the pool]
 ----------------------------
@@ -232,6 +255,10 @@ STAGGER_CANDIDATES = 256
 #: Seconds the executor waits for a plan where it waits for them (Note [Plans beside kernels on
 #: every core]): twice the planners' own limit; a plan not made by then lands when it is made.
 PLAN_WAIT_S = 2 * MAX_PLAN_SECONDS
+#: Where the executor waits for its plans, a timeline of at most this many ops per period is
+#: planned on the executor's own thread (Note [Plans the waiting thread makes]); larger ones in the
+#: planning process, the wait bounded by :data:`PLAN_WAIT_S`.
+HERE_MAX_OPS = 256
 #: What each plan action does to its tensor: the memory manager's operation of that name.
 _ACTIONS = {"swap_out": lambda mm, t: mm.swap_out(t), "release": lambda mm, t: mm.release(t),
             "swap_in": lambda mm, t: mm.swap_in(t), "drop": lambda mm, t: mm.drop(t)}
@@ -482,7 +509,12 @@ class Scheduler:
                 _, plan, _ = self._pending.result()
                 for key, charge in (plan.curve_work if plan is not None else {}).items():
                     self._curves[key].refund(charge)
-        self._pending = self._planning.submit(self._make, request)
+        ops = sum(len(t.sequence.program.ops) * t.repeats for t in request.traces or ())
+        if self.waits_for_plans and ops <= HERE_MAX_OPS and not self._landing:
+            self._pending = concurrent.futures.Future()     # Note [Plans the waiting thread makes]
+            self._pending.set_result(self._make(request, here=True))
+        else:
+            self._pending = self._planning.submit(self._make, request)
         if self.deterministic:
             self._pending.result()
             self._schedule_on_worker(request)
@@ -572,7 +604,10 @@ class Scheduler:
         """Stop the planning thread."""
         self._planning.shutdown(wait=True, cancel_futures=True)
 
-    def _make(self, request: "_Request"):
+    def _make(self, request: "_Request", here: bool = False):
+        """Make ``request``'s plan on this thread (the planning thread's, or with ``here`` the
+        executor's, which waits for it), or in the planning process; returns (request, plan or
+        None, wall seconds)."""
         started = time.perf_counter()
         plan = None
         work = PlanWork()
@@ -585,7 +620,7 @@ class Scheduler:
                 # Note [Planning off the GIL])
                 idle = self.policy == "tensile" and request.target >= sum(
                     t.sequence.program.vanilla_peak_nbytes() for t in request.traces)
-                if not self.deterministic and ops > PROCESS_MIN_OPS and not idle:
+                if not self.deterministic and not here and ops > PROCESS_MIN_OPS and not idle:
                     plan, _ = shared().submit(self.policy, request.traces, request.period, self.cost,
                                               request.target, MAX_PLAN_SECONDS).result()
                     work = plan.timeline.work

@@ -37,13 +37,15 @@ pickle to 0.9 MB in about 9 ms, a plan to 1.5 MB; unpickling the plan holds the 
 about 15 ms, or 50 to 90 ms when the collection of cyclic garbage runs over a large heap meanwhile.
 
 Who uses it (Note [Planning off the GIL]): on ``cpu`` and ``cuda`` the scheduler sends the plans
-of timelines of more than :data:`PROCESS_MIN_OPS` ops per period (every one, but a plan of the
+of timelines of more than :data:`PROCESS_MIN_OPS` ops per period (every one, but the small ones
+the executor waits for, which it makes itself: Note [Plans the waiting thread makes] in
+:mod:`~tensile_db.scheduler.engine`; and a plan of the
 global planner that can take no action, the jobs' peaks summed fitting its target: made on the
 planning thread, it builds the timeline and simulates it once; the MLP of ``bench/throughput.py``
 with unlimited memory lost the round trip, about 1.6% of its time per iteration over 64, and a
 timeline of thousands of ops would hold the GIL for tens of milliseconds), and the planned pool
 its offset plans of more than :data:`~tensile_db.memory.planned.OFFLOAD_MIN_ALLOCATIONS`
-allocations (every one), to one process-wide child (:func:`shared`), which the scheduler starts
+allocations (every one, but a small period's that the executor waits for), to one process-wide child (:func:`shared`), which the scheduler starts
 when it is made, so that the first plan need not wait for it.
 
 Note [A pipe with no reader]
