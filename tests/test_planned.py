@@ -255,6 +255,30 @@ def test_invalidation_dissolves_without_counting_a_mismatch():
     assert pool.state is State.RECORDING
 
 
+@pytest.mark.parametrize("where", ["at the boundary that waits", "synchronous (simulated device)"])
+def test_a_planner_error_made_at_the_boundary_is_logged_and_the_pool_records_again(where, monkeypatch, caplog):
+    """Offsets planned on the boundary's own thread: a planner's error does not escape the
+    boundary, nor leave the pool planning for a future nobody resolves; it is logged, nothing is
+    installed, and the pool goes back to recording, as after a planning thread's error."""
+    def broken(allocs, *args):
+        raise AssertionError("planner bug")
+
+    monkeypatch.setattr(planned, "_plan", broken)
+    arena = FakeArena()
+    pool = PlannedPool(arena.install, arena.dissolve, synchronous=where.startswith("synchronous"))
+    pool.waits_for_plans = where.startswith("at the boundary")
+    pool.offload = lambda fn, *args: pytest.fail("a small period's offsets were not made at the boundary")
+    pool.boundary(lambda: (LIVE, 0))
+    play(pool, PERIOD)
+    for _ in range(planned.PLAN_WAIT_PERIODS + 1):
+        pool.boundary(lambda: (LIVE, 0))                 # no exception
+        if pool.state is not State.PLANNING:
+            break
+    assert pool.state is not State.PLANNING and not arena.installed
+    assert "planning the pool failed" in caplog.text and "planner bug" in caplog.text
+    pool.close()
+
+
 @pytest.mark.parametrize("waits", [True, False], ids=["waited for", "beside the jobs"])
 def test_the_search_the_jobs_wait_for_is_told_the_region_s_room(waits, monkeypatch):
     """Where the boundary waits for the offsets, the planner gets the budget less the library

@@ -185,7 +185,7 @@ class NoRoom(str):
 class State(str, enum.Enum):
     IDLE = "idle"               # general pool only; records at a coming boundary
     RECORDING = "recording"     # general pool; the period's events are being recorded
-    PLANNING = "planning"       # general pool; offsets are being planned on the planning thread
+    PLANNING = "planning"       # general pool; the offsets are being planned, or wait to be installed
     SERVING = "serving"         # recurring allocations come from the planned region
 
 
@@ -371,7 +371,9 @@ class PlannedPool:
             self._unkeyed_nbytes = self._unkeyed_peak = unkeyed_nbytes
 
     def _finish_recording(self, live: dict[Key, int]) -> str | None:
-        """Hand a steady recorded period to the planning thread; None on success, else why not."""
+        """Hand a steady recorded period to the planner (the planning thread or process, or this
+        thread: Note [Plans the waiting thread makes] in :mod:`tensile_db.scheduler.engine`);
+        None on success, else why not."""
         if not self._steady:
             return "the period had evictions or unplanned swap-ins"
         if live != self._start_live:
@@ -392,12 +394,10 @@ class PlannedPool:
             self._planning = concurrent.futures.Future()
             self._planning.set_result(self._last_plan)
         elif self.synchronous:
-            self._planning = concurrent.futures.Future()
-            self._planning.set_result(_plan(allocs, math.inf, SEARCH_TRIES, keep))
+            self._planning = _made_here(_plan, allocs, math.inf, SEARCH_TRIES, keep)
         elif self.waits_for_plans and len(allocs) <= HERE_MAX_ALLOCATIONS:
             # Note [Plans the waiting thread makes] in tensile_db.scheduler.engine
-            self._planning, self._planning_room = concurrent.futures.Future(), room
-            self._planning.set_result(_plan(allocs, SEARCH_S, None, keep, room))
+            self._planning, self._planning_room = _made_here(_plan, allocs, SEARCH_S, None, keep, room), room
         else:
             submit = self.offload if self.offload is not None and len(allocs) > OFFLOAD_MIN_ALLOCATIONS \
                 else self._thread.submit
@@ -405,7 +405,8 @@ class PlannedPool:
         return None
 
     def _install_planned(self, live: dict[Key, int]) -> str | None:
-        """Install the plan the planning thread made; None on success, else why not."""
+        """Install the plan the planner made; None on success, else why not (a planner's error is
+        logged and is one)."""
         try:
             allocs, packed, figures, kept, _ = self._last_plan = self._planning.result()
             self._last_room = self._planning_room
@@ -478,6 +479,18 @@ class PlannedPool:
 def _name(key: Key) -> str:
     job, slot, position = key
     return f"{slot} of job {job} at op {position}"
+
+
+def _made_here(fn, *args) -> concurrent.futures.Future:
+    """``fn(*args)``, called now, as a done future: its result, or the exception it raised (which
+    :meth:`PlannedPool._install_planned` logs, as it does a planning thread's), so that a planner's
+    error never escapes a boundary nor leaves the pool waiting for a future nobody resolves."""
+    made = concurrent.futures.Future()
+    try:
+        made.set_result(fn(*args))
+    except Exception as exc:            # a bug in the planner must not stop the jobs: stay general
+        made.set_exception(exc)
+    return made
 
 
 def _plan(allocs: list[Allocation], search_s: float = SEARCH_S, max_tries: int | None = None,

@@ -103,7 +103,8 @@ Approach: where the device's kernels take every core
 plan it asks for (:meth:`Scheduler.replan` as with ``wait``), and the period boundary that ends
 the planned pool's recorded period waits for its offsets and installs them there, instead of at
 a later boundary (:attr:`~tensile_db.memory.planned.PlannedPool.waits_for_plans`), each wait
-bounded (:data:`PLAN_WAIT_S`, :data:`~tensile_db.memory.planned.WAIT_S`). The jobs then lose the
+bounded (:data:`PLAN_WAIT_S`, :data:`~tensile_db.memory.planned.WAIT_S`; the small plans it makes
+itself, by the planners' own limits: Note [Plans the waiting thread makes]). The jobs then lose the
 plan's own time, on a core of its own. Elsewhere (``cuda``, whose kernels
 run on the device; ``cpu`` with a core to spare) plans are made beside the jobs as before; the
 simulated device plans synchronously anyway. ``bench/throughput.py`` (three alternated runs of
@@ -147,8 +148,12 @@ half its peak (21.6 to 47.5 against 20.2 to 43.3): twelve runs each, the two tre
 
 Limitations: the limits are guesses of where a plan stays within tens of milliseconds on this
 project's 2-core machine (the small CNN's timeline has about 100 ops, ResNet-50's 474); a plan
-made here is not bounded by :data:`PLAN_WAIT_S`, only by the planners' own limit, and a cancel
-is seen once it is made, as before.
+made here is not bounded by :data:`PLAN_WAIT_S`, only by the planner's own limit
+(:data:`~.planners.MAX_PLAN_SECONDS`), and offsets made here not by
+:data:`~tensile_db.memory.planned.WAIT_S`, only by the search's
+(:data:`~tensile_db.memory.planned.SEARCH_S`) after the fixed orders; a cancel is seen once the
+plan is made, as before. A plan asked for while an earlier one is still being made on the
+planning thread goes there too.
 
 Note [Headroom for the pool]
 ----------------------------
@@ -323,8 +328,9 @@ class Scheduler:
         self.history: list[dict] = []
         self._worker_free_s = 0.0                         # simulated device: when the planning worker is free
         self._worker_request: _Request | None = None      # simulated device: the request last given to it
-        # the global planner's curves: the planning thread's (and the executor's, on the simulated
-        # device, where a plan is made while the executor waits: a refund)
+        # the global planner's curves: the planning thread's, and the executor's where it makes its
+        # plans itself (Note [Plans the waiting thread makes]; never while the planning thread is
+        # in _make) or, on the simulated device, where a plan is made while the executor waits: a refund
         self._curves: dict = {}
         self._plan_sequences: dict[int, AccessSequence] = {}   # job id -> the snapshot its plan was made from
         self._plan_iteration: dict[int, int] = {}         # job id -> its iterations at the last plan
@@ -476,8 +482,9 @@ class Scheduler:
 
     def replan(self, phases: dict[int, int], period: int, repeats: dict[int, int] | None = None,
                wait: bool = False) -> None:
-        """Start making a new plan for the running jobs, on the planning thread, from a snapshot
-        of their access sequences; :meth:`poll` installs it when it is ready (with ``wait``, at
+        """Start making a new plan for the running jobs, on the planning thread (or, for a small
+        timeline where the executor waits for its plans, on this one: Note [Plans the waiting
+        thread makes]), from a snapshot of their access sequences; :meth:`poll` installs it when it is ready (with ``wait``, at
         once). ``phases``: job id -> the round (mod ``period``, the executor's rounds per period)
         its current period started in; ``repeats``: job id -> iterations per period (1 for a job
         not in it). Jobs run meanwhile under the previous plan, so planning never stalls them,
@@ -510,7 +517,8 @@ class Scheduler:
                 for key, charge in (plan.curve_work if plan is not None else {}).items():
                     self._curves[key].refund(charge)
         ops = sum(len(t.sequence.program.ops) * t.repeats for t in request.traces or ())
-        if self.waits_for_plans and ops <= HERE_MAX_OPS and not self._landing:
+        # not while the planning thread may be in _make (a request landing), which uses _curves too
+        if self.waits_for_plans and ops <= HERE_MAX_OPS and all(f.done() for _, f in self._landing):
             self._pending = concurrent.futures.Future()     # Note [Plans the waiting thread makes]
             self._pending.set_result(self._make(request, here=True))
         else:
