@@ -495,7 +495,8 @@ def _made_here(fn, *args) -> concurrent.futures.Future:
 
 def _plan(allocs: list[Allocation], search_s: float = SEARCH_S, max_tries: int | None = None,
           keep: dict | None = None, room_nbytes: int = 0) -> tuple[list[Allocation], PoolPlan, dict, PoolPlan | None, dict]:
-    """On the planning thread: (the allocations, their offsets (checked), the figures reported
+    """On the planner's thread (the planning thread's, the planning process's or the boundary's:
+    :meth:`PlannedPool._finish_recording`): (the allocations, their offsets (checked), the figures reported
     for them, the packing with the blocks of ``keep`` (key -> arena offset) where they lie (Note
     [Blocks kept in place]; None without ``keep``, or above :data:`KEPT_MAX_RATIO`), ``keep``).
     ``room_nbytes``: where positive, the search for offsets ends at a packing within

@@ -129,11 +129,11 @@ lock then waits too, a few milliseconds once per schedule.
 Note [Plans the waiting thread makes]
 -------------------------------------
 Rationale: where the executor waits for a plan (Note [Plans beside kernels on every core]), the
-round trip to the planning process buys nothing: the traces go through a pipe and come back as a
-plan, and the child, spawned apart, takes a core beside the OpenMP team's thread that still spins
-after the last kernel. The MLP of ``bench/throughput.py`` at half its peak waited 5 to 14 ms for
-its first plan, of which the child planned 2.3 to 10 ms, and 4.5 to 8.5 ms for its pool's
-offsets, which take 2 to 3 ms on the executor's thread (four runs).
+round trip to the planning process buys nothing: nothing runs beside the plan for it to keep the
+GIL from, and the traces and the plan still go through the pipe. The MLP of
+``bench/throughput.py`` at half its peak waited 5.1 to 14.3 ms for its first plan, of which the
+child's own time was 2.3 to 10.3 ms, and 4.6 to 8.5 ms for its pool's offsets (four runs), which
+took 2.2 to 6.5 ms made on the executor's thread (three runs).
 
 Approach: there, a timeline of at most :data:`HERE_MAX_OPS` ops per period is planned on the
 executor's own thread (the curves of the global planner kept between plans, as on the simulated
@@ -145,6 +145,9 @@ the waits bounded as before: an inference call's thread shares the GIL with a pl
 The time of the MLP's first six iterations above six of its steady ones went from 14.1 to 7.5 ms
 with unlimited memory (medians; 9.5 to 18.8 against 5.7 to 16.5) and from 34.6 to 22.9 ms at
 half its peak (21.6 to 47.5 against 20.2 to 43.3): twelve runs each, the two trees alternated.
+In ``bench/throughput.py`` (four alternated runs), the MLP's time per iteration over the run
+less that of the iterations once the pool served went from 1.0, 1.2, 0.7, 1.2 to 0.5, 0.5, 0.6,
+0.8 ms at half its peak.
 
 Limitations: the limits are guesses of where a plan stays within tens of milliseconds on this
 project's 2-core machine (the small CNN's timeline has about 100 ops, ResNet-50's 474); a plan
@@ -484,8 +487,8 @@ class Scheduler:
                wait: bool = False) -> None:
         """Start making a new plan for the running jobs, on the planning thread (or, for a small
         timeline where the executor waits for its plans, on this one: Note [Plans the waiting
-        thread makes]), from a snapshot of their access sequences; :meth:`poll` installs it when it is ready (with ``wait``, at
-        once). ``phases``: job id -> the round (mod ``period``, the executor's rounds per period)
+        thread makes]), from a snapshot of their access sequences; :meth:`poll` installs it when
+        it is ready (with ``wait``, at once). ``phases``: job id -> the round (mod ``period``, the executor's rounds per period)
         its current period started in; ``repeats``: job id -> iterations per period (1 for a job
         not in it). Jobs run meanwhile under the previous plan, so planning never stalls them,
         except where the device's kernels take every core (:attr:`waits_for_plans`: Note [Plans

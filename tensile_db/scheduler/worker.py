@@ -45,8 +45,9 @@ planning thread, it builds the timeline and simulates it once; the MLP of ``benc
 with unlimited memory lost the round trip, about 1.6% of its time per iteration over 64, and a
 timeline of thousands of ops would hold the GIL for tens of milliseconds), and the planned pool
 its offset plans of more than :data:`~tensile_db.memory.planned.OFFLOAD_MIN_ALLOCATIONS`
-allocations (every one, but a small period's that the executor waits for), to one process-wide child (:func:`shared`), which the scheduler starts
-when it is made, so that the first plan need not wait for it.
+allocations (every one, but a small period's that the executor waits for), to one process-wide
+child (:func:`shared`), which the scheduler starts when it is made, so that the first plan need
+not wait for it.
 
 Note [A pipe with no reader]
 ----------------------------
