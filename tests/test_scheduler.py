@@ -415,8 +415,9 @@ def test_large_timelines_and_pool_periods_are_planned_in_the_planning_process(mo
 def test_where_the_executor_waits_for_its_plans_it_makes_the_small_ones_itself(small, monkeypatch):
     """Note [Plans the waiting thread makes]: where the kernels take every core, a timeline of at
     most ``HERE_MAX_OPS`` ops is planned on the executor's thread, and the planned pool's period of
-    at most ``HERE_MAX_ALLOCATIONS`` allocations at the boundary that waits for it; larger ones go
-    to the planning process. Training gives the same results either way."""
+    at most ``HERE_MAX_ALLOCATIONS`` allocations at the boundary that waits for it, with the
+    curves the process keeps; larger ones go to the planning process. Training gives the same
+    results either way."""
     import threading
 
     from tensile_db.memory import planned
@@ -429,10 +430,12 @@ def test_where_the_executor_waits_for_its_plans_it_makes_the_small_ones_itself(s
     if not small:
         monkeypatch.setattr(engine, "HERE_MAX_OPS", -1)
         monkeypatch.setattr(planned, "HERE_MAX_ALLOCATIONS", -1)
-    planners, made, offsets = [], engine.make_plan, planned.plan_smallest
-    monkeypatch.setattr(engine, "make_plan", lambda *a: planners.append(threading.current_thread().name) or made(*a))
+    planners, made, offsets = [], engine.make_plan_with_kept_curves, planned.plan_smallest
+    monkeypatch.setattr(engine, "make_plan_with_kept_curves",
+                        lambda *a: planners.append(threading.current_thread().name) or made(*a))
     monkeypatch.setattr(planned, "plan_smallest",
                         lambda *a, **k: planners.append(threading.current_thread().name) or offsets(*a, **k))
+    monkeypatch.setattr(worker, "_CURVES", {})
     process, sent = worker.shared(), []
     process.start().result()
     submit, call = process.submit, process.call
@@ -442,10 +445,10 @@ def test_where_the_executor_waits_for_its_plans_it_makes_the_small_ones_itself(s
     jobs = [make_job(options=options, seed=1)]
     mm, ex = run(jobs, budget_of(jobs, 0.5), "tensile")
     assert ex.scheduler.waits_for_plans and ex.scheduler.plans_made >= 1 and mm.pool.periods_served > 0
-    if small:
-        assert not sent and planners and set(planners) == {ex._thread.name}
+    if small:       # the global planner's curves kept in this process, for the next executor's plans
+        assert not sent and planners and set(planners) == {ex._thread.name} and worker._CURVES
     else:
-        assert {"plan", "offsets"} <= set(sent) and not planners
+        assert {"plan", "offsets"} <= set(sent) and not planners and not worker._CURVES
     reference = [make_job(options=options, seed=1)]
     run(reference, budget_of(reference, 4.0), "tensile")
     assert jobs[0].loss == reference[0].loss

@@ -136,12 +136,19 @@ child's own time was 2.3 to 10.3 ms, and 4.6 to 8.5 ms for its pool's offsets (f
 took 2.2 to 6.5 ms made on the executor's thread (three runs).
 
 Approach: there, a timeline of at most :data:`HERE_MAX_OPS` ops per period is planned on the
-executor's own thread (the curves of the global planner kept between plans, as on the simulated
-device), and a period of at most :data:`~tensile_db.memory.planned.HERE_MAX_ALLOCATIONS`
-allocations by the boundary that waits for its offsets; nothing else runs on the executor's
-thread meanwhile, so holding the GIL costs it nothing. Larger ones still go to the planning process,
-the waits bounded as before: an inference call's thread shares the GIL with a plan made here
-(a switch interval at a time), which for the planners' seconds of a large timeline would slow it.
+executor's own thread, and a period of at most
+:data:`~tensile_db.memory.planned.HERE_MAX_ALLOCATIONS` allocations by the boundary that waits
+for its offsets; nothing else runs on the executor's thread meanwhile, so holding the GIL costs it
+nothing. The global planner's curves are those the process keeps across every plan made in it,
+as the planning process keeps its own (:func:`~.worker.make_plan_with_kept_curves`): with the
+scheduler's own, which start empty with each executor, the small CNN of ``bench/throughput.py``
+(an executor per run) waited 22.8 to 25.3 ms for its plan at half its peak in every run, against
+11.6 to 17.7 ms from the planning process once an earlier run had made its curves there. Larger
+ones still go to the planning process, the waits bounded as before: an inference call's thread
+shares the GIL with a plan made here (a switch interval at a time), which for the planners'
+seconds of a large timeline would slow it. The small CNN's waits, medians of twelve runs each
+(the trees alternated): its plan at half its peak 12.3 -> 5.2 ms, its offsets 26.1 -> 8.8 ms;
+unlimited, 3.4 -> 1.7 ms and 12.9 -> 9.4 ms.
 The time of the MLP's first six iterations above six of its steady ones went from 14.1 to 7.5 ms
 with unlimited memory (medians; 9.5 to 18.8 against 5.7 to 16.5) and from 34.6 to 22.9 ms at
 half its peak (21.6 to 47.5 against 20.2 to 43.3): twelve runs each, the two trees alternated.
@@ -251,7 +258,7 @@ from .reactive import FarthestNextUse
 from .timeline import JobTrace, Timeline, iterations_per_period, round_of
 from .trace import SETTLE_ITERATIONS, AccessSequence, estimated
 from .work import PlanWork
-from .worker import PROCESS_MIN_OPS, make_plan, shared
+from .worker import PROCESS_MIN_OPS, make_plan, make_plan_with_kept_curves, shared
 
 log = logging.getLogger(__name__)
 
@@ -331,9 +338,9 @@ class Scheduler:
         self.history: list[dict] = []
         self._worker_free_s = 0.0                         # simulated device: when the planning worker is free
         self._worker_request: _Request | None = None      # simulated device: the request last given to it
-        # the global planner's curves: the planning thread's, and the executor's where it makes its
-        # plans itself (Note [Plans the waiting thread makes]; never while the planning thread is
-        # in _make) or, on the simulated device, where a plan is made while the executor waits: a refund
+        # the global planner's curves: the planning thread's (and the executor's, on the simulated
+        # device, where a plan is made while the executor waits: a refund); where the executor makes
+        # its plans itself, the process's (Note [Plans the waiting thread makes])
         self._curves: dict = {}
         self._plan_sequences: dict[int, AccessSequence] = {}   # job id -> the snapshot its plan was made from
         self._plan_iteration: dict[int, int] = {}         # job id -> its iterations at the last plan
@@ -520,7 +527,7 @@ class Scheduler:
                 for key, charge in (plan.curve_work if plan is not None else {}).items():
                     self._curves[key].refund(charge)
         ops = sum(len(t.sequence.program.ops) * t.repeats for t in request.traces or ())
-        # not while the planning thread may be in _make (a request landing), which uses _curves too
+        # not while the planning thread may be in _make (a request landing): one plan at a time
         if self.waits_for_plans and ops <= HERE_MAX_OPS and all(f.done() for _, f in self._landing):
             self._pending = concurrent.futures.Future()     # Note [Plans the waiting thread makes]
             self._pending.set_result(self._make(request, here=True))
@@ -635,6 +642,11 @@ class Scheduler:
                     plan, _ = shared().submit(self.policy, request.traces, request.period, self.cost,
                                               request.target, MAX_PLAN_SECONDS).result()
                     work = plan.timeline.work
+                elif here:                  # with the curves the planning process would have kept
+                    timeline = Timeline(request.traces, request.period)
+                    work = timeline.work
+                    plan = make_plan_with_kept_curves(self.policy, timeline, self.cost, request.target,
+                                                      MAX_PLAN_SECONDS)
                 else:
                     timeline = Timeline(request.traces, request.period)
                     work = timeline.work

@@ -264,12 +264,28 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="tensile-plan-parent", daemon=True).start()
 
 
-#: cost model -> the global planner's curves under it, kept across the plans this child makes
+#: cost model -> the global planner's curves under it, kept across the plans made in this process:
+#: the child's, or the executors' own (Note [Plans the waiting thread makes] in
+#: :mod:`~tensile_db.scheduler.engine`), one plan at a time (:data:`_CURVES_LOCK`)
 _CURVES: dict[CostModel, dict] = {}
+_CURVES_LOCK = threading.Lock()
+
+
+def make_plan_with_kept_curves(policy: str, timeline: Timeline, cost: CostModel, target_nbytes: int,
+                               max_seconds: float | None) -> Plan:
+    """:func:`make_plan` with the global planner's curves this process keeps for ``cost`` across
+    every plan made with them, whichever executor asks (a curve is one job's, by its program and
+    the bucket of its iteration time: :func:`~.curves.plan_global`); one such plan at a time.
+
+    Raises:
+        KeyError: an unknown policy; and whatever the planner raises.
+    """
+    with _CURVES_LOCK:
+        return make_plan(policy, timeline, cost, target_nbytes, max_seconds, _CURVES.setdefault(cost, {}))
 
 
 def _plan(policy: str, traces: list[JobTrace], period: int | None, cost: CostModel, target_nbytes: int,
           max_seconds: float | None) -> tuple[Plan, float]:
     started = time.perf_counter()
-    plan = make_plan(policy, Timeline(traces, period), cost, target_nbytes, max_seconds, _CURVES.setdefault(cost, {}))
+    plan = make_plan_with_kept_curves(policy, Timeline(traces, period), cost, target_nbytes, max_seconds)
     return plan, time.perf_counter() - started
