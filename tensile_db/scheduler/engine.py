@@ -140,21 +140,24 @@ executor's own thread, and a period of at most
 :data:`~tensile_db.memory.planned.HERE_MAX_ALLOCATIONS` allocations by the boundary that waits
 for its offsets; nothing else runs on the executor's thread meanwhile, so holding the GIL costs it
 nothing. The global planner's curves are those the process keeps across every plan made in it,
-as the planning process keeps its own (:func:`~.worker.make_plan_with_kept_curves`): with the
-scheduler's own, which start empty with each executor, the small CNN of ``bench/throughput.py``
-(an executor per run) waited 22.8 to 25.3 ms for its plan at half its peak in every run, against
-11.6 to 17.7 ms from the planning process once an earlier run had made its curves there. Larger
-ones still go to the planning process, the waits bounded as before: an inference call's thread
-shares the GIL with a plan made here (a switch interval at a time), which for the planners'
-seconds of a large timeline would slow it. The small CNN's waits, medians of twelve runs each
-(the trees alternated): its plan at half its peak 12.3 -> 5.2 ms, its offsets 26.1 -> 8.8 ms;
-unlimited, 3.4 -> 1.7 ms and 12.9 -> 9.4 ms.
-The time of the MLP's first six iterations above six of its steady ones went from 14.1 to 7.5 ms
-with unlimited memory (medians; 9.5 to 18.8 against 5.7 to 16.5) and from 34.6 to 22.9 ms at
-half its peak (21.6 to 47.5 against 20.2 to 43.3): twelve runs each, the two trees alternated.
-In ``bench/throughput.py`` (four alternated runs), the MLP's time per iteration over the run
-less that of the iterations once the pool served went from 1.0, 1.2, 0.7, 1.2 to 0.5, 0.5, 0.6,
-0.8 ms at half its peak.
+as the planning process keeps its own (:func:`~.worker.make_plan_with_kept_curves`). Larger
+timelines and periods still go to the planning process, the waits bounded as before: an inference
+call's thread shares the GIL with a plan made here (a switch interval at a time), which for the
+planners' seconds of a large timeline would slow it.
+
+Measured (medians of twelve runs each, the code before and after alternated):
+
+- the MLP of ``bench/throughput.py``, its first six iterations above six of its steady ones, the
+  plans made here with the scheduler's own curves: 14.1 -> 7.5 ms with unlimited memory (9.5 to
+  18.8 against 5.7 to 16.5), 34.6 -> 22.9 ms at half its peak (21.6 to 47.5 against 20.2 to 43.3);
+- with those curves, which start empty with each executor, the small CNN (the bench makes an
+  executor per run) waited 22.8 to 25.3 ms for its plan at half its peak in every run, against
+  11.6 to 17.7 ms from the planning process once an earlier run had made its curves there; with
+  the curves the process keeps, the CNN's waits at half its peak: its plan 12.3 -> 5.2 ms, its
+  offsets 26.1 -> 8.8 ms; unlimited, 3.4 -> 1.7 ms and 12.9 -> 9.4 ms;
+- ``bench/throughput.py`` itself (four alternated runs), the MLP's time per iteration over the
+  run less that of the iterations once the pool served, at half its peak: 1.0, 0.5, 0.4, 0.5 ->
+  0.4, 0.3, 0.2, 0.3 ms.
 
 Limitations: the limits are guesses of where a plan stays within tens of milliseconds on this
 project's 2-core machine (the small CNN's timeline has about 100 ops, ResNet-50's 474); a plan
@@ -642,16 +645,15 @@ class Scheduler:
                     plan, _ = shared().submit(self.policy, request.traces, request.period, self.cost,
                                               request.target, MAX_PLAN_SECONDS).result()
                     work = plan.timeline.work
-                elif here:                  # with the curves the planning process would have kept
-                    timeline = Timeline(request.traces, request.period)
-                    work = timeline.work
-                    plan = make_plan_with_kept_curves(self.policy, timeline, self.cost, request.target,
-                                                      MAX_PLAN_SECONDS)
                 else:
                     timeline = Timeline(request.traces, request.period)
                     work = timeline.work
-                    plan = make_plan(self.policy, timeline, self.cost, request.target,
-                                     None if self.deterministic else MAX_PLAN_SECONDS, self._curves)
+                    if here:                # with the curves the process keeps, as the planning process's
+                        plan = make_plan_with_kept_curves(self.policy, timeline, self.cost, request.target,
+                                                          MAX_PLAN_SECONDS)
+                    else:
+                        plan = make_plan(self.policy, timeline, self.cost, request.target,
+                                         None if self.deterministic else MAX_PLAN_SECONDS, self._curves)
             except Exception:  # a failed plan leaves the jobs under the reactive fallback
                 log.exception("planning failed (%s); jobs run reactively until the next plan",
                               "; ".join(request.reasons))
