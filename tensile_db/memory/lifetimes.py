@@ -322,10 +322,10 @@ def plan_smallest(allocs: list[Allocation], strategy: str = "best_fit", search_s
     if best.arena_nbytes <= bound:
         return best
     at_bound = plan_offsets(allocs, strategy, _bound_order(allocs), overlaps=overlaps)
-    if at_bound.arena_nbytes <= bound:
-        return at_bound
     if at_bound.arena_nbytes < best.arena_nbytes:
         best = at_bound
+        if best.arena_nbytes <= bound:
+            return best
     keys = (np.array([a.nbytes for a in allocs], dtype=np.float64),
             np.array([a.nbytes * a.length for a in allocs], dtype=np.float64))
     rng = np.random.default_rng(seed)

@@ -391,8 +391,7 @@ class PlannedPool:
                 and (self._last_room <= 0 or 0 < room and self._last_plan[1].arena_nbytes <= room)):
             # The same period as last time (a re-plan of the scheduler that left the interleaving
             # as it was): its plan still holds, and planning it again would only take CPU from the jobs.
-            self._planning = concurrent.futures.Future()
-            self._planning.set_result(self._last_plan)
+            self._planning, self._planning_room = _made_here(lambda: self._last_plan), self._last_room
         elif self.synchronous:
             self._planning = _made_here(_plan, allocs, math.inf, SEARCH_TRIES, keep)
         elif self.waits_for_plans and len(allocs) <= HERE_MAX_ALLOCATIONS:
@@ -494,10 +493,11 @@ def _made_here(fn, *args) -> concurrent.futures.Future:
 
 
 def _plan(allocs: list[Allocation], search_s: float = SEARCH_S, max_tries: int | None = None,
-          keep: dict | None = None, room_nbytes: int = 0) -> tuple[list[Allocation], PoolPlan, dict, PoolPlan | None, dict]:
+          keep: dict | None = None,
+          room_nbytes: int = 0) -> tuple[list[Allocation], PoolPlan, dict, PoolPlan | None, dict]:
     """On the planner's thread (the planning thread's, the planning process's or the boundary's:
-    :meth:`PlannedPool._finish_recording`): (the allocations, their offsets (checked), the figures reported
-    for them, the packing with the blocks of ``keep`` (key -> arena offset) where they lie (Note
+    :meth:`PlannedPool._finish_recording`): (the allocations, their offsets (checked), the figures
+    reported for them, the packing with the blocks of ``keep`` (key -> arena offset) where they lie (Note
     [Blocks kept in place]; None without ``keep``, or above :data:`KEPT_MAX_RATIO`), ``keep``).
     ``room_nbytes``: where positive, the search for offsets ends at a packing within
     :data:`ENOUGH_RATIO` of the most live bytes that is at most this large (Note [A search the

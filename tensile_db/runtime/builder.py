@@ -393,6 +393,14 @@ class ProgramBuilder:
         (Note [Optimizer steps in sub-groups])."""
         options = self.options
         lr, wd = options.learning_rate, options.weight_decay
+        if options.optimizer == "adam":     # (op name, state slots' prefixes, flops per element, update)
+            kind, names, flops = "adam", ("adam_m", "adam_v"), 12
+            def update(param, grad, state, ctx):
+                kernels.adam_update(param, grad, *state, lr, 0.9, 0.999, 1e-8, ctx.step, wd)
+        else:
+            kind, names, flops = "sgd", ("sgd_velocity",), 4
+            def update(param, grad, state, ctx):
+                kernels.sgd_update(param, grad, *state, lr, options.momentum, wd)
         passes = max((sum(self.slots[s].arena_nbytes for s in op.accesses) for op in self.ops), default=0)
         if self.floor_nbytes is not None:
             passes = min(passes, self.floor_nbytes)
@@ -401,28 +409,18 @@ class ProgramBuilder:
                 if node.index in self.joined else node.params
             for p, shape in params.items():
                 grad = f"d{p}"
-                names = ("adam_m", "adam_v") if options.optimizer == "adam" else ("sgd_velocity",)
                 groups = self.subgroups(p, grad, len(names), passes)
                 for j, (lo, hi) in enumerate(groups):
                     part = None if len(groups) == 1 else (lo, hi)         # None: the whole step
                     tag = p if part is None else f"{p}.{j}"
-                    state = [self.slot(f"{name}_{tag}", Kind.OPTIMIZER_STATE, shape if part is None else (hi - lo,))
-                             for name in names]
+                    state = tuple(self.slot(f"{name}_{tag}", Kind.OPTIMIZER_STATE,
+                                            shape if part is None else (hi - lo,)) for name in names)
                     # read and written: its part of the parameter and the gradient, and its state
                     nbytes = None if part is None else 2 * 4 * (hi - lo) * (2 + len(state))
-                    if options.optimizer == "adam":
-                        m, v = state
-                        self.op(f"adam_{tag}", (p, grad, m, v), (p, grad, m, v),
-                            lambda a, ctx, p=p, grad=grad, m=m, v=v, part=part: kernels.adam_update(
-                                _part(a[p], part), _part(a[grad], part), a[m], a[v], lr, 0.9, 0.999, 1e-8,
-                                ctx.step, wd),
-                            flops=12 * (hi - lo), unit="optimizer", nbytes=nbytes)
-                    else:
-                        vel, = state
-                        self.op(f"sgd_{tag}", (p, grad, vel), (p, grad, vel),
-                            lambda a, ctx, p=p, grad=grad, vel=vel, part=part: kernels.sgd_update(
-                                _part(a[p], part), _part(a[grad], part), a[vel], lr, options.momentum, wd),
-                            flops=4 * (hi - lo), unit="optimizer", nbytes=nbytes)
+                    self.op(f"{kind}_{tag}", (p, grad, *state), (p, grad, *state),
+                            lambda a, ctx, p=p, grad=grad, state=state, part=part: update(
+                                _part(a[p], part), _part(a[grad], part), [a[s] for s in state], ctx),
+                            flops=flops * (hi - lo), unit="optimizer", nbytes=nbytes)
 
     def subgroups(self, p: str, grad: str, states: int, floor_nbytes: int) -> list[tuple[int, int]]:
         """The (first, last + 1) elements of each sub-group of ``p``'s optimizer step, with

@@ -498,9 +498,9 @@ class Scheduler:
         """Start making a new plan for the running jobs, on the planning thread (or, for a small
         timeline where the executor waits for its plans, on this one: Note [Plans the waiting
         thread makes]), from a snapshot of their access sequences; :meth:`poll` installs it when
-        it is ready (with ``wait``, at once). ``phases``: job id -> the round (mod ``period``, the executor's rounds per period)
-        its current period started in; ``repeats``: job id -> iterations per period (1 for a job
-        not in it). Jobs run meanwhile under the previous plan, so planning never stalls them,
+        it is ready (with ``wait``, at once). ``phases``: job id -> the round (mod ``period``, the
+        executor's rounds per period) its current period started in; ``repeats``: job id ->
+        iterations per period (1 for a job not in it). Jobs run meanwhile under the previous plan, so planning never stalls them,
         except where the device's kernels take every core (:attr:`waits_for_plans`: Note [Plans
         beside kernels on every core])."""
         reasons, self.replan_reasons = tuple(self.replan_reasons), []
@@ -529,9 +529,8 @@ class Scheduler:
                 _, plan, _ = self._pending.result()
                 for key, charge in (plan.curve_work if plan is not None else {}).items():
                     self._curves[key].refund(charge)
-        ops = sum(len(t.sequence.program.ops) * t.repeats for t in request.traces or ())
         # not while the planning thread may be in _make (a request landing): one plan at a time
-        if self.waits_for_plans and ops <= HERE_MAX_OPS and all(f.done() for _, f in self._landing):
+        if self.waits_for_plans and request.ops <= HERE_MAX_OPS and all(f.done() for _, f in self._landing):
             self._pending = concurrent.futures.Future()     # Note [Plans the waiting thread makes]
             self._pending.set_result(self._make(request, here=True))
         else:
@@ -634,14 +633,13 @@ class Scheduler:
         work = PlanWork()
         if request.traces:
             try:
-                ops = sum(len(t.sequence.program.ops) * t.repeats for t in request.traces)
                 # where the jobs' peaks, summed, fit the target, the global planner takes no action:
                 # made here, the plan costs a timeline and one simulation of it on this thread, less
                 # than the planning process's round trip (the traces pickled, a core taken there;
                 # Note [Planning off the GIL])
                 idle = self.policy == "tensile" and request.target >= sum(
                     t.sequence.program.vanilla_peak_nbytes() for t in request.traces)
-                if not self.deterministic and not here and ops > PROCESS_MIN_OPS and not idle:
+                if not self.deterministic and not here and request.ops > PROCESS_MIN_OPS and not idle:
                     plan, _ = shared().submit(self.policy, request.traces, request.period, self.cost,
                                               request.target, MAX_PLAN_SECONDS).result()
                     work = plan.timeline.work
@@ -700,6 +698,11 @@ class _Request:
     def __post_init__(self):
         self.record = {"reasons": self.reasons, "decisions": None, "asked_s": None, "installed_s": None,
                        "modelled_s": None, "wall_s": None}
+
+    @property
+    def ops(self) -> int:
+        """Ops per period of the timeline its traces make."""
+        return sum(len(t.sequence.program.ops) * t.repeats for t in self.traces)
 
 
 @functools.lru_cache(maxsize=64)
