@@ -51,7 +51,7 @@ RUN set -eux; \
 
 # The extension (its C module, control file and install script), staged under /staging for the
 # final image.
-COPY extension/Makefile extension/tensile_db.control extension/tensile_db.c ./extension/
+COPY extension/Makefile extension/tensile_db.control extension/tensile_db.c extension/reader.c ./extension/
 COPY sql ./sql
 RUN make -C extension install DESTDIR=/staging \
         PG_CONFIG=/usr/lib/postgresql/15/bin/pg_config

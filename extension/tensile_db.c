@@ -1,5 +1,7 @@
 /*
- * tensile_db.c: the aggregates that read training data in one scan.
+ * tensile_db.c: the module's magic block, and the aggregates with which tensile_db 0.5.0 and 0.6.0
+ * read training data (since 0.7.0 reader.c reads it; these stay for the install and upgrade
+ * scripts of those versions, whose functions name them).
  *
  * tensile._pack_float4(real), tensile._pack_float8(double precision) and tensile._pack_int8(bigint)
  * append each non-NULL value, big-endian, to one growing buffer and return it as one bytea: the

@@ -430,57 +430,19 @@ COMMENT ON FUNCTION tensile.stop_coordinator() IS
 'Stops the coordinator, ending every running job; the next call starts one with current settings';
 REVOKE EXECUTE ON FUNCTION tensile.stop_coordinator() FROM PUBLIC;
 
--- The aggregates that read training data (extension/tensile_db.c) ---------------------------------
--- tensile._pack_float4(real), _pack_float8(double precision), _pack_int8(bigint): every non-NULL
--- value, big-endian, in one bytea (NULL over no values): the bytes of string_agg(float4send(x), '')
--- (float8send, int8send) without a bytea per value; tensile._pack_float4_columns(VARIADIC "any"):
--- several real columns, one call a row; tensile._pack_text(text): a categorical column
--- dictionary-encoded (its distinct values' UTF-8 bytes, then a code a row, -1 for NULL). The
--- training scan uses them when present.
-CREATE FUNCTION tensile._pack4_transfn(internal, real) RETURNS internal
-    AS 'MODULE_PATHNAME', 'tensile_pack4_transfn' LANGUAGE C CALLED ON NULL INPUT IMMUTABLE PARALLEL SAFE;
-CREATE FUNCTION tensile._pack8_transfn(internal, double precision) RETURNS internal
-    AS 'MODULE_PATHNAME', 'tensile_pack8_transfn' LANGUAGE C CALLED ON NULL INPUT IMMUTABLE PARALLEL SAFE;
-CREATE FUNCTION tensile._pack8_transfn(internal, bigint) RETURNS internal
-    AS 'MODULE_PATHNAME', 'tensile_pack8_transfn' LANGUAGE C CALLED ON NULL INPUT IMMUTABLE PARALLEL SAFE;
-CREATE FUNCTION tensile._packcolumns_transfn(internal, VARIADIC "any") RETURNS internal
-    AS 'MODULE_PATHNAME', 'tensile_packcolumns_transfn' LANGUAGE C CALLED ON NULL INPUT IMMUTABLE PARALLEL SAFE;
-CREATE FUNCTION tensile._packcolumns_finalfn(internal) RETURNS bytea
-    AS 'MODULE_PATHNAME', 'tensile_packcolumns_finalfn' LANGUAGE C CALLED ON NULL INPUT IMMUTABLE PARALLEL SAFE;
-CREATE FUNCTION tensile._packtext_transfn(internal, text) RETURNS internal
-    AS 'MODULE_PATHNAME', 'tensile_packtext_transfn' LANGUAGE C CALLED ON NULL INPUT IMMUTABLE PARALLEL SAFE;
-CREATE FUNCTION tensile._packtext_finalfn(internal) RETURNS bytea
-    AS 'MODULE_PATHNAME', 'tensile_packtext_finalfn' LANGUAGE C CALLED ON NULL INPUT IMMUTABLE PARALLEL SAFE;
-CREATE FUNCTION tensile._pack_finalfn(internal) RETURNS bytea
-    AS 'MODULE_PATHNAME', 'tensile_pack_finalfn' LANGUAGE C CALLED ON NULL INPUT IMMUTABLE PARALLEL SAFE;
-CREATE AGGREGATE tensile._pack_float4(real) (
-    SFUNC = tensile._pack4_transfn, STYPE = internal, FINALFUNC = tensile._pack_finalfn);
-CREATE AGGREGATE tensile._pack_float8(double precision) (
-    SFUNC = tensile._pack8_transfn, STYPE = internal, FINALFUNC = tensile._pack_finalfn);
-CREATE AGGREGATE tensile._pack_int8(bigint) (
-    SFUNC = tensile._pack8_transfn, STYPE = internal, FINALFUNC = tensile._pack_finalfn);
-CREATE AGGREGATE tensile._pack_float4_columns(VARIADIC "any") (
-    SFUNC = tensile._packcolumns_transfn, STYPE = internal, FINALFUNC = tensile._packcolumns_finalfn);
-CREATE AGGREGATE tensile._pack_text(text) (
-    SFUNC = tensile._packtext_transfn, STYPE = internal, FINALFUNC = tensile._packtext_finalfn);
-COMMENT ON AGGREGATE tensile._pack_float4(real) IS
-    'every non-NULL value as float4send writes it, in one bytea: the training scan''s reader of a real column';
-COMMENT ON AGGREGATE tensile._pack_float8(double precision) IS
-    'every non-NULL value as float8send writes it, in one bytea: the training scan''s reader of a label';
-COMMENT ON AGGREGATE tensile._pack_int8(bigint) IS
-    'every non-NULL value as int8send writes it, in one bytea: the training scan''s reader of a row key';
-COMMENT ON FUNCTION tensile._pack4_transfn(internal, real) IS 'Appends one real to a pack aggregate''s buffer (internal)';
-COMMENT ON FUNCTION tensile._pack8_transfn(internal, double precision) IS
-    'Appends one double precision to a pack aggregate''s buffer (internal)';
-COMMENT ON FUNCTION tensile._pack8_transfn(internal, bigint) IS 'Appends one bigint to a pack aggregate''s buffer (internal)';
-COMMENT ON AGGREGATE tensile._pack_float4_columns(VARIADIC "any") IS
-    'several real columns, none NULL, in one bytea, one column after another: the training scan''s reader of numeric features';
-COMMENT ON FUNCTION tensile._packcolumns_transfn(internal, VARIADIC "any") IS
-    'Appends one row of real columns to a columns pack (internal)';
-COMMENT ON FUNCTION tensile._packcolumns_finalfn(internal) IS 'A columns pack''s buffers as one bytea (internal)';
-COMMENT ON AGGREGATE tensile._pack_text(text) IS
-    'a categorical column dictionary-encoded in one bytea (its distinct values, then a code a row): the training scan''s reader of it';
-COMMENT ON FUNCTION tensile._packtext_transfn(internal, text) IS
-    'Appends the code of one text (or NULL) to a categorical pack (internal)';
-COMMENT ON FUNCTION tensile._packtext_finalfn(internal) IS 'A categorical pack''s values and codes as one bytea (internal)';
-COMMENT ON FUNCTION tensile._pack_finalfn(internal) IS 'A pack aggregate''s buffer as one bytea (internal)';
+-- The scan that reads training and prediction data (extension/reader.c) ------------------------------
+-- tensile._read_columns runs one query (the statement the backend builds around a source, as the
+-- calling role) and writes what its output columns read of the statement's columns (columns: a
+-- 1-based statement column each; kinds: one letter each, f real, d double precision, i bigint,
+-- t text dictionary-encoded, a real[]), in native byte order, into the memory file the backend
+-- made and passes as scan_fd (memfd_create, named tensile_db-scan; any other file is refused):
+-- only the rows where no output column flagged in `required` reads a NULL (and, with skip_holes,
+-- no array holds a NULL element). Returns the layout of the file and the rows counted, as JSON.
+-- At most max_nbytes are written, never more than 1 GB (SQLSTATE 54000 beyond).
+CREATE FUNCTION tensile._read_columns(statement text, columns integer[], kinds text, required boolean[],
+                                      width integer, skip_holes boolean, want_kept boolean, scan_fd integer,
+                                      max_nbytes bigint)
+    RETURNS text
+    AS 'MODULE_PATHNAME', 'tensile_read_columns' LANGUAGE C CALLED ON NULL INPUT VOLATILE PARALLEL UNSAFE;
+COMMENT ON FUNCTION tensile._read_columns(text, integer[], text, boolean[], integer, boolean, boolean, integer, bigint) IS
+    'Reads the columns of one query into the backend''s scan file: the training and prediction scans'' reader (internal)';

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..errors import InvalidArgument
+from . import side_by_side
 from .checks import check_keys, shown
 
 IMPUTE = ("error", "mean", "median", "mode")
@@ -187,8 +188,8 @@ def _mode(values: np.ndarray):
     return uniq[int(np.argmax(counts))]          # np.unique sorts, argmax takes the first maximum
 
 
-def _fit_numeric(name: str, values: np.ndarray, rule: dict) -> Column:
-    present = values[~np.isnan(values)]
+def _fit_numeric(name: str, values, rule: dict) -> Column:
+    """``values()``: the column's training rows, (N,) float32, asked for only to impute from."""
     impute, fill = rule["impute"], None
     if isinstance(impute, dict):
         if isinstance(impute["constant"], str):
@@ -196,6 +197,8 @@ def _fit_numeric(name: str, values: np.ndarray, rule: dict) -> Column:
                                   f"{shown(impute['constant'])}")
         impute, fill = "constant", float(impute["constant"])
     elif impute != "error":
+        values = values()
+        present = values[~np.isnan(values)]
         if len(present) == 0:
             raise InvalidArgument(f'column "{name}" has no value in the training rows to impute its {impute} from; '
                                   'give it {"constant": value} or leave the column out')
@@ -320,23 +323,23 @@ class Preprocessor:
         missing value the model does not impute (with the count), and for an unseen category when
         ``unseen`` is ``error`` (with the value and the count)."""
         n = len(rows) if rows is not None else len(next(iter(raw.values()))) if raw else 0
-        # per column: what its inputs are made from, the rows selected, or every raw row when
-        # ``whole`` (then indexed by ``rows`` block by block)
-        sources: list[tuple[np.ndarray, bool]] = []
+        # A numeric column with nothing missing is read through ``rows`` (no copy of the column),
+        # with the columns beside it in one row-major block (:mod:`.side_by_side`) as one; any other
+        # is indexed first, so that its checks count its rows.
+        numeric = [c.name for c in self.columns if c.kind == "numeric"]
+        whole = dict(zip(numeric, side_by_side.finite([np.asarray(raw[name], np.float32) for name in numeric])))
+        sources: list[tuple[np.ndarray, bool]] = []     # per column: its inputs' source, read through rows?
         for c in self.columns:
             values = raw[c.name]
             if c.kind == "categorical":
                 values = as_categories(values)
-            # A numeric column with nothing missing is read through ``rows`` block by block (no
-            # copy of the column); any other is indexed first, so that its checks count its rows.
-            whole = rows is not None and c.kind == "numeric" and not np.isnan(values).any()
-            if rows is not None and not whole:
+            if c.kind == "numeric" and whole[c.name]:
+                sources.append((np.asarray(values, np.float32), rows is not None))
+                continue
+            if rows is not None:
                 values = values[rows]
             if c.kind == "array":
                 sources.append((np.asarray(values, np.float32).reshape(n, c.width), False))
-                continue
-            if whole:                                       # checked above: nothing missing
-                sources.append((values, True))
                 continue
             missing = np.isnan(values) if c.kind == "numeric" else values.codes < 0
             if missing.any() and c.fill is None:
@@ -349,19 +352,42 @@ class Preprocessor:
             else:
                 sources.append((self._positions(c, values), False))
         out = np.empty((n, self.width), np.float32)
+        blocks = self._blocks(sources)
+        if len(blocks) == 1 and blocks[0][2].ndim == 2 and blocks[0][2].shape[1] == self.width and blocks[0][3]:
+            np.take(blocks[0][2], rows, axis=0, out=out)          # one block of every input: one gather
+            return out
         for start in range(0, n, TRANSFORM_BLOCK_ROWS):     # a block of rows stays in the cache over its columns
             block = slice(start, start + TRANSFORM_BLOCK_ROWS)
-            self._write_block(out[block], [source[rows[block]] if whole else source[block]
-                                           for source, whole in sources])
+            self._write_block(out[block], [(j, c, source[rows[block]] if through else source[block])
+                                           for j, c, source, through in blocks])
         return out
 
-    def _write_block(self, out: np.ndarray, sources: list[np.ndarray]) -> None:
-        """Write one block of rows' inputs (B, width) float32 from each column's source rows: an
-        array column's values, a numeric column's values with the fill in place of missing ones,
-        a categorical column's positions in its categories (:meth:`_positions`)."""
-        j = 0
-        for c, source in zip(self.columns, sources):
-            if c.kind == "numeric":
+    def _blocks(self, sources: list[tuple[np.ndarray, bool]]) -> list[tuple[int, "Column", np.ndarray, bool]]:
+        """``(first input, column, source, read through rows)`` of each column's source, where
+        numeric columns side by side in one row-major block (and read alike) are one 2-D source
+        (N, columns) of consecutive inputs, with the first of them as the column."""
+        firsts = np.cumsum([0] + [c.width for c in self.columns]).tolist()
+        out, i = [], 0
+        while i < len(sources):
+            stop = i + 1
+            while (stop < len(sources) and self.columns[i].kind == self.columns[stop].kind == "numeric"
+                   and sources[stop][0].ndim == sources[i][0].ndim == 1 and sources[stop][1] == sources[i][1]):
+                stop += 1
+            for start, end, block in side_by_side.runs([source for source, _ in sources[i:stop]]):
+                source = block if end - start > 1 else sources[i + start][0]
+                out.append((firsts[i + start], self.columns[i + start], source, sources[i][1]))
+            i = stop
+        return out
+
+    def _write_block(self, out: np.ndarray, sources: list[tuple[int, "Column", np.ndarray]]) -> None:
+        """Write one block of rows' inputs (B, width) float32 from each source's rows, at its
+        first input: several numeric columns' values (B, columns), a numeric column's values
+        (with the fill in place of missing ones), an array column's values, a categorical
+        column's positions in its categories (:meth:`_positions`)."""
+        for j, c, source in sources:
+            if c.kind == "numeric" and source.ndim == 2:
+                out[:, j:j + source.shape[1]] = source
+            elif c.kind == "numeric":
                 out[:, j] = source
             elif c.kind == "array":
                 out[:, j:j + c.width] = source
@@ -374,7 +400,6 @@ class Preprocessor:
                 onehot[rows, source[rows]] = 1.0
                 if c.other:
                     onehot[source < 0, len(c.categories)] = 1.0
-            j += c.width
 
     def _positions(self, c: Column, values: Categories) -> np.ndarray:
         """(N,) int64: each row's index in ``c.categories``, -1 for other; a NULL is the fill's.
@@ -419,7 +444,7 @@ def fit(raw: dict[str, np.ndarray], kinds: dict[str, str], train_index: np.ndarr
             if name in (opts.preprocess or {}) and "encode" in opts.preprocess[name]:
                 raise InvalidArgument(f'options.preprocess."{name}".encode: column "{name}" is numeric; encode '
                                       "applies to categorical (text, enum, boolean) columns")
-            columns.append(_fit_numeric(name, raw[name][train_index].astype(np.float32), rule))
+            columns.append(_fit_numeric(name, lambda name=name: raw[name][train_index].astype(np.float32), rule))
         else:
             if rule["impute"] in ("mean", "median") and "impute" not in (opts.preprocess or {}).get(name, {}):
                 rule["impute"] = "mode"        # the call-wide default: a category's stand-in for a mean
