@@ -201,3 +201,26 @@ def test_what_it_cannot_take_is_left_to_numpy(rng, monkeypatch):
     monkeypatch.setenv("TENSILE_FUSED", "0")
     assert not fused.enabled()
     assert declined([w, g, m, v])
+
+
+@pytest.mark.parametrize("rows, columns", [(1, 1), (70_001, 3), (5_000, 37)])
+def test_moments_are_the_float64_sums_of_the_shifted_values(rng, rows, columns):
+    x = (rng.standard_normal((rows, columns)) * 3 + 1e4).astype(np.float32)
+    shift = x[:100].mean(axis=0, dtype=np.float64)
+    s1, s2 = fused.moments(x, shift)
+    d = x.astype(np.float64) - shift
+    np.testing.assert_allclose(s1, d.sum(axis=0), rtol=1e-9, atol=1e-9 * rows)
+    np.testing.assert_allclose(s2, (d * d).sum(axis=0), rtol=1e-9)
+    again = fused.moments(x, shift)
+    assert again[0].tobytes() == s1.tobytes() and again[1].tobytes() == s2.tobytes()   # the same on every run
+
+
+def test_moments_leave_what_they_cannot_take_to_numpy(rng, monkeypatch):
+    x = rng.standard_normal((100, 4)).astype(np.float32)
+    shift = np.zeros(4)
+    assert fused.moments(x[:, ::2], shift[:2]) is None                 # strided
+    assert fused.moments(x.astype(np.float64), shift) is None
+    with pytest.raises(ValueError, match="shift of shape"):
+        fused.moments(x, shift[:3])
+    monkeypatch.setenv("TENSILE_FUSED", "0")
+    assert fused.moments(x, shift) is None

@@ -399,13 +399,13 @@ def test_cancel_ends_a_training(executor):
     assert_nothing_left(executor)
 
 
-def test_the_trials_of_a_search_share_one_scaled_copy_of_the_rows(executor):
+def test_the_trials_of_a_search_share_the_rows_and_their_scaling(executor):
     x, y, xv, yv = separable()
     first = make_job(x, y, xv, yv)
     spec = models.ModelSpec(models.parse_architecture({"layers": [{"dense": 8}]}), 4, 2, "classification")
     other = TrainingJob(JobInfo(1, "tester", "t2"), spec, models.parse_options({"lr": 0.01}), x, y, xv, yv,
                         data_of=first)
     assert other.x is first.x and other.x_val is first.x_val and other.scaling is first.scaling
-    assert not np.shares_memory(first.x, x)                          # scaled: a copy of the caller's rows
+    assert np.shares_memory(first.x, x)                              # the rows as sent: scaled batch by batch
     progress = run(executor, other)
     assert len(progress) == other.options.epochs and all("val_loss" in p for p in progress)

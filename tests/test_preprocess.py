@@ -387,3 +387,17 @@ def test_a_transform_of_many_row_blocks_equals_its_rows_transformed_apart():
     arrays = {"a": rng.standard_normal((n, 5)).astype(np.float32)}
     pre = fitted(arrays, array_width=5)
     assert np.array_equal(pre.transform(arrays), arrays["a"])
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_fit_scaling_far_from_zero_is_the_float64_mean_and_deviation(monkeypatch, fused):
+    """One pass of shifted sums, by the C loop or by NumPy's blocks: columns whose mean is a
+    million times their deviation still get the float64 figures, rounded to float32."""
+    monkeypatch.setenv("TENSILE_FUSED", fused)
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((100_000, 3)) * [1.0, 0.001, 5.0] + [1e6, -3e3, 0.0]).astype(np.float32)
+    x[:40000] += 0.5                          # the first block's mean, the shift, is off the mean
+    center, spread = fit_scaling(x, ["standardize"] * 3)
+    exact = x.astype(np.float64)
+    np.testing.assert_allclose(center, exact.mean(axis=0), rtol=1e-7)
+    np.testing.assert_allclose(spread, exact.std(axis=0), rtol=1e-6)

@@ -106,11 +106,13 @@ class TrainingJob:
         self._copies: list[WeightsCopy] = []      # its copies of the weights for held-out losses, held now
         self.events: queue.Queue = queue.Queue()
         self.cancel_requested = threading.Event()
-        if data_of is not None:        # another trial of one search: the same rows, scaled once
+        if data_of is not None:        # another trial of one search: the same rows and scaling
             self.x, self.y, self.scaling = data_of.x, data_of.y, data_of.scaling
             self.x_val, self.y_val = data_of.x_val, data_of.y_val
         else:
-            self.x, self.y, self.scaling = _standardize(spec, options, x, y, scale_modes)
+            # x stays as sent, the rows a batch reads scaled as it is read (Note [Rows scaled
+            # batch by batch])
+            self.x, self.y, self.scaling = _scaling(spec, options, x, y, scale_modes)
             # Held-out rows, scaled as the training rows are: the loss on them after every epoch
             # (``history``), early stopping (``options.patience``) and a search's halving.
             if x_val is not None and len(x_val) > VALIDATION_ROWS:       # evenly spaced, for the per-epoch loss
@@ -219,7 +221,9 @@ class TrainingJob:
         loss_sum = 0.0
         for it in range(self.steps_per_epoch):
             index = order[it * self.batch:(it + 1) * self.batch]
-            ctx.batch_x, ctx.batch_y = self.x[index], self.y[index]
+            # np.take, not x[index]: 4,096 rows of 16 float32 took 0.35 ms against 1.09 by indexing
+            ctx.batch_x = models.standardize(self.scaling, np.take(self.x, index, axis=0))
+            ctx.batch_y = np.take(self.y, index, axis=0)
             ctx.step += 1
             ctx.seed = self.options.seed * 1_000_003 + ctx.step
             for position, op in enumerate(self.program.ops):
@@ -488,12 +492,19 @@ def chunk_rows(spec: models.ModelSpec, weights) -> int:
     return max(256, FORWARD_CHUNK_NBYTES // (4 * widest))
 
 
-def _standardize(spec, options, x, y, scale_modes=None):
-    """Float32 training arrays and the scaling stored with the model: per input column
-    ``x_mean`` / ``x_std`` from ``scale_modes`` (:func:`..runtime.preprocess.fit_scaling`;
+def _scaling(spec, options, x, y, scale_modes=None):
+    """The training rows x (N, F) float32, as sent (a copy only of rows of another dtype or
+    layout), the targets y, scaled for regression, and the scaling stored with the model: per
+    input column ``x_mean`` / ``x_std`` from ``scale_modes`` (:func:`..runtime.preprocess.fit_scaling`;
     None: every column standardised when ``options.standardize``), and for regression the
-    target's mean and standard deviation when ``options.standardize``."""
-    x = np.asarray(x, dtype=np.float32)
+    target's mean and standard deviation when ``options.standardize``.
+
+    Note [Rows scaled batch by batch]: the job keeps its rows as they came and scales the rows of
+    each batch as the batch is read (:func:`.models.standardize`, the same float32 operations, so
+    the same bits as a scaled copy), and the forward passes over them scale each chunk. A scaled
+    copy of 800,000 rows of 16 inputs took 0.03 s before a job was accepted, and 51 MB more of the
+    coordinator's memory for as long as it ran."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
     scaling: dict[str, np.ndarray] = {}
     if scale_modes is None:
         scale_modes = ["standardize" if options.standardize else "none"] * x.shape[1]
@@ -501,7 +512,6 @@ def _standardize(spec, options, x, y, scale_modes=None):
         raise InvalidArgument(f"{len(scale_modes)} scale modes for {x.shape[1]} input columns")
     if any(m != "none" for m in scale_modes):
         scaling["x_mean"], scaling["x_std"] = preprocess.fit_scaling(x, scale_modes)
-        x = models.standardize(scaling, x)
     if spec.task == "classification":
         y = np.asarray(y, dtype=np.int32).reshape(-1)
     else:

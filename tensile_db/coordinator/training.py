@@ -29,6 +29,7 @@ whole or not at all.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -270,12 +271,12 @@ class TrainingService:
 
 def _fit(job: TrainingJob, y: np.ndarray) -> dict:
     """Accuracy (classification) or RMSE (regression) on the training rows ``y``, the labels as
-    sent: the network runs on the job's rows as it trained on them (already scaled with the
-    result's scaling: the outputs :func:`.models.forward` would compute from the rows as sent,
-    without a scaled copy of them). A row's class is its largest output, before the softmax,
+    sent: the network runs on the job's rows, each chunk scaled with the result's scaling as it
+    goes (the outputs :func:`.models.forward` computes from the rows as sent). A row's class is its largest output, before the softmax,
     which keeps the order; where two outputs are within rounding of each other, the softmax's
     largest (what predict returns) may be the other one."""
-    h = job.spec.network.forward(job.result, job.x, chunk_rows(job.spec, job.result))
+    h = job.spec.network.forward(job.result, job.x, chunk_rows(job.spec, job.result),
+                                 functools.partial(models.standardize, job.result))
     if job.spec.task == "classification":
         return {"train_accuracy": float((h.argmax(axis=1) == y.reshape(-1)).mean())}
     out = models.finish(job.spec, job.result, h)

@@ -154,3 +154,20 @@ void tensile_copy(void *dst, const void *src, int64_t n, int threads)
             memcpy((char *)dst + lo, (const char *)src + lo, (size_t)(hi - lo));
     }
 }
+
+/* Column moments of n rows of f float32 columns, row-major: s1[j] and s2[j] gain the sums of
+   (x[i][j] - shift[j]) and of its square, in double precision, row after row (one thread: the
+   same sums on every run). The shifted sums give the mean and the variance in one pass over x
+   (tensile_db/runtime/preprocess.py fit_scaling). */
+VECTOR_CLONES void tensile_moments_f32(const float *restrict x, int64_t n, int64_t f, const double *restrict shift,
+                                       double *restrict s1, double *restrict s2)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const float *restrict row = x + i * f;
+        for (int64_t j = 0; j < f; j++) {
+            double d = (double)row[j] - shift[j];
+            s1[j] += d;
+            s2[j] += d * d;
+        }
+    }
+}

@@ -105,6 +105,7 @@ _SIGNATURES = {
     "tensile_sgd_f32": [_P, _P, _P, _N, _F, _F, _F, _I],
     "tensile_relu_backward_f32": [_P, _P, _P, _N, _I],
     "tensile_copy": [_P, _P, _N, _I],
+    "tensile_moments_f32": [_P, _N, _N, _P, _P, _P],
 }
 
 
@@ -229,6 +230,23 @@ def relu_backward(y, dy, dx) -> bool:
         return False                    # no team (oneDNN off): the NumPy passes split over the workers
     _state["library"].tensile_relu_backward_f32(*pointers, y.size, threads)
     return True
+
+
+def moments(x, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per column of ``x`` (N, F) float32, the sums of ``x - shift`` and of its squares, (F,)
+    float64 each, in one pass on the calling thread (the same sums on every run), or None where
+    the library may not take ``x`` (not an aligned C-contiguous float32 NumPy array) or is not
+    there; ``shift`` (F,) float64."""
+    if type(x) is not np.ndarray or x.dtype != np.float32 or x.ndim != 2 or not enabled() \
+            or not (x.flags.c_contiguous and x.flags.aligned):
+        return None
+    shift = np.ascontiguousarray(shift, np.float64)
+    if shift.shape != (x.shape[1],):
+        raise ValueError(f"a shift of shape {shift.shape} for {x.shape[1]} columns")
+    s1, s2 = np.zeros(x.shape[1]), np.zeros(x.shape[1])
+    _state["library"].tensile_moments_f32(x.ctypes.data, x.shape[0], x.shape[1], shift.ctypes.data, s1.ctypes.data,
+                                          s2.ctypes.data)
+    return s1, s2
 
 
 def copy(dst, src) -> bool:

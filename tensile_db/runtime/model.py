@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
-from functools import cached_property
+from functools import cached_property, partial
 
 import numpy as np
 
@@ -393,6 +393,7 @@ def forward(spec: ModelSpec, weights, x: np.ndarray, chunk_rows: int = 256) -> n
     Classification outputs are class probabilities (softmax); regression outputs are in the
     label's units (standardisation undone). Batch normalisation uses its running statistics and
     dropout is the identity. The coordinator's demand-layered inference
-    (:mod:`tensile_db.inference`) runs the same nodes (:func:`.network.evaluate`).
+    (:mod:`tensile_db.inference`) runs the same nodes (:func:`.network.evaluate`). The scaling
+    is applied chunk by chunk: no scaled copy of x is made.
     """
-    return finish(spec, weights, spec.network.forward(weights, standardize(weights, x), chunk_rows))
+    return finish(spec, weights, spec.network.forward(weights, x, chunk_rows, partial(standardize, weights)))

@@ -104,13 +104,17 @@ class Network:
         for node in self.nodes:
             yield from node.kind.init_weights(node, rng).items()
 
-    def forward(self, weights: dict[str, np.ndarray], x: np.ndarray, chunk_rows: int = 256) -> np.ndarray:
-        """Inference on the host: network inputs x (N, F) float32 (already scaled) -> the output
-        layer's values (N, n_outputs) float32, ``chunk_rows`` rows at a time. Batch norm uses the
-        running statistics; dropout is the identity."""
+    def forward(self, weights: dict[str, np.ndarray], x: np.ndarray, chunk_rows: int = 256,
+                scale=None) -> np.ndarray:
+        """Inference on the host: network inputs x (N, F) float32 -> the output layer's values
+        (N, n_outputs) float32, ``chunk_rows`` rows at a time, each chunk first through ``scale``
+        (a function of its rows; None: x is scaled already). Batch norm uses the running
+        statistics; dropout is the identity."""
         outs = []
         for start in range(0, len(x), chunk_rows):
             part = np.asarray(x[start:start + chunk_rows], np.float32)
+            if scale is not None:
+                part = scale(part)
             values: dict[int, np.ndarray] = {INPUT: layout.images_from_rows(part, self.input_shape)}
             left = {k: len(v) for k, v in self.consumers.items()}
             for node in self.nodes:
