@@ -253,6 +253,45 @@ def test_softmax_cross_entropy_matches_torch(rng, shift):
     assert_close(dlogits, lt.grad)
 
 
+@pytest.mark.parametrize("classes", [2, 3, 7, 8, 33])
+def test_softmax_cross_entropy_of_few_and_many_classes_matches_torch(rng, classes):
+    """Up to SHORT_ROW classes the softmax's row maximum and sum go column by column, beyond it
+    through NumPy's reductions: both are torch's cross-entropy, in float32 as in training."""
+    logits = (3 * rng.standard_normal((4096, classes))).astype(np.float32)
+    labels = rng.integers(0, classes, size=4096).astype(np.int32)
+    lt = torch.tensor(logits, requires_grad=True)
+    loss_t = F.cross_entropy(lt, torch.tensor(labels).long(), reduction="mean")
+    loss_t.backward()
+    probs, rowbuf, loss = np.empty_like(logits), np.empty((4096, 1), np.float32), np.empty(1, np.float32)
+    K.softmax_cross_entropy_forward(logits, labels, probs, rowbuf, loss)
+    dlogits = np.empty_like(logits)
+    K.softmax_cross_entropy_backward(probs, labels, dlogits)
+    np.testing.assert_allclose(loss[0], loss_t.item(), rtol=1e-5)
+    np.testing.assert_allclose(dlogits, lt.grad.numpy(), rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("columns", [1, 2, 5, 7, 8, 40])
+def test_reductions_over_a_short_axis_are_numpys(rng, columns):
+    """A row's maximum (NaN included) and sum and a scaling by a row's value are NumPy's own bit for
+    bit; the sums over rows (the BLAS's product with ones) are NumPy's to float32 rounding."""
+    a = rng.standard_normal((1000, columns)).astype(np.float32)
+    a[7, 0] = np.nan
+    row = np.empty((1000, 1), np.float32)
+    K.row_max(a, row)
+    assert row.tobytes() == a.max(axis=1, keepdims=True).tobytes()
+    K.row_sums(np.abs(a), row)
+    assert row.tobytes() == np.abs(a).sum(axis=1, keepdims=True).tobytes()
+    out = np.empty_like(a)
+    K.by_row(np.divide, a, row, out)
+    assert out.tobytes() == (a / row).tobytes()
+    a[7, 0] = 1.0
+    sums = np.empty(columns, np.float32)
+    K.column_sums(a, sums)
+    np.testing.assert_allclose(sums, a.astype(np.float64).sum(axis=0), rtol=1e-5, atol=1e-4)
+    K.column_sums(a[:0], sums)
+    assert (sums == 0).all()
+
+
 def test_softmax_cross_entropy_matches_finite_differences(rng):
     logits = rng.standard_normal((B, C))
     labels = rng.integers(0, C, size=B).astype(np.int32)
