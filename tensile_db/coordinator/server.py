@@ -52,6 +52,7 @@ from ..memory.manager import MemoryManager
 from ..memory.spill import SpillDir
 from ..runtime import model as models
 from ..runtime.devices import kind_and_index, make_device
+from ..scheduler import worker
 from . import placement, protocol, reports
 from .address import LOCK_NAME, SOCKET_NAME, resident_set, socket_address
 from .executor import Executor
@@ -61,6 +62,9 @@ log = logging.getLogger(__name__)
 
 #: Connections the listener queues before the coordinator accepts them.
 BACKLOG = 128
+#: Seconds the start waits for the planning process to be ready before it serves (Note [Quiet once
+#: serving] in :meth:`Coordinator.start`).
+PLANNER_READY_S = 30.0
 
 
 class Coordinator:
@@ -155,6 +159,12 @@ class Coordinator:
             self.inference.append(InferenceService(executor.manager, secure_dir(directory, "model directory"),
                                                    FILES_LIMIT_NBYTES // len(self.executors)))
         self.training = TrainingService(self.executors, self.limits, self.policy)
+        # Note [Quiet once serving]: the planning process's start (a new interpreter importing the
+        # package: about 0.7 s of CPU here) finishes before the first request, not beside it: a
+        # training started just after the coordinator read its rows 0.1 to 0.2 s slower with it.
+        if not worker.shared().ready(PLANNER_READY_S):
+            log.warning("the planning process was not ready after %s s; serving without waiting for it",
+                        PLANNER_READY_S)
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)          # stale: we hold the lock, nobody serves it
         with socket_address(self.socket_dir) as address:

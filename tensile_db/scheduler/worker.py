@@ -183,6 +183,19 @@ class PlanningProcess:
         """
         return self._submit(os.getpid)
 
+    def ready(self, timeout_s: float) -> bool:
+        """Wait until a child that was started is ready to plan, at most ``timeout_s`` seconds;
+        whether it is (True too where none was started: nothing to wait for)."""
+        with self._lock:
+            pid = self._pid
+        if pid is None:
+            return True
+        try:
+            pid.result(timeout=timeout_s)
+            return True
+        except (concurrent.futures.TimeoutError, BrokenProcessPool):
+            return False
+
     def _submit(self, fn, *args) -> concurrent.futures.Future:
         with self._lock:
             if self._pool is not None:
