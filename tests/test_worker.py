@@ -244,3 +244,14 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_ready_waits_for_a_started_child_and_not_for_one_never_started():
+    process = PlanningProcess()
+    try:
+        assert process.ready(0.0)                          # none started: nothing to wait for
+        process.start()
+        assert process.ready(60.0)
+        assert process._pid.done() and process._pid.result() != os.getpid()
+    finally:
+        process.close()
