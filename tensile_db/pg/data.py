@@ -70,7 +70,8 @@ class TrainingData:
     takes them: numeric (N,) float32 with NaN for a NULL kept for imputation, categorical
     :class:`~tensile_db.runtime.preprocess.Categories`, array (N, width) float32); kinds: feature
     column -> kind, in order; y: the label, (N,) float64 (numeric) or Categories; row counts before and after
-    dropping rows with NULLs; array_width: values per row of an array column (None: none)."""
+    dropping rows with NULLs; array_width: values per row of an array column (None: none); finite:
+    the numeric feature columns checked to hold only finite values (those that refuse NULLs)."""
 
     raw: dict[str, np.ndarray]
     kinds: dict[str, str]
@@ -82,6 +83,7 @@ class TrainingData:
     rows: int
     skipped_rows: int
     array_width: int | None = None
+    finite: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -278,7 +280,8 @@ def read_training_data(plpy, source: str, label: str, features: list[str] | None
             raise InvalidArgument(f'label column "{label}" has NaN or infinite values; filter them in the source')
     return TrainingData(raw, feature_kinds, y, list(features), label, label_kind,
                         types[label] in INTEGER_TYPES, scan.rows, scan.rows - scan.kept_rows,
-                        math.prod(input_shape) if array is not None else None)
+                        math.prod(input_shape) if array is not None else None,
+                        frozenset(c for c, k in feature_kinds.items() if k == "numeric" and c not in nullable))
 
 
 def read_features(plpy, source: str, pre, key: str | None, skip_nulls: bool,

@@ -61,7 +61,7 @@ def prepare(data: TrainingData, opts: models.TrainOptions, check=lambda task, n_
                                      y if task == "classification" else None)
     pre = preprocess.fit(data.raw, data.kinds, train, opts, data.array_width)
     check(task, len(classes) if classes else 1, pre, len(y))
-    x = pre.transform(data.raw, train)
+    x = pre.transform(data.raw, train, data.finite)
     # A held-out row may hold a category no training row has: it is "other" to the model.
-    x_test = replace(pre, unseen="other").transform(data.raw, test)
+    x_test = replace(pre, unseen="other").transform(data.raw, test, data.finite)
     return Prepared(task, classes, label_names, pre, x, y[train], x_test, y[test])

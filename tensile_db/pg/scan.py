@@ -235,13 +235,14 @@ def _read_columns(plpy, query: str, types: dict[str, int], columns: list[tuple[s
     """Read through the extension's ``tensile._read_columns`` into a memory file, mapped here
     read-only once the scan has ended: every column a view of the mapping."""
     statement, at = _reading_statement(plpy, query, types, columns)
+    required = [c not in nullable for c, _ in columns]
     fd = os.memfd_create(SCAN_FILE_NAME, os.MFD_CLOEXEC)
     try:
         layout = json.loads(plpy.execute(plpy.prepare(
             "SELECT tensile._read_columns($1, $2, $3, $4, $5, $6, $7, $8, $9) AS layout",
             ["pg_catalog.text", "pg_catalog.int4[]", "pg_catalog.text", "pg_catalog.bool[]", "pg_catalog.int4",
              "pg_catalog.bool", "pg_catalog.bool", "pg_catalog.int4", "pg_catalog.int8"]),
-            [statement, at, "".join(_KINDS[t] for _, t in columns), [c not in nullable for c, _ in columns], width,
+            [statement, at, "".join(_KINDS[t] for _, t in columns), required, width,
              skip_nulls, want_kept, fd, MAX_VALUE_NBYTES])[0]["layout"])
         mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
     finally:
@@ -257,12 +258,14 @@ def _read_columns(plpy, query: str, types: dict[str, int], columns: list[tuple[s
 
     def decode(widths: dict[str, int]):
         dictionaries = _dictionaries(region(len(columns) + 1, np.uint8))
-        reals = sum(t == "real" for _, t in columns)            # side by side in one row-major matrix
-        matrix = region(len(columns) + 2, np.float32, complete * reals).reshape(complete, reals)
+        # the real columns that refuse NULLs lie side by side in one row-major matrix; one that
+        # keeps them (NaN) has a region of its own, where the imputation's column passes read it
+        in_matrix = [t == "real" and required for (_, t), required in zip(columns, required)]
+        matrix = region(len(columns) + 2, np.float32, complete * sum(in_matrix)).reshape(complete, sum(in_matrix))
         decoded = []
         for i, (c, t) in enumerate(columns):
-            if t == "real":
-                decoded.append(matrix[:, sum(u == "real" for _, u in columns[:i])])
+            if in_matrix[i]:
+                decoded.append(matrix[:, sum(in_matrix[:i])])
             elif t == "real[]":
                 if arrays[i]["mixed_ndim"]:
                     raise _mixed_dimensions(c, arrays[i]["ndim"])

@@ -363,13 +363,13 @@ def init_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
     return spec.network.init_weights(seed)
 
 
-def standardize(weights: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+def standardize(weights: dict[str, np.ndarray], x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Raw features x (N, F) -> the network's float32 input (N, F): the stored feature scaling
-    applied, if the model has one."""
+    applied, if the model has one, into ``out`` (N, F) float32 if given (else a new array)."""
     x = np.asarray(x, dtype=np.float32)
     if "x_mean" not in weights:
         return x
-    out = np.subtract(x, weights["x_mean"], dtype=np.float32)     # one new array, divided in place
+    out = np.subtract(x, weights["x_mean"], out=out, dtype=np.float32)     # divided in place
     out /= weights["x_std"]
     return out
 

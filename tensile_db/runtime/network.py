@@ -108,13 +108,17 @@ class Network:
                 scale=None) -> np.ndarray:
         """Inference on the host: network inputs x (N, F) float32 -> the output layer's values
         (N, n_outputs) float32, ``chunk_rows`` rows at a time, each chunk first through ``scale``
-        (a function of its rows; None: x is scaled already). Batch norm uses the running
-        statistics; dropout is the identity."""
+        (``scale(rows, out=buffer)``, returning the scaled rows: written into one buffer the chunks
+        share; None: x is scaled already). Batch norm uses the running statistics; dropout is the
+        identity."""
         outs = []
+        buffer = None
         for start in range(0, len(x), chunk_rows):
             part = np.asarray(x[start:start + chunk_rows], np.float32)
             if scale is not None:
-                part = scale(part)
+                if buffer is None:
+                    buffer = np.empty((min(chunk_rows, len(x)), *part.shape[1:]), np.float32)
+                part = scale(part, out=buffer[:len(part)])
             values: dict[int, np.ndarray] = {INPUT: layout.images_from_rows(part, self.input_shape)}
             left = {k: len(v) for k, v in self.consumers.items()}
             for node in self.nodes:

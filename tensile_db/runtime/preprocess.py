@@ -313,10 +313,12 @@ class Preprocessor:
             raise InvalidArgument("the model's preprocessing record does not match its feature columns; train it again")
         return pre
 
-    def transform(self, raw: dict[str, np.ndarray], rows: np.ndarray | None = None) -> np.ndarray:
+    def transform(self, raw: dict[str, np.ndarray], rows: np.ndarray | None = None,
+                  finite: frozenset[str] = frozenset()) -> np.ndarray:
         """Raw columns -> network inputs (N, width) float32, before scaling; with ``rows`` (indices
         into the raw rows), the inputs of those rows only (N = len(rows)), as if the raw columns
-        had been indexed by them first.
+        had been indexed by them first. ``finite`` names numeric columns the caller knows to hold
+        no NaN (and no infinity): they are not tested again.
 
         ``raw[name]``: numeric (N,) float32 with NaN for missing; categorical :class:`Categories`
         (or a sequence of str or None); array (N, width) float32. Raises InvalidArgument naming the column for a
@@ -326,8 +328,9 @@ class Preprocessor:
         # A numeric column with nothing missing is read through ``rows`` (no copy of the column),
         # with the columns beside it in one row-major block (:mod:`.side_by_side`) as one; any other
         # is indexed first, so that its checks count its rows.
-        numeric = [c.name for c in self.columns if c.kind == "numeric"]
+        numeric = [c.name for c in self.columns if c.kind == "numeric" and c.name not in finite]
         whole = dict(zip(numeric, side_by_side.finite([np.asarray(raw[name], np.float32) for name in numeric])))
+        whole.update((name, True) for name in finite)
         sources: list[tuple[np.ndarray, bool]] = []     # per column: its inputs' source, read through rows?
         for c in self.columns:
             values = raw[c.name]
