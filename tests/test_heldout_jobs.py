@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import TEST_DEVICE, wait_until
-from tensile_db.coordinator import protocol
+from tensile_db.coordinator import protocol, training
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
 from tensile_db.coordinator.training import TrainingService
@@ -383,6 +383,19 @@ def test_train_with_patience_returns_the_best_epoch(executor):
     # and the fit on the training rows too, on the rows as sent
     fitted = host_outputs(weights, arrays["x"]).argmax(axis=1)
     assert m["train_accuracy"] == pytest.approx(float((fitted == arrays["y"]).mean()))
+    assert_nothing_left(executor)
+
+
+def test_the_fit_of_many_training_rows_is_measured_on_rows_evenly_spaced(executor, monkeypatch):
+    monkeypatch.setattr(training, "FIT_ROWS", 50)
+    header, arrays = train_request(epochs=2)
+    backend = Backend(executor, header, arrays)
+    (result, weights) = backend.messages()[-1]
+    backend.close()
+    step = -(-len(arrays["x"]) // 50)
+    assert step > 1
+    fitted = host_outputs(weights, arrays["x"][::step]).argmax(axis=1)
+    assert result["metrics"]["train_accuracy"] == pytest.approx(float((fitted == arrays["y"][::step]).mean()))
     assert_nothing_left(executor)
 
 

@@ -269,13 +269,22 @@ class TrainingService:
                     recomputes=m.recomputes, n_parameters=job.spec.n_parameters())
 
 
+#: Training rows the fit is measured on at most: beyond it, this many evenly spaced ones (an
+#: accuracy's standard error at most 0.002); the forward pass over 800,000 rows of the ingest
+#: benchmark's model took 0.07 to 0.14 s after training.
+FIT_ROWS = 65536
+
+
 def _fit(job: TrainingJob, y: np.ndarray) -> dict:
     """Accuracy (classification) or RMSE (regression) on the training rows ``y``, the labels as
-    sent: the network runs on the job's rows, each chunk scaled with the result's scaling as it
-    goes (the outputs :func:`.models.forward` computes from the rows as sent). A row's class is its largest output, before the softmax,
-    which keeps the order; where two outputs are within rounding of each other, the softmax's
-    largest (what predict returns) may be the other one."""
-    h = job.spec.network.forward(job.result, job.x, chunk_rows(job.spec, job.result),
+    sent, or on at most :data:`FIT_ROWS` of them evenly spaced where there are more: the network
+    runs on the job's rows, each chunk scaled with the result's scaling as it goes (the outputs
+    :func:`.models.forward` computes from the rows as sent). A row's class is its largest output,
+    before the softmax, which keeps the order; where two outputs are within rounding of each
+    other, the softmax's largest (what predict returns) may be the other one."""
+    step = -(-len(job.x) // FIT_ROWS)
+    x, y = job.x[::step], y[::step]
+    h = job.spec.network.forward(job.result, x, chunk_rows(job.spec, job.result),
                                  functools.partial(models.standardize, job.result))
     if job.spec.task == "classification":
         return {"train_accuracy": float((h.argmax(axis=1) == y.reshape(-1)).mean())}
