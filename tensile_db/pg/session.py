@@ -252,9 +252,23 @@ def _thread(target) -> threading.Thread:
     return thread
 
 
+#: When this backend last let PostgreSQL deliver a cancel (time.monotonic()).
+_checked = {"at": 0.0}
+
+
+def _check_interrupts(plpy, check) -> None:
+    """Call into SPI (``check``: a prepared ``SELECT 1``), which lets PostgreSQL deliver a cancel or
+    a ``statement_timeout`` as an exception."""
+    plpy.execute(check)
+    _checked["at"] = time.monotonic()
+
+
 def exchange(plpy, GD, client, io, doing: str, timeout_s: float | None):
     """Run ``io()`` — a send and/or receive on ``client`` — on a helper thread and return what
-    it returns, waiting in ``WAIT_SLICE_S`` slices with a call into SPI between them.
+    it returns, waiting in ``WAIT_SLICE_S`` slices with a call into SPI between them, and with one
+    more before it returns where none came in the last slice: a search's progress messages,
+    arriving faster than a slice, once kept every wait shorter than one, and a cancel unseen for
+    20 s.
 
     ``timeout_s`` None waits as long as the coordinator works (a training); else raises
     CoordinatorUnavailable after that many seconds, naming ``doing`` and the coordinator's
@@ -278,12 +292,14 @@ def exchange(plpy, GD, client, io, doing: str, timeout_s: float | None):
     thread = _thread(run)
     try:
         while not done.wait(WAIT_SLICE_S):
-            plpy.execute(check)              # lets PostgreSQL deliver a cancel or statement_timeout
+            _check_interrupts(plpy, check)
             if deadline is not None and time.monotonic() > deadline:
                 raise CoordinatorUnavailable(
                     f"the coordinator ({client.state()}) did not answer within {timeout_s:g} s during {doing}; "
                     f"see {socket_dir()}/{address.LOG_NAME}, or stop it (SELECT tensile.stop_coordinator()) "
                     "and call again (tensile.coordinator_timeout sets the wait)")
+        if time.monotonic() - _checked["at"] > WAIT_SLICE_S:    # exchanges that end at once, one after another
+            _check_interrupts(plpy, check)
         error = outcome.get("error")
         if isinstance(error, (EOFError, OSError)):
             raise ConnectionClosed(
