@@ -9,18 +9,21 @@ them with NumPy: numeric columns as float32 / float64 / int64 arrays, a categori
 Two readers, the same rows and the same errors:
 
 - ``tensile._read_columns`` (extension 0.7.0; ``extension/reader.c``): the statement around the
-  source casts each column to its SQL type and nothing more; the C function runs it and writes
-  every value, in native byte order, straight from the executor's tuple slot into a memory file
-  this module makes (``os.memfd_create``) and then maps: each column is an array viewed in place in
-  the mapping, read-only, with no copy of it in the backend's memory (Note [A sparse scan file] in
-  reader.c). The function tests each row for refused NULLs and counts what the checks below need.
+  source projects the columns whose type the C function converts itself bare, in the source's
+  order, and casts any other to its SQL type (:func:`_reading_statement`); the C function runs it
+  and writes every value, in native byte order, from the executor's tuple slot into a memory file
+  this module makes (``os.memfd_create``) and then maps: each column is an array viewed in place
+  in the mapping, read-only, with no copy of it in the backend's memory (Note [A sparse scan
+  file] in reader.c). The real columns that refuse NULLs lie side by side in one row-major block
+  (their arrays strided views of it, :mod:`tensile_db.runtime.side_by_side`). The function tests
+  each row for refused NULLs and counts what the checks below need.
 - ``string_agg`` of each value's binary send function (``float4send``, ...), big-endian, a
   categorical value as its UTF-8 length and bytes: the reader of a database whose tensile_db
   predates the C function, one aggregate a column (Note [One row test per row]).
 
 A row is complete when no column read holds a NULL, except the ``nullable`` ones, which keep
-theirs for imputation (a numeric one as NaN, ``COALESCE(col::real, 'NaN')``, so a NaN stored in
-it is a missing value too; a categorical one as code -1). Only complete rows are decoded. Where
+theirs for imputation (a numeric one as NaN, so a NaN stored in it is a missing value too; a
+categorical one as code -1). Only complete rows are decoded. Where
 some rows are not complete, the scan is refused naming each column with NULLs and their count (a
 second scan, made only to count them) — or, with ``skip_nulls``, those rows are left out (and,
 with ``want_kept``, one byte a row says which were kept). An array column's arrays must each hold
