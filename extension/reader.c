@@ -81,12 +81,18 @@
 
 PG_FUNCTION_INFO_V1(tensile_read_columns);
 
+/* Whether a scan runs in this backend now (see tensile_read_columns). */
+static bool scanning = false;
+
 /* Bytes all regions of a scan file may hold together. */
 #define MAX_SCAN_NBYTES ((Size) MaxAllocSize)
 /* Bytes from one region's start to the next's (Note [A sparse scan file]). */
 #define REGION_STRIDE ((Size) MaxAllocSize + 1)
 /* Bytes a column gathers before they go to the file. */
 #define BUFFER_NBYTES ((Size) 65536)
+/* Output columns one scan reads at most: a query's most columns (a row of the matrix then fits a
+ * buffer, and the buffers take at most MAX_COLUMNS * BUFFER_NBYTES: 104 MiB). */
+#define MAX_COLUMNS MaxTupleAttributeNumber
 /* Bytes of backend memory a dictionary entry takes beyond its value's (the hash entry, the copy's
  * chunk header), counted against MAX_SCAN_NBYTES with the value: many distinct values cannot make
  * the dictionary outgrow the limit. */
@@ -150,6 +156,7 @@ typedef struct ReadColumn
 	int64		hi;
 	int			ndim;			/* dimensions of the first array written; -1: none yet */
 	bool		mixed_ndim;		/* an array written since had another number */
+	ArrayType  *row_array;		/* this row's array, detoasted once (in the row's context) */
 } ReadColumn;
 
 typedef struct ColumnReader
@@ -233,12 +240,16 @@ flush(ColumnReader *reader, ReadColumn *column)
 	column->at = column->buffer;
 }
 
-/* Room for nbytes more in a column's buffer (nbytes <= BUFFER_NBYTES). */
+/* Room for nbytes more in a column's buffer. */
 static inline void
 room(ColumnReader *reader, ReadColumn *column, Size nbytes)
 {
 	if (unlikely(column->at + nbytes > column->buffer + BUFFER_NBYTES))
+	{
+		if (nbytes > BUFFER_NBYTES)		/* a row of the matrix: at most MAX_COLUMNS values */
+			elog(ERROR, "tensile._read_columns: %zu bytes do not fit a buffer of %zu", nbytes, BUFFER_NBYTES);
 		flush(reader, column);
+	}
 }
 
 /* Append nbytes of any size to a column (counted already). */
@@ -276,13 +287,15 @@ text_code(ColumnReader *reader, ReadColumn *column, Datum datum)
 	{
 		char	   *copy = MemoryContextAlloc(reader->context, key.nbytes + 1);
 		int32		length = key.nbytes;
+		int			capacity = column->values.maxlen;
 
 		memcpy(copy, key.bytes, key.nbytes);
 		entry->key.bytes = copy;
 		entry->code = column->distinct++;
-		reserve(reader, DICT_ENTRY_NBYTES + sizeof(length) + key.nbytes);
 		appendBinaryStringInfo(&column->values, (const char *) &length, sizeof(length));
 		appendBinaryStringInfo(&column->values, key.bytes, key.nbytes);
+		/* the memory the value takes: its hash entry, its copy, and what the values' buffer grew */
+		reserve(reader, DICT_ENTRY_NBYTES + GetMemoryChunkSpace(copy) + (column->values.maxlen - capacity));
 	}
 	return entry->code;
 }
@@ -394,7 +407,7 @@ append_value(ColumnReader *reader, ReadColumn *column, Datum datum, bool isnull)
 			break;
 		case FLOAT4_ARRAY:
 			if (!isnull)		/* else a column the caller refuses NULLs in, and names */
-				append_array(reader, column, DatumGetArrayTypeP(datum));
+				append_array(reader, column, column->row_array);
 			break;
 	}
 }
@@ -416,9 +429,12 @@ reader_receive(TupleTableSlot *slot, DestReceiver *self)
 		{
 			if (column->required)
 				complete = false;
+			continue;
 		}
-		else if (column->kind == 'a' &&
-				 array_contains_nulls(DatumGetArrayTypeP(slot->tts_values[column->attno])))
+		if (column->kind != 'a')
+			continue;
+		column->row_array = DatumGetArrayTypeP(slot->tts_values[column->attno]);
+		if (array_contains_nulls(column->row_array))
 		{
 			column->holes++;
 			if (reader->skip_holes)
@@ -436,7 +452,8 @@ reader_receive(TupleTableSlot *slot, DestReceiver *self)
 	{
 		reader->complete++;
 		reserve(reader, reader->row_nbytes);
-		room(reader, &reader->matrix, reader->matrix_row_nbytes);
+		if (reader->matrix_row_nbytes > 0)
+			room(reader, &reader->matrix, reader->matrix_row_nbytes);
 		for (i = 0; i < reader->ncolumns; i++)
 		{
 			ReadColumn *column = &reader->columns[i];
@@ -508,6 +525,7 @@ static void
 reader_startup(DestReceiver *self, int operation, TupleDesc typeinfo)
 {
 	ColumnReader *reader = (ColumnReader *) self;
+	MemoryContext old;
 	int			i;
 
 	for (i = 0; i < reader->ncolumns; i++)
@@ -518,12 +536,6 @@ reader_startup(DestReceiver *self, int operation, TupleDesc typeinfo)
 			elog(ERROR, "tensile._read_columns: output column %d reads statement column %d of %d",
 				 i + 1, column->attno + 1, typeinfo->natts);
 		column->conversion = conversion_of(column->kind, TupleDescAttr(typeinfo, column->attno)->atttypid, i);
-		if (column->kind == 'f' && column->required)
-		{
-			column->in_matrix = true;
-			column->within = reader->matrix_row_nbytes;
-			reader->matrix_row_nbytes += sizeof(float4);
-		}
 		reader->row_nbytes += column->kind == 'f' ? sizeof(float4) : column->kind == 'd' ? sizeof(float8) :
 			column->kind == 'i' ? sizeof(int64) : column->kind == 't' ? sizeof(int32) : 0;
 		if (column->kind == 't')
@@ -537,8 +549,12 @@ reader_startup(DestReceiver *self, int operation, TupleDesc typeinfo)
 			ctl.hcxt = reader->context;
 			column->codes_of = hash_create("tensile_db categories", 64, &ctl,
 										   HASH_ELEM | HASH_FUNCTION | HASH_COMPARE | HASH_CONTEXT);
+			/* in the reader's context, not the executor's, which is gone when the scan ends */
+			old = MemoryContextSwitchTo(reader->context);
 			initStringInfo(&column->values);
-			reserve(reader, sizeof(int32));		/* its number of values, in the dictionary region */
+			MemoryContextSwitchTo(old);
+			/* its number of values in the dictionary region, and the values' buffer */
+			reserve(reader, sizeof(int32) + column->values.maxlen);
 		}
 	}
 }
@@ -649,6 +665,15 @@ finish(ColumnReader *reader)
 	return cstring_to_text_with_len(out.data, out.len);
 }
 
+/* A column's region, the region-th of the file, and its buffer if it has values of its own. */
+static void
+place(ColumnReader *reader, ReadColumn *column, int region, bool buffered)
+{
+	column->offset = (off_t) region * REGION_STRIDE;
+	if (buffered)
+		column->buffer = column->at = MemoryContextAlloc(reader->context, BUFFER_NBYTES);
+}
+
 /* The reader of the output columns the arguments describe, in its own memory context. */
 static ColumnReader *
 make_reader(FunctionCallInfo fcinfo)
@@ -671,6 +696,10 @@ make_reader(FunctionCallInfo fcinfo)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("tensile._read_columns: columns, kinds and required must have one entry per output column")));
+	if (n > MAX_COLUMNS)
+		ereport(ERROR,
+				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
+				 errmsg("tensile._read_columns reads at most %d output columns, not %d", MAX_COLUMNS, n)));
 	reader->context = context;
 	reader->row_context = AllocSetContextCreate(context, "tensile_db reader row", ALLOCSET_SMALL_SIZES);
 	reader->ncolumns = n;
@@ -689,6 +718,12 @@ make_reader(FunctionCallInfo fcinfo)
 					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 					 errmsg("tensile._read_columns: kind '%c' of output column %d is none of f, d, i, t, a",
 							column->kind, i + 1)));
+		if (column->kind == 'f' && column->required)
+		{
+			column->in_matrix = true;
+			column->within = reader->matrix_row_nbytes;
+			reader->matrix_row_nbytes += sizeof(float4);
+		}
 	}
 	reader->width = PG_ARGISNULL(4) ? -1 : PG_GETARG_INT32(4);
 	reader->skip_holes = PG_GETARG_BOOL(5);
@@ -717,6 +752,12 @@ tensile_read_columns(PG_FUNCTION_ARGS)
 	int			code;
 	int			i;
 
+	/* A call from the statement of another (the user's source calling the function) could write
+	 * into the outer scan's file, which stays open meanwhile: refused. */
+	if (scanning)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("tensile._read_columns cannot run inside the statement of another scan")));
 	for (i = 0; i < PG_NARGS(); i++)
 		if (PG_ARGISNULL(i) && i != 4)
 			ereport(ERROR,
@@ -724,26 +765,29 @@ tensile_read_columns(PG_FUNCTION_ARGS)
 					 errmsg("tensile._read_columns: argument %d is NULL", i + 1)));
 	reader = make_reader(fcinfo);
 	open_scan_file(reader, PG_GETARG_INT32(7));
-	for (i = 0; i <= reader->ncolumns + 2; i++)
+	for (i = 0; i < reader->ncolumns; i++)		/* region ncolumns + 1: the dictionaries, written at the end */
+		place(reader, &reader->columns[i], i, !reader->columns[i].in_matrix);
+	place(reader, &reader->kept, reader->ncolumns, reader->want_kept);
+	place(reader, &reader->matrix, reader->ncolumns + 2, reader->matrix_row_nbytes > 0);
+
+	scanning = true;
+	PG_TRY();
 	{
-		ReadColumn *column = i < reader->ncolumns ? &reader->columns[i] : i == reader->ncolumns ? &reader->kept :
-			&reader->matrix;
-
-		if (i == reader->ncolumns + 1)
-			continue;			/* the dictionaries, written at the end */
-		column->offset = (off_t) i * REGION_STRIDE;
-		column->buffer = column->at = MemoryContextAlloc(reader->context, BUFFER_NBYTES);
+		if (SPI_connect() != SPI_OK_CONNECT)
+			elog(ERROR, "tensile._read_columns: SPI_connect failed");
+		plan = prepare_one(text_to_cstring(PG_GETARG_TEXT_PP(0)));
+		memset(&options, 0, sizeof(options));
+		options.dest = (DestReceiver *) reader;
+		code = SPI_execute_plan_extended(plan, &options);
+		if (code < 0)
+			elog(ERROR, "tensile._read_columns: the statement failed: %s", SPI_result_code_string(code));
+		SPI_finish();
 	}
-
-	if (SPI_connect() != SPI_OK_CONNECT)
-		elog(ERROR, "tensile._read_columns: SPI_connect failed");
-	plan = prepare_one(text_to_cstring(PG_GETARG_TEXT_PP(0)));
-	memset(&options, 0, sizeof(options));
-	options.dest = (DestReceiver *) reader;
-	code = SPI_execute_plan_extended(plan, &options);
-	if (code < 0)
-		elog(ERROR, "tensile._read_columns: the statement failed: %s", SPI_result_code_string(code));
-	SPI_finish();
+	PG_FINALLY();
+	{
+		scanning = false;
+	}
+	PG_END_TRY();
 	result = finish(reader);
 	MemoryContextDelete(reader->context);
 	PG_RETURN_TEXT_P(result);

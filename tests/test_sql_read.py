@@ -271,3 +271,39 @@ assert list(d.raw) == [f"f{j}" for j in range(150)] and sorted(d.raw["f0"].tolis
 for j in range(1, 150):
     assert (d.raw[f"f{j}"] == d.raw["f0"] * 1000 + j).all(), f"f{j}"
 $$ LANGUAGE plpython3u""")
+
+
+def test_a_dictionary_of_many_long_values_reads_as_the_string_agg_reader_reads_it(conn):
+    """100,000 distinct values of 32 to 96 bytes: the dictionary's buffer grows far past its first
+    allocation, and must live until the scan has written it out."""
+    conn.execute("SELECT tensile._bootstrap()")
+    conn.execute("CREATE TEMP TABLE words AS SELECT g AS id, repeat(md5(g::text), 1 + g % 3) AS w, (g % 2) AS label "
+                 "FROM generate_series(1, 100000) g")
+    compare(conn, "SELECT * FROM words", [("w", "text"), ("label", "double precision")])
+
+
+def test_the_reader_reads_at_most_a_querys_columns(conn):
+    conn.execute("SELECT tensile._bootstrap()")
+    with pytest.raises(psycopg.Error, match="reads at most 1664 output columns, not 20000"):
+        conn.execute(f"""DO $$
+{SCAN_FILE}
+plpy.execute(f"SELECT tensile._read_columns('SELECT 1::real', pg_catalog.array_fill(1, ARRAY[20000]), "
+             f"repeat('f', 20000), pg_catalog.array_fill(true, ARRAY[20000]), NULL, false, false, {{fd}}, 1000)")
+$$ LANGUAGE plpython3u""")
+
+
+def test_a_scan_inside_the_statement_of_another_is_refused(conn):
+    """A source that calls the reader itself (to write into the outer scan's file) is refused, and
+    the session scans again afterwards."""
+    conn.execute("SELECT tensile._bootstrap()")
+    inner = ("SELECT pg_catalog.length(tensile._read_columns(''SELECT 1::real'', ARRAY[1], ''f'', ARRAY[true], NULL, "
+             "false, false, 3, 10))::real")
+    with pytest.raises(psycopg.Error, match="cannot run inside the statement of another scan"):
+        conn.execute(f"""DO $$
+{SCAN_FILE}
+plpy.execute(f"SELECT tensile._read_columns('{inner}', ARRAY[1], 'f', ARRAY[true], NULL, false, false, {{fd}}, 1000)")
+$$ LANGUAGE plpython3u""")
+    conn.execute(f"""DO $$
+{SCAN_FILE}
+plpy.execute(f"SELECT tensile._read_columns('SELECT 1::real', ARRAY[1], 'f', ARRAY[true], NULL, false, false, {{fd}}, 1000)")
+$$ LANGUAGE plpython3u""")

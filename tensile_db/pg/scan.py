@@ -48,6 +48,7 @@ import json
 import math
 import mmap
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,8 +144,9 @@ def scan(plpy, query: str, types: dict[str, int], columns: list[tuple[str, str]]
     InvalidArgument names the rows that differ; arrays of different numbers of dimensions are
     InvalidArgument too, and so are columns beyond :data:`MAX_VALUE_NBYTES` together."""
     width = math.prod(input_shape) if input_shape else None
-    reader = plpy.execute("SELECT pg_catalog.to_regprocedure('tensile._read_columns(text, integer[], text, "
-                          "boolean[], integer, boolean, boolean, integer, bigint)') IS NOT NULL AS has")[0]["has"]
+    reader = plpy.execute("SELECT pg_catalog.to_regprocedure('tensile._read_columns(pg_catalog.text, "
+                          "pg_catalog.int4[], pg_catalog.text, pg_catalog.bool[], pg_catalog.int4, pg_catalog.bool, "
+                          "pg_catalog.bool, pg_catalog.int4, pg_catalog.int8)') IS NOT NULL AS has")[0]["has"]
     try:
         read = (_read_columns if reader else _aggregate)(plpy, query, types, columns, skip_nulls, want_kept, width,
                                                            nullable)
@@ -305,12 +307,12 @@ def _reading_statement(plpy, query: str, types: dict[str, int], columns: list[tu
 
 def _dictionaries(data: np.ndarray):
     """Each text column's distinct values, in turn, from the dictionary region: per column the
-    number of values (int32), then each one's UTF-8 length (int32) and bytes."""
+    number of values (int32), then each one's UTF-8 length (int32) and bytes, in native byte order."""
     view, pos = memoryview(data), 0
     while pos < len(view):
-        distinct, pos, values = int.from_bytes(view[pos:pos + 4], "little"), pos + 4, []
+        distinct, pos, values = int.from_bytes(view[pos:pos + 4], sys.byteorder), pos + 4, []
         for _ in range(distinct):
-            length = int.from_bytes(view[pos:pos + 4], "little")
+            length = int.from_bytes(view[pos:pos + 4], sys.byteorder)
             values.append(str(view[pos + 4:pos + 4 + length], "utf-8"))
             pos += 4 + length
         yield tuple(values)
