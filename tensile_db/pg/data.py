@@ -42,23 +42,20 @@ from ..errors import InvalidArgument
 from ..runtime import side_by_side
 from ..runtime.model import FLOAT32_MAX
 from ..runtime.preprocess import MAX_CATEGORY_CHARS, check_configured
+from . import oids
 from .scan import run_one, several_statements
 from .scan import scan as read_columns
 
-#: PostgreSQL's type OIDs of the types read here (``src/include/catalog/pg_type.dat``).
-BOOL_OID, INT8_OID, INT2_OID, INT4_OID, FLOAT4_OID, FLOAT8_OID, NUMERIC_OID = 16, 20, 21, 23, 700, 701, 1700
-TEXT_OID, VARCHAR_OID = 25, 1043
-INT2_ARRAY_OID, INT4_ARRAY_OID, INT8_ARRAY_OID, FLOAT4_ARRAY_OID, FLOAT8_ARRAY_OID, NUMERIC_ARRAY_OID = (
-    1005, 1007, 1016, 1021, 1022, 1231)
 #: Type OIDs accepted as numeric input, with their SQL names.
-NUMERIC_TYPES = {BOOL_OID: "boolean", INT8_OID: "bigint", INT2_OID: "smallint", INT4_OID: "integer",
-                 FLOAT4_OID: "real", FLOAT8_OID: "double precision", NUMERIC_OID: "numeric"}
-INTEGER_TYPES = {BOOL_OID, INT8_OID, INT2_OID, INT4_OID}
+NUMERIC_TYPES = {oids.BOOL_OID: "boolean", oids.INT8_OID: "bigint", oids.INT2_OID: "smallint", oids.INT4_OID: "integer",
+                 oids.FLOAT4_OID: "real", oids.FLOAT8_OID: "double precision", oids.NUMERIC_OID: "numeric"}
+INTEGER_TYPES = {oids.BOOL_OID, oids.INT8_OID, oids.INT2_OID, oids.INT4_OID}
 #: Type OIDs a key column may have: the integers, not boolean.
-KEY_TYPES = {INT2_OID: "smallint", INT4_OID: "integer", INT8_OID: "bigint"}
+KEY_TYPES = {oids.INT2_OID: "smallint", oids.INT4_OID: "integer", oids.INT8_OID: "bigint"}
 #: Array type OIDs accepted as the one feature column that holds a row's values, with their SQL names.
-ARRAY_TYPES = {INT2_ARRAY_OID: "smallint[]", INT4_ARRAY_OID: "integer[]", INT8_ARRAY_OID: "bigint[]",
-               FLOAT4_ARRAY_OID: "real[]", FLOAT8_ARRAY_OID: "double precision[]", NUMERIC_ARRAY_OID: "numeric[]"}
+ARRAY_TYPES = {oids.INT2_ARRAY_OID: "smallint[]", oids.INT4_ARRAY_OID: "integer[]", oids.INT8_ARRAY_OID: "bigint[]",
+               oids.FLOAT4_ARRAY_OID: "real[]", oids.FLOAT8_ARRAY_OID: "double precision[]",
+               oids.NUMERIC_ARRAY_OID: "numeric[]"}
 #: More distinct labels than this is almost surely a regression target.
 MAX_CLASSES = 10_000
 _TABLE_NAME = re.compile(r'^("[^"]+"|[A-Za-z_][A-Za-z0-9_$]*)(\.("[^"]+"|[A-Za-z_][A-Za-z0-9_$]*))?$')
@@ -171,7 +168,7 @@ def _kinds(plpy, types: dict[str, int]) -> dict[str, str | None]:
     """Each column's kind as a feature: ``numeric``, ``categorical`` (text, varchar, char, enum,
     boolean and domains over them: the catalog's type categories S, E and B), ``array`` (a
     numeric array), or None (a type that cannot be used)."""
-    kinds = {c: "numeric" if t in NUMERIC_TYPES and t != BOOL_OID else "array" if t in ARRAY_TYPES else None
+    kinds = {c: "numeric" if t in NUMERIC_TYPES and t != oids.BOOL_OID else "array" if t in ARRAY_TYPES else None
              for c, t in types.items()}
     others = sorted({t for c, t in types.items() if kinds[c] is None})
     if others:
@@ -253,7 +250,8 @@ def read_training_data(plpy, source: str, label: str, features: list[str] | None
             raise InvalidArgument(f"features name a column twice: {features}")
     _refuse_unusable(plpy, types, kinds, features, chosen)
     check_configured(configured, features)      # before the scan: a misspelt column is named first
-    label_kind = "numeric" if types[label] in NUMERIC_TYPES else "categorical" if kinds[label] == "categorical" else None
+    label_kind = ("numeric" if types[label] in NUMERIC_TYPES else "categorical" if kinds[label] == "categorical"
+                  else None)
     if label_kind is None:
         raise InvalidArgument(f'label column "{label}" has type {_type_name(plpy, types[label])}; the label must be '
                               f"numeric or categorical (text, varchar, enum)")

@@ -55,10 +55,8 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from ..runtime.preprocess import Categories
+from . import oids
 
-#: PostgreSQL's type OIDs of the types read here (``src/include/catalog/pg_type.dat``).
-BOOL_OID, INT8_OID, INT2_OID, INT4_OID, FLOAT4_OID, FLOAT8_OID = 16, 20, 21, 23, 700, 701
-TEXT_OID, VARCHAR_OID, FLOAT4_ARRAY_OID = 25, 1043, 1021
 #: The name of the memory file ``tensile._read_columns`` writes into; it refuses any other.
 SCAN_FILE_NAME = "tensile_db-scan"
 #: How one column is read through ``string_agg``: its binary send function and its big-endian
@@ -71,9 +69,10 @@ _SENDS = {"real": ("float4send", ">f4"), "double precision": ("float8send", ">f8
 _KINDS = {"real": "f", "double precision": "d", "bigint": "i", "text": "t", "real[]": "a"}
 _NATIVE = {"real": np.float32, "double precision": np.float64, "bigint": np.int64, "text": np.int32,
            "real[]": np.float32}
-_BARE = {"real": {FLOAT4_OID, INT2_OID, INT4_OID, INT8_OID, BOOL_OID},
-         "double precision": {FLOAT8_OID, FLOAT4_OID, INT2_OID, INT4_OID, INT8_OID, BOOL_OID},
-         "bigint": {INT2_OID, INT4_OID, INT8_OID}, "text": {TEXT_OID, VARCHAR_OID}, "real[]": {FLOAT4_ARRAY_OID}}
+_INTEGERS = {oids.INT2_OID, oids.INT4_OID, oids.INT8_OID}
+_BARE = {"real": {oids.FLOAT4_OID, oids.BOOL_OID, *_INTEGERS},
+         "double precision": {oids.FLOAT8_OID, oids.FLOAT4_OID, oids.BOOL_OID, *_INTEGERS}, "bigint": _INTEGERS,
+         "text": {oids.TEXT_OID, oids.VARCHAR_OID}, "real[]": {oids.FLOAT4_ARRAY_OID}}
 #: Bytes array_send writes per value (its length and the float4) and per array besides (ndim,
 #: has-NULL flag, element type, and one dimension's size and lower bound).
 _ARRAY_VALUE_NBYTES = 8
@@ -225,10 +224,10 @@ def _value(plpy, types: dict[str, int], column: str, sql_type: str, nullable: fr
     as they are, any other type as the text its jsonb carries, as predict reads a row)."""
     name = alias or plpy.quote_ident(column)
     if sql_type == "text":
-        if types[column] in (TEXT_OID, VARCHAR_OID):
+        if types[column] in (oids.TEXT_OID, oids.VARCHAR_OID):
             return f"{name}::pg_catalog.text"
         return f"(pg_catalog.to_jsonb({name}) OPERATOR(pg_catalog.#>>) '{{}}'::pg_catalog.text[])"
-    cast = f"{name}::int::{sql_type}" if types[column] == BOOL_OID else f"{name}::{sql_type}"
+    cast = f"{name}::int::{sql_type}" if types[column] == oids.BOOL_OID else f"{name}::{sql_type}"
     return f"COALESCE({cast}, 'NaN'::{sql_type})" if column in nullable else cast
 
 
@@ -415,7 +414,7 @@ def _decode_arrays(data: bytes, rows: int, width: int, column: str) -> np.ndarra
     if len(words) != rows * stride or (words.reshape(rows, stride)[:, 0] != ndim).any():
         raise _mixed_dimensions(column, ndim)
     words = words.reshape(rows, stride)
-    if words[:, 1].any() or (words[:, 2] != FLOAT4_OID).any() or (words[:, header::2] != 4).any():
+    if words[:, 1].any() or (words[:, 2] != oids.FLOAT4_OID).any() or (words[:, header::2] != 4).any():
         raise RuntimeError(f'array_send of column "{column}" wrote a NULL element or a type other than real')
     return np.frombuffer(data, dtype=">f4").reshape(rows, stride)[:, header + 1::2].astype(np.float32)
 
