@@ -7,6 +7,7 @@ its scan file, several statements, more than its limit.
 
 from __future__ import annotations
 
+import json
 import re
 
 import psycopg
@@ -17,8 +18,11 @@ from sql_helpers import train
 pytestmark = pytest.mark.db
 
 #: Compares the two readers over one scan, inside the database: each read's counts, then each
-#: decoded column bit for bit (a text column: its codes and values), and the kept mask.
+#: decoded column bit for bit (a text column: its codes and values), and the kept mask. What they
+#: agree on comes back as a NOTICE: the row counts, and the columns compared value by value (0
+#: where the scan is refused before decoding, as the product refuses it).
 COMPARE = """
+import json
 import numpy as np
 from tensile_db.errors import InvalidArgument
 from tensile_db.pg import data, scan
@@ -30,20 +34,15 @@ def same(a, b):
     a, b = np.asarray(a), np.asarray(b)
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
-def compare(source, columns, skip_nulls=False, want_kept=False, width=None, nullable=()):
-    query, types = data._source(plpy, source)
-    reads = [reader(plpy, query, types, columns, skip_nulls, want_kept, width, frozenset(nullable))
-             for reader in (scan._read_columns, scan._aggregate)]
+def compared(reads, columns, skip_nulls, want_kept, width):
     fast, slow = reads
-    for field in ("rows", "complete", "holes", "low", "high", "off"):
-        assert getattr(fast, field) == getattr(slow, field), (field, getattr(fast, field), getattr(slow, field))
     if not skip_nulls and (fast.complete < fast.rows or any(fast.holes.values())):
-        return                               # refused before decoding, naming the columns
+        return 0                             # refused before decoding, naming the columns
     try:
         widths = {c: scan._array_width(fast, i, c, width, (width,)) for i, (c, t) in enumerate(columns)
                   if t == "real[]"}
     except InvalidArgument:                  # arrays of other sizes: refused before decoding
-        return
+        return 0
     errors = []
     for read in reads:
         try:
@@ -52,17 +51,31 @@ def compare(source, columns, skip_nulls=False, want_kept=False, width=None, null
             errors.append(str(e))
     if errors:
         assert len(errors) == 2 and errors[0] == errors[1], errors
-        return
+        return 0
     (decoded_fast, kept_fast), (decoded_slow, kept_slow) = fast.decode(widths), slow.decode(widths)
     for (c, t), a, b in zip(columns, decoded_fast, decoded_slow):
         assert same(a, b), (c, t, a, b)
     if want_kept and skip_nulls and fast.complete < fast.rows:
         assert kept_fast.tolist() == kept_slow.tolist()
+    return len(columns)
+
+def compare(source, columns, skip_nulls=False, want_kept=False, width=None, nullable=()):
+    query, types = data._source(plpy, source)
+    reads = [reader(plpy, query, types, columns, skip_nulls, want_kept, width, frozenset(nullable))
+             for reader in (scan._read_columns, scan._aggregate)]
+    for field in ("rows", "complete", "holes", "low", "high", "off"):
+        values = [getattr(read, field) for read in reads]
+        assert values[0] == values[1], (field, values)
+    plpy.notice(json.dumps({"rows": reads[0].rows, "complete": reads[0].complete,
+                            "compared": compared(reads, columns, skip_nulls, want_kept, width)}))
 """
 
 
-def compare(conn, source, columns, **kwargs) -> None:
+def compare(conn, source, columns, **kwargs) -> dict:
+    """What the two readers agree on (see COMPARE): rows, complete rows and columns compared."""
+    conn.notices.clear()
     conn.execute(f"DO $$\n{COMPARE}\ncompare({source!r}, {columns!r}, **{kwargs!r})\n$$ LANGUAGE plpython3u")
+    return json.loads(conn.notices[-1])
 
 
 @pytest.fixture
@@ -95,18 +108,22 @@ def edges(conn):
 def test_every_type_reads_as_the_string_agg_reader_reads_it(conn, edges):
     # every column kept where NULL (imputed): no row is refused, each value is compared
     columns = [("r", "real"), ("dr", "real"), ("b", "real"), ("s", "real"), ("i", "real"), ("flag", "real"),
-               ("n", "real"), ("d", "double precision"), ("i", "double precision"), ("t", "text"), ("v", "text"), ("m", "text"), ("flag", "text"), ("i", "text"),
-               ("label", "double precision")]
+               ("n", "real"), ("d", "double precision"), ("i", "double precision"), ("t", "text"), ("v", "text"),
+               ("m", "text"), ("flag", "text"), ("i", "text"), ("label", "double precision")]
     nullable = [c for c, _ in columns if c != "label"]
-    compare(conn, "SELECT * FROM edges", columns, nullable=nullable)
+    assert compare(conn, "SELECT * FROM edges", columns, nullable=nullable) == {
+        "rows": 40000, "complete": 40000, "compared": len(columns)}
 
 
 @pytest.mark.parametrize("skip_nulls", [False, True])
 def test_rows_with_a_refused_null_are_counted_and_skipped_alike(conn, edges, skip_nulls):
-    compare(conn, "SELECT id, r, s, i, b, t, label FROM edges",
-            [("r", "real"), ("s", "real"), ("t", "text"), ("id", "bigint"), ("s", "bigint"), ("i", "bigint"),
-             ("b", "bigint"), ("label", "double precision")],
-            skip_nulls=skip_nulls, want_kept=True, nullable=["t"])
+    columns = [("r", "real"), ("s", "real"), ("t", "text"), ("id", "bigint"), ("s", "bigint"), ("i", "bigint"),
+               ("b", "bigint"), ("label", "double precision")]
+    got = compare(conn, "SELECT id, r, s, i, b, t, label FROM edges", columns, skip_nulls=skip_nulls, want_kept=True,
+                  nullable=["t"])
+    # r, s, i and b are NULL in every 10th, 4th, 5th and 6th row: the rows with none of them
+    complete = sum(all(g % k for k in (10, 4, 5, 6)) for g in range(1, 40001))
+    assert got == {"rows": 40000, "complete": complete, "compared": len(columns) if skip_nulls else 0}
 
 
 def test_arrays_read_alike_whatever_their_shape_and_holes(conn):
@@ -121,11 +138,15 @@ def test_arrays_read_alike_whatever_their_shape_and_holes(conn):
     sources = ["SELECT * FROM images",                                    # of other sizes, other dimensions
                "SELECT * FROM images WHERE cardinality(a) = 4 AND array_ndims(a) = 2",    # all read
                "SELECT * FROM images WHERE cardinality(a) = 4 AND array_ndims(a) = 2 AND id % 89 <> 0"]
+    compared = {}
     for source in sources:
         for skip_nulls in (False, True):
             for width in (4, None):
-                compare(conn, source, [("a", "real[]"), ("label", "double precision")], skip_nulls=skip_nulls,
-                        want_kept=True, width=width)
+                got = compare(conn, source, [("a", "real[]"), ("label", "double precision")], skip_nulls=skip_nulls,
+                              want_kept=True, width=width)
+                compared[sources.index(source), skip_nulls, width] = got["compared"]
+    assert compared[2, False, 4] == compared[2, True, None] == 2       # every array read, value by value
+    assert compared[0, False, 4] == 0                                   # NULLs and holes: refused
 
 
 def test_a_statement_of_the_source_order_reads_every_column_bare(conn, edges):
@@ -279,7 +300,8 @@ def test_a_dictionary_of_many_long_values_reads_as_the_string_agg_reader_reads_i
     conn.execute("SELECT tensile._bootstrap()")
     conn.execute("CREATE TEMP TABLE words AS SELECT g AS id, repeat(md5(g::text), 1 + g % 3) AS w, (g % 2) AS label "
                  "FROM generate_series(1, 100000) g")
-    compare(conn, "SELECT * FROM words", [("w", "text"), ("label", "double precision")])
+    assert compare(conn, "SELECT * FROM words", [("w", "text"), ("label", "double precision")]) == {
+        "rows": 100000, "complete": 100000, "compared": 2}
 
 
 def test_the_reader_reads_at_most_a_querys_columns(conn):

@@ -91,28 +91,27 @@ def column_sums(a, out) -> None:
         xp.sum(a, axis=0, out=out)
 
 
-def row_max(a, out) -> None:
-    """``out = a.max(axis=1, keepdims=True)``: a (B, C), out (B, 1) (Note [Reductions over a short
-    axis])."""
+def _along_rows(ufunc, reduction: str, a, out) -> None:
+    """``out = a.<reduction>(axis=1, keepdims=True)`` for the ufunc's reduction: a (B, C), out
+    (B, 1); on NumPy column by column up to :data:`SHORT_ROW` columns, the ufunc applied in
+    column order (Note [Reductions over a short axis])."""
     xp = array_module(a)
     if xp is np and 1 < a.shape[1] <= SHORT_ROW:
-        np.maximum(a[:, 0], a[:, 1], out=out[:, 0])
+        ufunc(a[:, 0], a[:, 1], out=out[:, 0])
         for j in range(2, a.shape[1]):
-            np.maximum(out[:, 0], a[:, j], out=out[:, 0])
+            ufunc(out[:, 0], a[:, j], out=out[:, 0])
     else:
-        xp.max(a, axis=1, keepdims=True, out=out)
+        getattr(xp, reduction)(a, axis=1, keepdims=True, out=out)
+
+
+def row_max(a, out) -> None:
+    """``out = a.max(axis=1, keepdims=True)``: a (B, C), out (B, 1)."""
+    _along_rows(np.maximum, "max", a, out)
 
 
 def row_sums(a, out) -> None:
-    """``out = a.sum(axis=1, keepdims=True)``: a (B, C), out (B, 1) (Note [Reductions over a short
-    axis])."""
-    xp = array_module(a)
-    if xp is np and 1 < a.shape[1] <= SHORT_ROW:
-        np.add(a[:, 0], a[:, 1], out=out[:, 0])
-        for j in range(2, a.shape[1]):
-            np.add(out[:, 0], a[:, j], out=out[:, 0])
-    else:
-        xp.sum(a, axis=1, keepdims=True, out=out)
+    """``out = a.sum(axis=1, keepdims=True)``: a (B, C), out (B, 1)."""
+    _along_rows(np.add, "sum", a, out)
 
 
 def by_row(ufunc, a, column, out) -> None:
