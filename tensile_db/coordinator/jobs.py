@@ -221,8 +221,10 @@ class TrainingJob:
         loss_sum = 0.0
         for it in range(self.steps_per_epoch):
             index = order[it * self.batch:(it + 1) * self.batch]
-            # np.take, not x[index]: 4,096 rows of 16 float32 took 0.35 ms against 1.09 by indexing
-            ctx.batch_x = models.standardize(self.scaling, np.take(self.x, index, axis=0))
+            # np.take, not x[index]: 4,096 rows of 16 float32 took 0.35 ms against 1.09 by indexing;
+            # the rows gathered are scaled where they lie
+            batch = np.take(self.x, index, axis=0)
+            ctx.batch_x = models.standardize(self.scaling, batch, out=batch)
             ctx.batch_y = np.take(self.y, index, axis=0)
             ctx.step += 1
             ctx.seed = self.options.seed * 1_000_003 + ctx.step
@@ -521,7 +523,7 @@ def _scaling(spec, options, x, y, scale_modes=None):
             scaling["y_mean"] = np.array([y.mean(dtype=np.float64)], dtype=np.float32)
             scaling["y_std"] = np.array([std], dtype=np.float32)
             y = ((y - scaling["y_mean"]) / scaling["y_std"]).astype(np.float32)
-    return np.ascontiguousarray(x), np.ascontiguousarray(y), scaling
+    return x, np.ascontiguousarray(y), scaling
 
 
 def _scaled(scaling: dict, x: np.ndarray, y: np.ndarray, task: str) -> tuple[np.ndarray, np.ndarray]:
