@@ -176,13 +176,13 @@ def classification_metrics(y_true: np.ndarray, proba: np.ndarray, classes: list)
     if not np.issubdtype(proba.dtype, np.floating) or not np.isfinite(proba).all():
         raise InvalidArgument(
             f"proba ({proba.dtype}) is not all finite floats; check the model's outputs")
-    confusion = np.zeros((n_classes, n_classes), dtype=np.int64)
-    np.add.at(confusion, (y_true, proba.argmax(axis=1)), 1)
+    confusion = np.bincount(y_true.astype(np.int64) * n_classes + proba.argmax(axis=1),
+                            minlength=n_classes * n_classes).reshape(n_classes, n_classes)
     tp, support, predicted = np.diag(confusion), confusion.sum(axis=1), confusion.sum(axis=0)
     precision, recall = _ratio(tp, predicted), _ratio(tp, support)
     f1 = _ratio(2 * tp, predicted + support)
     eps = np.finfo(proba.dtype).eps
-    p_true = np.clip(proba, eps, 1 - eps)[np.arange(len(y_true)), y_true].astype(np.float64)
+    p_true = np.clip(proba[np.arange(len(y_true)), y_true], eps, 1 - eps).astype(np.float64)
     f1_macro = float(f1.mean())
     return {
         "accuracy": float(tp.sum() / len(y_true)),
