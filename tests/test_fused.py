@@ -215,6 +215,35 @@ def test_moments_are_the_float64_sums_of_the_shifted_values(rng, rows, columns):
     assert again[0].tobytes() == s1.tobytes() and again[1].tobytes() == s2.tobytes()   # the same on every run
 
 
+def test_moments_of_rows_by_index_are_those_of_the_rows_gathered(rng):
+    x = (rng.standard_normal((5_000, 7)) * 3 + 1e4).astype(np.float32)
+    rows = rng.permutation(len(x))[:3_000]
+    shift = x[rows[:100]].mean(axis=0, dtype=np.float64)
+    want = fused.moments(np.ascontiguousarray(x[rows]), shift)
+    got = fused.moments(x, shift, rows.astype(np.int32))
+    assert got[0].tobytes() == want[0].tobytes() and got[1].tobytes() == want[1].tobytes()
+    for bad in (np.array([0, 5_000]), np.array([-1])):
+        with pytest.raises(ValueError, match="not indices"):
+            fused.moments(x, shift, bad)
+
+
+def test_scaled_rows_are_numpys_bits_in_place_or_not(rng):
+    x = (rng.standard_normal((1_000, 9)) * 5 + 3).astype(np.float32)
+    center, spread = x.mean(axis=0), x.std(axis=0) + np.float32(0.5)
+    want = np.subtract(x, center, dtype=np.float32)
+    want /= spread
+    out = np.empty_like(x)
+    assert fused.scale_rows(x, center, spread, out) and out.tobytes() == want.tobytes()
+    inplace = x.copy()
+    assert fused.scale_rows(inplace, center, spread, inplace) and inplace.tobytes() == want.tobytes()
+    # what it may not take is left to NumPy, nothing written
+    shifted = np.zeros(x.size + 9, np.float32)
+    assert not fused.scale_rows(shifted[9:].reshape(x.shape), center, spread, shifted[:-9].reshape(x.shape))
+    assert not fused.scale_rows(x[:, ::2], center[::2].copy(), spread[::2].copy(), out[:, :5].copy())
+    assert not fused.scale_rows(x.astype(np.float64), center, spread, out)
+    assert not fused.scale_rows(x, center[:3], spread[:3], out)
+
+
 def test_moments_leave_what_they_cannot_take_to_numpy(rng, monkeypatch):
     x = rng.standard_normal((100, 4)).astype(np.float32)
     shift = np.zeros(4)

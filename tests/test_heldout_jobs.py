@@ -23,7 +23,7 @@ from tensile_db.coordinator import protocol, training
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
 from tensile_db.coordinator.training import TrainingService
-from tensile_db.errors import InvalidArgument, JobCancelled, TensileError
+from tensile_db.errors import InvalidArgument, JobCancelled, ProtocolError, TensileError
 from tensile_db.memory.manager import MemoryManager
 from tensile_db.runtime import model as models
 from tensile_db.runtime import search
@@ -422,3 +422,52 @@ def test_the_trials_of_a_search_share_the_rows_and_their_scaling(executor):
     assert np.shares_memory(first.x, x)                              # the rows as sent: scaled batch by batch
     progress = run(executor, other)
     assert len(progress) == other.options.epochs and all("val_loss" in p for p in progress)
+
+
+def by_index(arrays: dict, seed: int = 3) -> dict:
+    """The rows of a ``train`` request's arrays shuffled together into one ``x``, sent with the
+    indices of the training and the held-out rows in it, as a backend sends a scan's rows."""
+    x = np.concatenate([arrays["x"], arrays["x_test"]])
+    at = np.random.default_rng(seed).permutation(len(x))         # row k of x is row at[k] of the concatenation
+    where = np.argsort(at)
+    n = len(arrays["x"])
+    return {"x": x[at], "rows": where[:n].astype(np.int32), "y": arrays["y"],
+            "test_rows": where[n:].astype(np.int64), "y_test": arrays["y_test"]}
+
+
+@pytest.mark.parametrize("scale", [None, ["standardize", "minmax", "none", "standardize"]])
+def test_rows_sent_by_index_train_the_same_model_as_rows_sent_gathered(executor, scale):
+    header, arrays = train_request(epochs=3)
+    if scale:
+        header["scale"] = scale
+    results = []
+    for sent in (arrays, by_index(arrays)):
+        backend = Backend(executor, header, sent)
+        (result, weights) = backend.messages()[-1]
+        backend.close()
+        assert result["type"] == "result", result
+        results.append((result["metrics"], weights))
+    (gathered, w_gathered), (indexed, w_indexed) = results
+    assert list(w_gathered) == list(w_indexed)
+    for name in w_gathered:                                     # the same bits: same rows, order, scaling
+        assert w_gathered[name].tobytes() == w_indexed[name].tobytes(), name
+    timing = {"train_time_s", "queued_s"}
+    assert {k: v for k, v in gathered.items() if k not in timing} == {k: v for k, v in indexed.items() if k not in timing}
+    assert indexed["samples"] == len(arrays["y"]) and indexed["test_samples"] == len(arrays["y_test"])
+    assert_nothing_left(executor)
+
+
+@pytest.mark.parametrize("rows, message", [
+    (np.array([0, 1, 10_000], np.int64), "not indices of its"),
+    (np.array([-1, 0, 1], np.int32), "not indices of its"),
+    (np.array([0.0, 1.0, 2.0]), "not indices of its"),
+])
+def test_a_train_request_whose_rows_are_not_indices_of_its_rows_is_refused(executor, rows, message):
+    header, arrays = train_request(epochs=1)
+    sent = {"x": arrays["x"], "rows": rows, "y": arrays["y"][:3]}
+    backend = Backend(executor, header, sent)
+    (last, _) = backend.messages()[-1]
+    backend.close()
+    with pytest.raises(ProtocolError, match=message):
+        protocol.raise_if_error(last)
+    assert_nothing_left(executor)

@@ -100,3 +100,37 @@ def test_numeric_class_labels_that_are_not_integers_are_refused(y):
     labels = TrainingData(d.raw, d.kinds, y, d.feature_names, "label", "numeric", False, len(y), 0)
     with pytest.raises(InvalidArgument, match="non-integer values"):
         encode_labels(labels, "classification")
+
+
+def side_by_side_data(n=300, nan_at=None) -> TrainingData:
+    """Three real columns as the scan writes them: strided views of one row-major block."""
+    rng = np.random.default_rng(1)
+    block = rng.normal(size=(n, 3)).astype(np.float32)
+    if nan_at is not None:
+        block[nan_at, 1] = np.nan
+    y = Categories.of(["a" if v > 0 else "b" for v in block[:, 0]])
+    raw = {name: block[:, j] for j, name in enumerate(("f0", "f1", "f2"))}
+    return TrainingData(raw, dict.fromkeys(raw, "numeric"), y, list(raw), "label", "categorical", False, n, 0,
+                        finite=frozenset(("f0", "f2")))
+
+
+def test_rows_side_by_side_go_by_index_and_either_form_holds_the_split_rows():
+    d = side_by_side_data()
+    p = prepare(d, models.parse_options({"test_size": 0.2}))
+    block = d.raw["f0"].base
+    assert p.rows is not None and p.x.shape == (300, 3) and np.shares_memory(p.x, block)   # no copy made
+    assert p.rows.dtype == p.test_rows.dtype == np.int32
+    assert sorted(np.concatenate([p.rows, p.test_rows]).tolist()) == list(range(300))
+    gathered = p.pre.transform(d.raw, p.rows.astype(np.int64), d.finite)
+    by_index, copied = p.arrays(by_index=True), p.arrays(by_index=False)
+    assert set(by_index) == {"x", "rows", "y", "test_rows", "y_test"} and by_index["x"] is p.x
+    assert set(copied) == {"x", "y", "x_test", "y_test"}
+    assert copied["x"].tobytes() == gathered.tobytes() == by_index["x"][by_index["rows"]].tobytes()
+    assert copied["x_test"].tobytes() == p.x[p.test_rows].tobytes()
+    assert len(p.y) == len(p.rows) and len(p.y_test) == len(p.test_rows)
+
+
+def test_rows_that_need_a_transform_are_gathered_as_before():
+    p = prepare(side_by_side_data(nan_at=5), models.parse_options({"test_size": 0.2, "impute": "mean"}))
+    assert p.rows is None and p.x.shape == (240, 3) and not np.isnan(p.x).any()     # the gap imputed
+    assert set(p.arrays(by_index=True)) == {"x", "y", "x_test", "y_test"}

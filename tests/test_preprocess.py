@@ -401,3 +401,15 @@ def test_fit_scaling_far_from_zero_is_the_float64_mean_and_deviation(monkeypatch
     exact = x.astype(np.float64)
     np.testing.assert_allclose(center, exact.mean(axis=0), rtol=1e-7)
     np.testing.assert_allclose(spread, exact.std(axis=0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])          # the C loop, and NumPy's blocks where it is off
+def test_a_scaling_fitted_on_rows_by_index_is_the_one_of_the_rows_gathered(monkeypatch, fused):
+    monkeypatch.setenv("TENSILE_FUSED", fused)
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((40_000, 5)) * [1, 2, 3, 4, 5] + [0, 100, -5, 1e3, 7]).astype(np.float32)
+    rows = rng.permutation(len(x))[:33_000]           # more than a block of the shift's rows
+    modes = ["standardize", "minmax", "none", "standardize", "minmax"]
+    want = preprocess.fit_scaling(np.ascontiguousarray(x[rows]), modes)
+    got = preprocess.fit_scaling(x, modes, rows)
+    assert all(g.tobytes() == w.tobytes() for g, w in zip(got, want))

@@ -298,6 +298,70 @@ def test_arrays_go_in_frames_to_an_end_that_has_not_said_it_takes_them(pipe):
     assert got["x"].sum() == 1000 and not _mapped(got["x"])
 
 
+def _sealed_rows(nbytes: int = 1 << 30, at: int = 512 << 20) -> tuple[mmap.mmap, np.ndarray]:
+    """A sparse memory file of ``nbytes`` with 70,000 x 5 float32 rows written at offset ``at``,
+    sealed and mapped through :func:`protocol.map_sealed`, as the backend's scan makes it; the
+    rows as a view of the mapping."""
+    rows = np.arange(350_000, dtype=np.float32).reshape(70_000, 5)
+    fd = os.memfd_create("scan", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        assert os.pwrite(fd, rows.tobytes(), at) == rows.nbytes
+        mapping = protocol.map_sealed(fd)
+    finally:
+        os.close(fd)
+    return mapping, np.frombuffer(mapping, np.float32, count=rows.size, offset=at).reshape(rows.shape)
+
+
+def test_arrays_in_a_sealed_file_go_as_they_lie_to_an_end_that_takes_two_files(pipe):
+    a, b = pipe
+    before = _open_fds()
+    mapping, rows = _sealed_rows()
+    protocol.accept_shared(a, files=2)
+    arrays = {"y": np.arange(70_000, dtype=np.int32), "x": rows, "empty": rows[:0], "small": np.ones(3)}
+    protocol.send(a, {"type": "train"}, arrays)
+    raw = json.loads(b.recv_bytes())                   # the header as sent: x and empty by reference
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(b.fileno())) as sock:
+        _, fds, _, _ = socket.recv_fds(sock, 1, 4)
+    sizes = [os.fstat(fd).st_size for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    shared = raw["shared"]
+    assert len(fds) == 2 and sizes[1] == 1 << 30 and shared["nbytes"] == sizes
+    assert shared["files"] == [0, 1, 0, 0] and shared["offsets"][1] == 512 << 20    # empty: not in the file
+    protocol.send(a, {"type": "train"}, arrays)
+    header, got = protocol.recv(b)
+    assert header == {"type": "train"} and list(got) == list(arrays)
+    for name, want in arrays.items():
+        assert got[name].tobytes() == want.tobytes() and got[name].shape == want.shape
+        assert _mapped(got[name]) and not got[name].flags.writeable
+    del got, rows, mapping, arrays, want              # the sealed file's descriptor goes with its mapping
+    assert _open_fds() == before
+
+
+def test_arrays_in_a_sealed_file_are_copied_to_an_end_that_takes_one_file(pipe):
+    a, b = pipe
+    mapping, rows = _sealed_rows(nbytes=8 << 20, at=4096)
+    protocol.accept_shared(a)
+    protocol.send(a, {"type": "train"}, {"x": rows, "y": np.zeros(10, np.int32)})
+    raw = json.loads(b.recv_bytes())
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(b.fileno())) as sock:
+        _, fds, _, _ = socket.recv_fds(sock, 1, 4)
+    for fd in fds:
+        os.close(fd)
+    assert len(fds) == 1 and raw["shared"]["offsets"] == [0, rows.nbytes] and "files" not in raw["shared"]
+
+
+def test_a_file_that_cannot_be_sealed_is_refused_by_map_sealed():
+    fd = os.memfd_create("scan", os.MFD_CLOEXEC)        # made without MFD_ALLOW_SEALING
+    try:
+        os.ftruncate(fd, 4096)
+        with pytest.raises(OSError):
+            protocol.map_sealed(fd)
+    finally:
+        os.close(fd)
+
+
 def _send_file(conn, header: dict, fds: list[int]) -> None:
     conn.send_bytes(json.dumps(header).encode())
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno())) as sock:
@@ -338,19 +402,21 @@ def test_a_shared_file_that_could_change_or_does_not_hold_the_arrays_is_refused_
     assert protocol.recv(b)[0] == {"type": "next"} and _open_fds() == before
 
 
-def test_a_shared_message_with_other_than_one_memory_file_is_refused_and_closes_them(pipe):
+def test_a_shared_message_with_other_files_than_it_names_is_refused_and_closes_them(pipe):
     a, b = pipe
     before = _open_fds()
     read, write = os.pipe()
     try:
-        for fds in ([_memfd(16), _memfd(16)], [read]):
+        for fds, message in (([_memfd(16), _memfd(16)], "came in 2 files"),
+                             ([_memfd(16), _memfd(16), _memfd(16)], "3 descriptors, not one or two"),
+                             ([read], "not a sealed memory file")):
             try:
                 _send_file(a, {"type": "t", "arrays": X4, "shared": {"nbytes": 16, "offsets": [0]}}, fds)
             finally:
                 for fd in fds:
                     if fd != read:
                         os.close(fd)
-            with pytest.raises(ProtocolError, match="descriptors, not one|not a sealed memory file"):
+            with pytest.raises(ProtocolError, match=message):
                 protocol.recv(b)
     finally:
         os.close(read)
@@ -379,3 +445,22 @@ def test_a_client_asks_once_whether_the_coordinator_takes_shared_arrays(pipe, po
         assert client.request({"type": "train"}, _large())[0] == {"type": "ok"}
     server.join()
     assert seen == [("train", True, shared)] * 2
+
+
+@pytest.mark.parametrize("pong, rows, two_files", [
+    ({"type": "pong", "accepts_shared": True, "shared_files": 2, "rows": True}, True, True),
+    ({"type": "pong", "accepts_shared": True}, False, False),          # a coordinator of an earlier version
+])
+def test_a_client_asks_once_whether_the_coordinator_takes_rows_by_index_and_two_files(pipe, pong, rows, two_files):
+    a, b = pipe
+    client = coordinator_client.CoordinatorClient(a, "unused")
+
+    def coordinator() -> None:
+        header, _ = protocol.recv(b)
+        assert header["type"] == "ping"
+        protocol.send(b, pong)
+    server = threading.Thread(target=coordinator)
+    server.start()
+    assert client.takes_rows() is rows and client.takes_rows() is rows      # one ping
+    server.join()
+    assert (a in protocol._TWO_FILES) is two_files

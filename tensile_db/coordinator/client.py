@@ -95,7 +95,7 @@ class CoordinatorClient:
         self.conn = conn
         self.socket_dir = socket_dir
         self._leave_open = False
-        self._asked_shared = False       # whether the coordinator was asked if it takes shared arrays
+        self._pong: dict | None = None   # the coordinator's answer to a ping: what it takes (asked once)
 
     def state(self) -> str:
         """The coordinator's process state in words (see :func:`.address.coordinator_state`)."""
@@ -116,13 +116,24 @@ class CoordinatorClient:
         the connection's first request with arrays of :data:`.protocol.SHARED_MIN_NBYTES` or
         more, a ``ping`` asks whether the coordinator takes them in a shared memory file (Note
         [Shared arrays]); every request says that this end takes them."""
-        if not self._asked_shared and protocol.large(arrays):
-            self._asked_shared = True
-            protocol.send(self.conn, {"type": "ping", "accepts_shared": True})
-            if self.receive()[0].get("accepts_shared") is True:
-                protocol.accept_shared(self.conn)
+        if self._pong is None and protocol.large(arrays):
+            self._ask()
         protocol.send(self.conn, dict(header, accepts_shared=True), arrays)
         return self.receive()
+
+    def takes_rows(self) -> bool:
+        """Whether the coordinator takes a training request's rows by index (``rows`` and
+        ``test_rows`` into ``x``, :mod:`.training`): asked with a ``ping`` once a connection, as
+        whether it takes shared arrays and in how many files (Note [Shared arrays])."""
+        return self._ask().get("rows") is True
+
+    def _ask(self) -> dict:
+        if self._pong is None:
+            protocol.send(self.conn, {"type": "ping", "accepts_shared": True})
+            self._pong = self.receive()[0]
+            if self._pong.get("accepts_shared") is True:
+                protocol.accept_shared(self.conn, files=2 if self._pong.get("shared_files") == 2 else 1)
+        return self._pong
 
     def receive(self) -> tuple[dict, dict]:
         header, arrays = protocol.recv(self.conn)

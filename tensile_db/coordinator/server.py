@@ -227,7 +227,8 @@ class Coordinator:
                     elif kind == "predict":
                         self._predict(conn, header, arrays)
                     elif kind == "ping":
-                        protocol.send(conn, {"type": "pong", "pid": os.getpid(), "accepts_shared": True, "devices": {
+                        protocol.send(conn, {"type": "pong", "pid": os.getpid(), "accepts_shared": True,
+                                             "shared_files": protocol.MAX_SHARED_FILES, "rows": True, "devices": {
                             e.name: e.manager.budget_nbytes for e in self.executors}})
                     elif kind == "jobs":
                         protocol.send(conn, {"type": "jobs", "jobs": [reports.as_dict(j.describe(e.manager, e.name))

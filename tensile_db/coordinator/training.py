@@ -5,7 +5,11 @@ trials train at the same time (``search``), and the metrics each trained model i
 ``task``, ``n_outputs``, optionally ``scale`` (each input column's scaling,
 :func:`~tensile_db.runtime.preprocess.fit_scaling`) and ``classes`` (the class labels, for the
 per-class metrics); arrays ``x`` (N, F) float32 and ``y`` (N,) int32 class indices or (N, 1)
-float32 targets, and optionally the held-out ``x_test`` / ``y_test`` of the same kinds.
+float32 targets, and optionally the held-out ``x_test`` / ``y_test`` of the same kinds. Where
+the coordinator's ``pong`` says ``"rows": true``, a backend may send instead every row's inputs
+as ``x`` with ``rows`` (N,) and ``test_rows`` (M,) int32 or int64, the indices in ``x`` of the
+training and of the held-out rows (the held-out ones gathered here): the rows as the backend's
+scan wrote them, sent without a copy (Note [Shared arrays] in :mod:`.protocol`).
 Answered by ``accepted``, a ``progress`` message per epoch (with the held-out ``val_loss``),
 then ``result`` with the metrics and the weights as arrays, or ``error``.
 
@@ -60,6 +64,7 @@ class _Data:
     y_test: np.ndarray | None
     scale: list[str] | None
     classes: list | None
+    rows: np.ndarray | None = None       # the training rows' indices in x, when it holds others too
 
 
 def _data(header: dict, arrays: dict) -> _Data:
@@ -70,6 +75,11 @@ def _data(header: dict, arrays: dict) -> _Data:
     if x.ndim != 2:
         raise ProtocolError(f"train request with features of shape {x.shape}")
     x_test, y_test = arrays.get("x_test"), arrays.get("y_test")
+    rows, test_rows = (_indices(arrays, name, len(x)) for name in ("rows", "test_rows"))
+    if test_rows is not None:
+        if x_test is not None:
+            raise ProtocolError("train request with both held-out rows and their indices")
+        x_test = np.take(x, test_rows, axis=0)
     if (x_test is None) != (y_test is None) or (x_test is not None and (x_test.ndim != 2 or x_test.shape[1] != x.shape[1])):
         raise ProtocolError("train request with held-out rows that do not match its training rows")
     scale = header.get("scale")
@@ -77,7 +87,17 @@ def _data(header: dict, arrays: dict) -> _Data:
         raise ProtocolError(f"train request with {len(scale) if isinstance(scale, list) else scale!r} scale modes "
                             f"for {x.shape[1]} input columns")
     classes = header.get("classes")
-    return _Data(x, y, x_test, y_test, scale, classes if isinstance(classes, list) else None)
+    return _Data(x, y, x_test, y_test, scale, classes if isinstance(classes, list) else None, rows)
+
+
+def _indices(arrays: dict, name: str, n: int) -> np.ndarray | None:
+    """``arrays[name]``, row indices into n rows, or None; raises ProtocolError for anything else."""
+    rows = arrays.get(name)
+    if rows is not None and (rows.ndim != 1 or rows.dtype.kind not in "iu"
+                             or (len(rows) and (rows.min() < 0 or rows.max() >= n))):
+        raise ProtocolError(f"train request whose {name} ({rows.dtype}, shape {rows.shape}) are not indices of "
+                            f"its {n:,} rows")
+    return rows
 
 
 class TrainingService:
@@ -136,7 +156,7 @@ class TrainingService:
         self.limits.check(spec, name)
         if data_of is not None and opts.standardize != data_of.options.standardize:
             data_of = None
-        job = TrainingJob(info, spec, opts, data.x, data.y, data.x_test, data.y_test, data.scale, data_of)
+        job = TrainingJob(info, spec, opts, data.x, data.y, data.x_test, data.y_test, data.scale, data_of, data.rows)
         self.limits.check_job(job.vanilla_peak_nbytes, job.batch, name)
         return job
 
@@ -257,7 +277,7 @@ class TrainingService:
                                                   out.reshape(-1).astype(np.float64))
             test["test_samples"] = test.pop("n", len(data.x_test))
         m = job.memory
-        return dict(test, **fit, train_loss=job.loss, epochs=job.epoch, samples=len(data.x), batch_size=job.batch,
+        return dict(test, **fit, train_loss=job.loss, epochs=job.epoch, samples=len(data.y), batch_size=job.batch,
                     history=job.history, best_epoch=job.best_epoch, stopped=job.stopped,
                     train_time_s=job.finished_at - job.started_at, queued_s=job.started_at - job.created_at,
                     **self.describe(job), peak_device_nbytes=m.peak_nbytes, vanilla_peak_nbytes=job.vanilla_peak_nbytes,
@@ -282,8 +302,8 @@ def _fit(job: TrainingJob, y: np.ndarray) -> dict:
     :func:`.models.forward` computes from the rows as sent). A row's class is its largest output,
     before the softmax, which keeps the order; where two outputs are within rounding of each
     other, the softmax's largest (what predict returns) may be the other one."""
-    step = -(-len(job.x) // FIT_ROWS)
-    x, y = job.x[::step], y[::step]
+    step = -(-job.n_rows // FIT_ROWS)
+    x, y = job.training_rows(step), y[::step]
     h = job.spec.network.forward(job.result, x, chunk_rows(job.spec, job.result),
                                  functools.partial(models.standardize, job.result))
     if job.spec.task == "classification":

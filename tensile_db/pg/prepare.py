@@ -19,9 +19,19 @@ from .data import TrainingData, encode_labels
 @dataclass
 class Prepared:
     """task; classes: the class values in output order (None for regression); label_names: a
-    text label's class names (else None); pre: the fitted preprocessing; x / x_test: network
-    inputs (N, F) float32 of the training and held-out rows, before scaling; y / y_test: class
-    indices (N,) int32 or targets (N, 1) float32."""
+    text label's class names (else None); pre: the fitted preprocessing; x: network inputs
+    (N, F) float32 before scaling, of the training rows, or with ``rows`` of every row read;
+    x_test: the held-out rows' (None with ``rows``); y / y_test: the training and the held-out
+    rows' class indices (N,) int32 or targets (N, 1) float32; rows / test_rows: where x holds
+    every row, the training and the held-out rows' indices in it (int32 below 2**31 rows).
+
+    Note [Rows sent as the scan wrote them]: where every input is a real column that refuses
+    NULLs, the network's inputs are the scan's own row-major block of those columns
+    (:meth:`~tensile_db.runtime.preprocess.Preprocessor.one_block`), in the scan's sealed memory
+    file. Gathering the training and the held-out rows out of it cost 0.06 to 0.2 s for a million
+    rows of 16 columns (a fresh 51 MB array's pages among it), and shipping them a copy more into
+    the message's file; so the block goes to the coordinator as it lies, with the rows' indices
+    (:meth:`arrays`), and the coordinator reads each batch's rows through them."""
 
     task: str
     classes: list[float] | None
@@ -29,13 +39,24 @@ class Prepared:
     pre: preprocess.Preprocessor
     x: np.ndarray
     y: np.ndarray
-    x_test: np.ndarray
+    x_test: np.ndarray | None
     y_test: np.ndarray
+    rows: np.ndarray | None = None
+    test_rows: np.ndarray | None = None
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        """The arrays of a ``train`` or ``search`` request."""
-        held = {"x_test": self.x_test, "y_test": self.y_test} if len(self.x_test) else {}
-        return {"x": self.x, "y": self.y, **held}
+    def arrays(self, by_index: bool = False) -> dict[str, np.ndarray]:
+        """The arrays of a ``train`` or ``search`` request: with ``by_index`` (a coordinator that
+        takes them, :meth:`~tensile_db.coordinator.client.CoordinatorClient.takes_rows`) and
+        ``rows``, every row's inputs and the indices of the training and held-out ones in them;
+        else each part's inputs, gathered here where ``rows`` is set."""
+        held = len(self.y_test) > 0
+        if self.rows is None:
+            return {"x": self.x, "y": self.y, **({"x_test": self.x_test, "y_test": self.y_test} if held else {})}
+        if by_index:
+            return {"x": self.x, "rows": self.rows, "y": self.y,
+                    **({"test_rows": self.test_rows, "y_test": self.y_test} if held else {})}
+        return {"x": np.take(self.x, self.rows, axis=0), "y": self.y,
+                **({"x_test": np.take(self.x, self.test_rows, axis=0), "y_test": self.y_test} if held else {})}
 
     def header(self) -> dict:
         """The header fields of a ``train`` or ``search`` request besides the model's."""
@@ -61,6 +82,11 @@ def prepare(data: TrainingData, opts: models.TrainOptions, check=lambda task, n_
                                      y if task == "classification" else None)
     pre = preprocess.fit(data.raw, data.kinds, train, opts, data.array_width)
     check(task, len(classes) if classes else 1, pre, len(y))
+    block = pre.one_block(data.raw, data.finite)
+    if block is not None:                   # Note [Rows sent as the scan wrote them]
+        index = np.int32 if len(block) < 2 ** 31 else np.int64
+        return Prepared(task, classes, label_names, pre, block, y[train], None, y[test], train.astype(index),
+                        test.astype(index))
     x = pre.transform(data.raw, train, data.finite)
     # A held-out row may hold a category no training row has: it is "other" to the model.
     x_test = replace(pre, unseen="other").transform(data.raw, test, data.finite)

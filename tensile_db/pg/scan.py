@@ -12,9 +12,11 @@ Two readers, the same rows and the same errors:
   source projects the columns whose type the C function converts itself bare, in the source's
   order, and casts any other to its SQL type (:func:`_reading_statement`); the C function runs it
   and writes every value, in native byte order, from the executor's tuple slot into a memory file
-  this module makes (``os.memfd_create``) and then maps: each column is an array viewed in place
+  this module makes (``os.memfd_create``), then seals against writes and maps
+  (:func:`~tensile_db.coordinator.protocol.map_sealed`): each column is an array viewed in place
   in the mapping, read-only, with no copy of it in the backend's memory (Note [A sparse scan
-  file] in reader.c). The real columns that refuse NULLs lie side by side in one row-major block
+  file] in reader.c), and the rows go on to the coordinator as they lie there (Note [Rows sent
+  as the scan wrote them] in :mod:`.prepare`). The real columns that refuse NULLs lie side by side in one row-major block
   (their arrays strided views of it, :mod:`tensile_db.runtime.side_by_side`). The function tests
   each row for refused NULLs and counts what the checks below need.
 - ``string_agg`` of each value's binary send function (``float4send``, ...), big-endian, a
@@ -53,6 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..coordinator import protocol
 from ..errors import InvalidArgument
 from ..runtime.preprocess import Categories
 from . import oids
@@ -240,7 +243,7 @@ def _read_columns(plpy, query: str, types: dict[str, int], columns: list[tuple[s
     read-only once the scan has ended: every column a view of the mapping."""
     statement, at = _reading_statement(plpy, query, types, columns)
     required = [c not in nullable for c, _ in columns]
-    fd = os.memfd_create(SCAN_FILE_NAME, os.MFD_CLOEXEC)
+    fd = os.memfd_create(SCAN_FILE_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         layout = json.loads(plpy.execute(plpy.prepare(
             "SELECT tensile._read_columns($1, $2, $3, $4, $5, $6, $7, $8, $9) AS layout",
@@ -248,7 +251,10 @@ def _read_columns(plpy, query: str, types: dict[str, int], columns: list[tuple[s
              "pg_catalog.bool", "pg_catalog.bool", "pg_catalog.int4", "pg_catalog.int8"]),
             [statement, at, "".join(_KINDS[t] for _, t in columns), required, width,
              skip_nulls, want_kept, fd, MAX_VALUE_NBYTES])[0]["layout"])
-        mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        try:              # sealed, its rows go to the coordinator as they lie (Note [Shared arrays])
+            mapping = protocol.map_sealed(fd)
+        except OSError:
+            mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
     regions = layout["regions"]

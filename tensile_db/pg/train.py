@@ -119,7 +119,7 @@ def _train_one(plpy, GD, client, header, arch, opts, prepared, data, label, mode
     started = time.perf_counter()
     reply, _ = session.request(plpy, GD, client, dict(header, type="train", architecture=arch.to_json(),
                                                       options=opts.to_json()),
-                               prepared.arrays(), doing="the start of training")
+                               prepared.arrays(client.takes_rows()), doing="the start of training")
     transfer_s = time.perf_counter() - started
     plpy.notice(f"tensile: job {reply['job_id']} accepted on device {reply['device']}; unscheduled peak "
                 f"{reply['vanilla_peak_nbytes']:,} bytes, device budget {reply['budget_nbytes']:,} bytes")
@@ -141,7 +141,8 @@ def _train_search(plpy, GD, client, header, arch, opts, limits, prepared, data, 
                              t.record(search_id))
         t.weights = None
 
-    wall_s = searching.run(plpy, GD, client, header, prepared.arrays(), found, trials, model_name, keep)
+    wall_s = searching.run(plpy, GD, client, header, prepared.arrays(client.takes_rows()), found, trials, model_name,
+                           keep)
     done = [t.version for t in trials if t.version is not None]
     if not done:
         raise InvalidArgument(f"every trial of the search failed; the first: {trials[0].error}")
@@ -177,9 +178,9 @@ def _version(plpy, arch, opts, prepared, data, label, model_name, metrics, weigh
 def _notice_start(plpy, model_name: str, data, prepared, spec) -> None:
     skipped = f", {data.skipped_rows:,} rows with NULLs skipped" if data.skipped_rows else ""
     inputs = f" ({spec.n_features} inputs)" if spec.n_features != len(data.feature_names) else ""
-    held = f", {len(prepared.x_test):,} held out" if len(prepared.x_test) else ""
+    held = f", {len(prepared.y_test):,} held out" if len(prepared.y_test) else ""
     classes = f", {len(prepared.classes)} classes" if prepared.classes else ""
-    plpy.notice(f"tensile: training {model_name!r} ({prepared.task}) on {len(prepared.x):,} rows{held}, "
+    plpy.notice(f"tensile: training {model_name!r} ({prepared.task}) on {len(prepared.y):,} rows{held}, "
                 f"{len(data.feature_names)} feature columns{inputs}{classes}{skipped}")
 
 

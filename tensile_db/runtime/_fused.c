@@ -171,3 +171,36 @@ VECTOR_CLONES void tensile_moments_f32(const float *restrict x, int64_t n, int64
         }
     }
 }
+
+/* tensile_moments_f32 of the rows rows[0..n) of x, in that order (the same sums as on a copy of
+   them gathered first); every index is in x (the caller checks). */
+VECTOR_CLONES void tensile_moments_rows_f32(const float *restrict x, const int64_t *restrict rows, int64_t n,
+                                            int64_t f, const double *restrict shift, double *restrict s1,
+                                            double *restrict s2)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const float *restrict row = x + rows[i] * f;
+        for (int64_t j = 0; j < f; j++) {
+            double d = (double)row[j] - shift[j];
+            s1[j] += d;
+            s2[j] += d * d;
+        }
+    }
+}
+
+/* The affine scaling of n rows of f float32 columns, row-major: out[i][j] = (x[i][j] -
+   center[j]) / spread[j], a float32 subtraction then a float32 division, as NumPy's
+   np.subtract(x, center, dtype=float32) and the in-place division compute it (the same bits).
+   out may be x (each element is read before it is written), so neither is restrict. One pass
+   and one thread: NumPy broadcasts the (f,) row over x in f-element inner loops, one call a
+   row (tensile_db/runtime/model.py standardize). */
+VECTOR_CLONES void tensile_scale_rows_f32(const float *x, int64_t n, int64_t f, const float *restrict center,
+                                          const float *restrict spread, float *out)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = x + i * f;
+        float *to = out + i * f;
+        for (int64_t j = 0; j < f; j++)
+            to[j] = (row[j] - center[j]) / spread[j];
+    }
+}

@@ -106,6 +106,8 @@ _SIGNATURES = {
     "tensile_relu_backward_f32": [_P, _P, _P, _N, _I],
     "tensile_copy": [_P, _P, _N, _I],
     "tensile_moments_f32": [_P, _N, _N, _P, _P, _P],
+    "tensile_moments_rows_f32": [_P, _P, _N, _N, _P, _P, _P],
+    "tensile_scale_rows_f32": [_P, _N, _N, _P, _P, _P],
 }
 
 
@@ -232,11 +234,13 @@ def relu_backward(y, dy, dx) -> bool:
     return True
 
 
-def moments(x, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """Per column of ``x`` (N, F) float32, the sums of ``x - shift`` and of its squares, (F,)
-    float64 each, in one pass on the calling thread (the same sums on every run), or None where
-    the library may not take ``x`` (not an aligned C-contiguous float32 NumPy array) or is not
-    there; ``shift`` (F,) float64."""
+def moments(x, shift: np.ndarray, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per column of ``x`` (N, F) float32 (of ``x[rows]``, row after row in the order of
+    ``rows``, (M,) indices into x, where given), the sums of ``x - shift`` and of its squares,
+    (F,) float64 each, in one pass on the calling thread (the same sums on every run, and with
+    ``rows`` the same as on a gathered copy), or None where the library may not take ``x`` (not an
+    aligned C-contiguous float32 NumPy array) or is not there; ``shift`` (F,) float64. Raises
+    ValueError for a shift of another shape or a row outside x."""
     if type(x) is not np.ndarray or x.dtype != np.float32 or x.ndim != 2 or not enabled() \
             or not (x.flags.c_contiguous and x.flags.aligned):
         return None
@@ -244,9 +248,34 @@ def moments(x, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     if shift.shape != (x.shape[1],):
         raise ValueError(f"a shift of shape {shift.shape} for {x.shape[1]} columns")
     s1, s2 = np.zeros(x.shape[1]), np.zeros(x.shape[1])
-    _state["library"].tensile_moments_f32(x.ctypes.data, x.shape[0], x.shape[1], shift.ctypes.data, s1.ctypes.data,
-                                          s2.ctypes.data)
+    library = _state["library"]
+    if rows is None:
+        library.tensile_moments_f32(x.ctypes.data, x.shape[0], x.shape[1], shift.ctypes.data, s1.ctypes.data,
+                                    s2.ctypes.data)
+        return s1, s2
+    rows = np.ascontiguousarray(rows, np.int64)       # the library reads every index as given: check them
+    if rows.ndim != 1 or (len(rows) and (rows.min() < 0 or rows.max() >= len(x))):
+        raise ValueError(f"rows of shape {rows.shape} are not indices of x's {len(x)} rows")
+    library.tensile_moments_rows_f32(x.ctypes.data, rows.ctypes.data, len(rows), x.shape[1], shift.ctypes.data,
+                                     s1.ctypes.data, s2.ctypes.data)
     return s1, s2
+
+
+def scale_rows(x, center, spread, out) -> bool:
+    """``out = (x - center) / spread`` in float32, one pass on the calling thread, the same bits
+    as NumPy's subtraction and division; x and out (N, F), center and spread (F,), all float32
+    NumPy arrays, aligned and C-contiguous (out may be x). Returns whether it scaled (False:
+    nothing written: another dtype, shape or layout, or no library)."""
+    arrays = (x, center, spread, out)
+    if any(type(a) is not np.ndarray or a.dtype != np.float32 or not (a.flags.c_contiguous and a.flags.aligned)
+           for a in arrays) or x.ndim != 2 or out.shape != x.shape or center.shape != (x.shape[1],) \
+            or spread.shape != center.shape or not out.flags.writeable or not enabled():
+        return False
+    if out.ctypes.data != x.ctypes.data and not _disjoint([out.ctypes.data, x.ctypes.data], x.nbytes):
+        return False                                     # in place only exactly: a shifted overlap is not
+    _state["library"].tensile_scale_rows_f32(x.ctypes.data, x.shape[0], x.shape[1], center.ctypes.data,
+                                             spread.ctypes.data, out.ctypes.data)
+    return True
 
 
 def copy(dst, src) -> bool:

@@ -26,8 +26,8 @@ from functools import cached_property, partial
 import numpy as np
 
 from ..errors import InvalidArgument
+from . import fused, kernels, preprocess, search
 from . import network as networks
-from . import preprocess, search
 from .checks import check_keys, shown
 from .network import MAX_WIDTH, Layer  # noqa: F401  (re-exported: the MLP's layer, its width limit)
 
@@ -369,6 +369,10 @@ def standardize(weights: dict[str, np.ndarray], x: np.ndarray, out: np.ndarray |
     x = np.asarray(x, dtype=np.float32)
     if "x_mean" not in weights:
         return x
+    if out is None:
+        out = np.empty(x.shape, np.float32)
+    if fused.scale_rows(x, weights["x_mean"], weights["x_std"], out):     # one pass: NumPy takes a call a row
+        return out
     out = np.subtract(x, weights["x_mean"], out=out, dtype=np.float32)     # divided in place
     out /= weights["x_std"]
     return out
@@ -377,12 +381,18 @@ def standardize(weights: dict[str, np.ndarray], x: np.ndarray, out: np.ndarray |
 def finish(spec: ModelSpec, weights: dict[str, np.ndarray], h: np.ndarray) -> np.ndarray:
     """The last layer's output (N, n_outputs) float32 -> class probabilities (softmax) for
     classification, values in the label's units (standardisation undone) for regression."""
-    if spec.task == "classification":
-        h = h - h.max(axis=1, keepdims=True)
-        np.exp(h, out=h)
-        h /= h.sum(axis=1, keepdims=True)
-    elif "y_mean" in weights:
-        h = h * weights["y_std"] + weights["y_mean"]
+    if spec.task == "classification":       # over the short axis as the training loss does it
+        xp = kernels.array_module(h)
+        rows = xp.empty((len(h), 1), h.dtype)
+        kernels.row_max(h, rows)
+        out = xp.empty_like(h)
+        kernels.by_row(xp.subtract, h, rows, out)
+        xp.exp(out, out=out)
+        kernels.row_sums(out, rows)
+        kernels.by_row(xp.divide, out, rows, out)
+        return out
+    if "y_mean" in weights:
+        return h * weights["y_std"] + weights["y_mean"]
     return h
 
 

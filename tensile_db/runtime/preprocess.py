@@ -365,6 +365,24 @@ class Preprocessor:
                                            for j, c, source, through in blocks])
         return out
 
+    def one_block(self, raw: dict[str, np.ndarray], finite: frozenset[str] = frozenset()) -> np.ndarray | None:
+        """The network inputs of every row of ``raw`` as one (N, width) float32 C-contiguous
+        block that ``raw``'s columns are views of, where there is one: every input a numeric
+        column with nothing missing (``finite`` or tested here), the columns side by side in
+        order (:mod:`.side_by_side`); else None. Where it is not None, ``transform(raw, rows,
+        finite)`` is ``block[rows]``."""
+        if not self.columns or any(c.kind != "numeric" for c in self.columns):
+            return None
+        values = [np.asarray(raw[c.name], np.float32) for c in self.columns]
+        tested = [i for i, c in enumerate(self.columns) if c.name not in finite]
+        if tested and not side_by_side.finite([values[i] for i in tested]).all():
+            return None
+        runs = side_by_side.runs(values)
+        block = runs[0][2]
+        if len(runs) != 1 or block.shape != (len(values[0]), self.width) or not block.flags.c_contiguous:
+            return None
+        return block
+
     def _blocks(self, sources: list[tuple[np.ndarray, bool]]) -> list[tuple[int, "Column", np.ndarray, bool]]:
         """``(first input, column, source, read through rows)`` of each column's source, where
         numeric columns side by side in one row-major block (and read alike) are one 2-D source
@@ -461,32 +479,37 @@ TRANSFORM_BLOCK_ROWS = 16384
 SCALING_BLOCK_ROWS = 32768
 
 
-def fit_scaling(x: np.ndarray, modes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def fit_scaling(x: np.ndarray, modes: list[str], rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The affine scaling of inputs x (N, F) float32 by column ``modes`` (:data:`SCALES`):
-    ``(center, spread)``, each (F,) float32, so that the network reads ``(x - center) / spread``.
-    A constant column gets spread 1. The mean and the population standard deviation are computed
-    in float64 in one pass, from the sums of each value's difference to a shift (the mean of the
-    first block of rows) and of its square (:func:`_shifted_moments`); the minimum and maximum
-    exactly on ``x``."""
+    ``(center, spread)``, each (F,) float32, so that the network reads ``(x - center) / spread``;
+    fitted on ``x[rows]`` where ``rows`` ((M,) integer indices) is given, the same bits as on a
+    gathered copy of them. A constant column gets spread 1. The mean and the population standard
+    deviation are computed in float64 in one pass, from the sums of each value's difference to a
+    shift (the mean of the first block of rows) and of its square (:func:`_shifted_moments`); the
+    minimum and maximum exactly on ``x``."""
     center, spread = np.zeros(x.shape[1]), np.ones(x.shape[1])
     modes = np.asarray(modes)
+    n = len(x) if rows is None else len(rows)
     std = modes == "standardize"
-    if std.any() and len(x):
-        shift = x[:SCALING_BLOCK_ROWS].mean(axis=0, dtype=np.float64)
-        s1, s2 = _shifted_moments(x, shift)
-        offset = s1 / len(x)                      # the mean's difference to the shift
-        mean, variance = shift + offset, np.maximum(s2 / len(x) - offset * offset, 0.0)
+    if std.any() and n:
+        first = x[:SCALING_BLOCK_ROWS] if rows is None else np.take(x, rows[:SCALING_BLOCK_ROWS], axis=0)
+        shift = first.mean(axis=0, dtype=np.float64)
+        s1, s2 = _shifted_moments(x, shift, rows)
+        offset = s1 / n                           # the mean's difference to the shift
+        mean, variance = shift + offset, np.maximum(s2 / n - offset * offset, 0.0)
         center[std], spread[std] = mean[std], np.sqrt(variance[std])
     mm = modes == "minmax"
-    if mm.any() and len(x):
-        low = x[:, mm].min(axis=0).astype(np.float64)
-        center[mm], spread[mm] = low, x[:, mm].max(axis=0) - low
+    if mm.any() and n:
+        of = x[:, mm] if rows is None else np.take(x[:, mm], rows, axis=0)
+        low = of.min(axis=0).astype(np.float64)
+        center[mm], spread[mm] = low, of.max(axis=0) - low
     spread[spread == 0] = 1.0
     return center.astype(np.float32), spread.astype(np.float32)
 
 
-def _shifted_moments(x: np.ndarray, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per column of x (N, F), the sums of ``x - shift`` and of its squares, (F,) float64 each:
+def _shifted_moments(x: np.ndarray, shift: np.ndarray, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per column of x (N, F) (of ``x[rows]``, in the order of ``rows``, where given), the sums
+    of ``x - shift`` and of its squares, (F,) float64 each:
     by the runtime's C loop (:func:`.fused.moments`; 800,000 rows of 16 columns: 0.007 s, where
     NumPy's two passes over float64 blocks took 0.06 to 0.07 s, medians of 5), else block by block (each
     block's float64 differences stay in the cache). With the shift near the mean, the variance
@@ -494,12 +517,13 @@ def _shifted_moments(x: np.ndarray, shift: np.ndarray) -> tuple[np.ndarray, np.n
     deviations (squared) of float64's 16 digits."""
     from . import fused  # the coordinator's: a backend never fits a scaling
 
-    sums = fused.moments(x, shift)
+    sums = fused.moments(x, shift, rows)
     if sums is not None:
         return sums
     s1, s2 = np.zeros(x.shape[1]), np.zeros(x.shape[1])
-    for start in range(0, len(x), SCALING_BLOCK_ROWS):
-        d = np.subtract(x[start:start + SCALING_BLOCK_ROWS], shift, dtype=np.float64)
+    for start in range(0, len(x) if rows is None else len(rows), SCALING_BLOCK_ROWS):
+        block = slice(start, start + SCALING_BLOCK_ROWS)
+        d = np.subtract(x[block] if rows is None else np.take(x, rows[block], axis=0), shift, dtype=np.float64)
         s1 += d.sum(axis=0)
         s2 += np.einsum("ij,ij->j", d, d)
     return s1, s2
