@@ -239,9 +239,13 @@ def test_scaled_rows_are_numpys_bits_in_place_or_not(rng):
     # what it may not take is left to NumPy, nothing written
     shifted = np.zeros(x.size + 9, np.float32)
     assert not fused.scale_rows(shifted[9:].reshape(x.shape), center, spread, shifted[:-9].reshape(x.shape))
-    assert not fused.scale_rows(x[:, ::2], center[::2].copy(), spread[::2].copy(), out[:, :5].copy())
+    assert not shifted.any()
+    strided_out = np.zeros((len(x), 5), np.float32)
+    assert not fused.scale_rows(x[:, ::2], center[::2].copy(), spread[::2].copy(), strided_out)
+    out[...] = 7
     assert not fused.scale_rows(x.astype(np.float64), center, spread, out)
     assert not fused.scale_rows(x, center[:3], spread[:3], out)
+    assert not strided_out.any() and (out == 7).all()
 
 
 def test_moments_leave_what_they_cannot_take_to_numpy(rng, monkeypatch):

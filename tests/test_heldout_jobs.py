@@ -12,6 +12,7 @@ worse trial, and a cancel (or a closed connection) leaving no job and no device 
 
 from __future__ import annotations
 
+import os
 import threading
 from multiprocessing.connection import Pipe
 
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import TEST_DEVICE, wait_until
-from tensile_db.coordinator import protocol, training
+from tensile_db.coordinator import jobs, protocol, training
 from tensile_db.coordinator.executor import Executor
 from tensile_db.coordinator.jobs import JobInfo, JobState, TrainingJob
 from tensile_db.coordinator.training import TrainingService
@@ -435,13 +436,37 @@ def by_index(arrays: dict, seed: int = 3) -> dict:
             "test_rows": where[n:].astype(np.int64), "y_test": arrays["y_test"]}
 
 
+def in_sealed_file(x: np.ndarray) -> np.ndarray:
+    """``x`` copied into a sealed memory file at an offset past its start, as the backend's scan
+    writes rows: a view of the file's mapping (:func:`protocol.map_sealed`)."""
+    fd = os.memfd_create("scan", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, (1 << 20) + x.nbytes)
+        assert os.pwrite(fd, np.ascontiguousarray(x).tobytes(), 1 << 20) == x.nbytes
+        mapping = protocol.map_sealed(fd)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mapping, x.dtype, count=x.size, offset=1 << 20).reshape(x.shape)
+
+
 @pytest.mark.parametrize("scale", [None, ["standardize", "minmax", "none", "standardize"]])
-def test_rows_sent_by_index_train_the_same_model_as_rows_sent_gathered(executor, scale):
+def test_rows_sent_by_index_train_the_same_model_as_rows_sent_gathered(executor, scale, monkeypatch):
+    monkeypatch.setattr(training, "FIT_ROWS", 50)            # the fit and the per-epoch loss on rows
+    monkeypatch.setattr(jobs, "VALIDATION_ROWS", 20)         # evenly spaced: strided, gathered
     header, arrays = train_request(epochs=3)
     if scale:
         header["scale"] = scale
+    indexed = by_index(arrays)
+    indexed["x"] = in_sealed_file(indexed["x"])              # as the scan wrote them: sent as they lie
+    ours, theirs = Pipe()
+    protocol.accept_shared(ours, files=2)
+    protocol.send(ours, header, indexed)
+    _, received = protocol.recv(theirs)                       # x a view of the coordinator's mapping of that file
+    ours.close()
+    theirs.close()
+    assert received["x"].tobytes() == indexed["x"].tobytes() and not received["x"].flags.writeable
     results = []
-    for sent in (arrays, by_index(arrays)):
+    for sent in (arrays, received):
         backend = Backend(executor, header, sent)
         (result, weights) = backend.messages()[-1]
         backend.close()
@@ -465,6 +490,23 @@ def test_rows_sent_by_index_train_the_same_model_as_rows_sent_gathered(executor,
 def test_a_train_request_whose_rows_are_not_indices_of_its_rows_is_refused(executor, rows, message):
     header, arrays = train_request(epochs=1)
     sent = {"x": arrays["x"], "rows": rows, "y": arrays["y"][:3]}
+    backend = Backend(executor, header, sent)
+    (last, _) = backend.messages()[-1]
+    backend.close()
+    with pytest.raises(ProtocolError, match=message):
+        protocol.raise_if_error(last)
+    assert_nothing_left(executor)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.pop("rows"), "without the training rows' indices"),
+    (lambda a: a.update(x_test=a["x"][:3]), "besides held-out rows"),
+    (lambda a: a.update(test_rows=np.append(a["test_rows"][1:], a["rows"][0])), "are training rows too"),
+])
+def test_held_out_rows_by_index_that_do_not_fit_the_training_rows_are_refused(executor, change, message):
+    header, arrays = train_request(epochs=1)
+    sent = by_index(arrays)
+    change(sent)
     backend = Backend(executor, header, sent)
     (last, _) = backend.messages()[-1]
     backend.close()

@@ -8,6 +8,7 @@ with: what ``StartSpec`` holds reaches the ``Coordinator``, and a bad value is r
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import logging
@@ -461,6 +462,19 @@ def test_a_client_asks_once_whether_the_coordinator_takes_rows_by_index_and_two_
         protocol.send(b, pong)
     server = threading.Thread(target=coordinator)
     server.start()
-    assert client.takes_rows() is rows and client.takes_rows() is rows      # one ping
+    assert client.takes_rows() is rows and client.takes_rows() is rows
     server.join()
+    assert not b.poll(0.2)                                                  # one ping only
     assert (a in protocol._TWO_FILES) is two_files
+
+
+def test_a_closed_mapping_is_no_longer_a_sealed_file_arrays_lie_in():
+    mapping, rows = _sealed_rows(nbytes=8 << 20, at=4096)
+    address, count = rows.ctypes.data, rows.size
+    assert protocol._in_sealed(rows)[1:] == (4096, 8 << 20)
+    del rows
+    mapping.close()
+    # an array at the address the rows had (memory mapped anew there would be another's): only
+    # its address is looked at, never its values
+    there = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)), shape=(count,))
+    assert protocol._in_sealed(there) is None

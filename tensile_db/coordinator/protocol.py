@@ -79,9 +79,9 @@ MAX_SHARED_FILES = 2
 _SHARING: weakref.WeakSet = weakref.WeakSet()
 #: ... and of those, the ends that take a message's arrays in two files
 _TWO_FILES: weakref.WeakSet = weakref.WeakSet()
-#: The live mappings of sealed files (:func:`map_sealed`): key -> (a descriptor of the file,
-#: the mapping's address, its bytes).
-_SEALED: dict[int, tuple[int, int, int]] = {}
+#: The live mappings of sealed files (:func:`map_sealed`): key -> (the mapping, weakly; a
+#: descriptor of the file; the mapping's address; its bytes).
+_SEALED: dict[int, tuple[weakref.ref, int, int, int]] = {}
 _sealed_keys = itertools.count()
 
 log = logging.getLogger(__name__)
@@ -105,24 +105,25 @@ def map_sealed(fd: int) -> mmap.mmap:
     nbytes = os.fstat(fd).st_size
     mapping = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
     key = next(_sealed_keys)
-    _SEALED[key] = (os.dup(fd), np.frombuffer(mapping, np.uint8).ctypes.data, nbytes)
+    _SEALED[key] = (weakref.ref(mapping), os.dup(fd), np.frombuffer(mapping, np.uint8).ctypes.data, nbytes)
     weakref.finalize(mapping, _forget_sealed, key)
     return mapping
 
 
 def _forget_sealed(key: int) -> None:
-    os.close(_SEALED.pop(key)[0])
+    os.close(_SEALED.pop(key)[1])
 
 
-def _in_sealed(a: np.ndarray) -> tuple[int, int] | None:
-    """``(descriptor, offset)`` of the sealed file whose mapping holds all of ``a`` (C-contiguous,
-    not empty), or None."""
+def _in_sealed(a: np.ndarray) -> tuple[int, int, int] | None:
+    """``(descriptor, offset, the file's bytes)`` of the sealed file whose mapping, open, holds
+    all of ``a`` (C-contiguous, not empty), or None."""
     if not a.size or not a.flags.c_contiguous:
         return None
     start = a.ctypes.data
-    for fd, address, nbytes in list(_SEALED.values()):
-        if address <= start and start + a.nbytes <= address + nbytes:
-            return fd, start - address
+    for ref, fd, address, nbytes in list(_SEALED.values()):
+        mapping = ref()
+        if mapping is not None and not mapping.closed and address <= start and start + a.nbytes <= address + nbytes:
+            return fd, start - address, nbytes
     return None
 
 
@@ -169,7 +170,8 @@ def send(conn, header: dict, arrays=None) -> None:
                 description = {"nbytes": nbytes, "offsets": offsets}
                 if by_reference:
                     theirs, rest_offsets = len(files) - 1, iter(offsets)
-                    description = {"nbytes": ([nbytes] if fd is not None else []) + [os.fstat(sealed_fd).st_size],
+                    sealed_nbytes = next(where[2] for where in in_sealed.values() if where is not None)
+                    description = {"nbytes": ([nbytes] if fd is not None else []) + [sealed_nbytes],
                                    "offsets": [by_reference[k] if k in by_reference else next(rest_offsets)
                                                for k in arrays],
                                    "files": [theirs if k in by_reference else 0 for k in arrays]}
@@ -318,7 +320,10 @@ def _map_shared(fds: list[int], shared, declared: list) -> list[np.ndarray]:
         first = min(offset for _, offset in mine) // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY \
             if mine else 0
         end = max((offset + size for size, offset in mine), default=0)
-        spans[f] = (first, mmap.mmap(fd, end - first, prot=mmap.PROT_READ, offset=first) if end > first else b"")
+        try:
+            spans[f] = (first, mmap.mmap(fd, end - first, prot=mmap.PROT_READ, offset=first) if end > first else b"")
+        except OSError as exc:                           # no room for the span: the stream is still in step
+            raise ProtocolError(f"the shared arrays' {end - first} bytes do not map: {exc}") from None
     return [np.frombuffer(spans[f][1], dtype=dtype, count=size // dtype.itemsize, offset=offset - spans[f][0])
             .reshape(shape) for (_, dtype, shape), (size, offset), f in zip(declared, extents, files)]
 

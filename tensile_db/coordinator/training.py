@@ -77,8 +77,13 @@ def _data(header: dict, arrays: dict) -> _Data:
     x_test, y_test = arrays.get("x_test"), arrays.get("y_test")
     rows, test_rows = (_indices(arrays, name, len(x)) for name in ("rows", "test_rows"))
     if test_rows is not None:
-        if x_test is not None:
-            raise ProtocolError("train request with both held-out rows and their indices")
+        if x_test is not None or rows is None:
+            raise ProtocolError("train request with held-out rows' indices besides held-out rows, or without the "
+                                "training rows' indices")
+        held = np.zeros(len(x), bool)
+        held[test_rows] = True
+        if held[rows].any():
+            raise ProtocolError("train request whose held-out rows are training rows too")
         x_test = np.take(x, test_rows, axis=0)
     if (x_test is None) != (y_test is None) or (x_test is not None and (x_test.ndim != 2 or x_test.shape[1] != x.shape[1])):
         raise ProtocolError("train request with held-out rows that do not match its training rows")
@@ -93,7 +98,7 @@ def _data(header: dict, arrays: dict) -> _Data:
 def _indices(arrays: dict, name: str, n: int) -> np.ndarray | None:
     """``arrays[name]``, row indices into n rows, or None; raises ProtocolError for anything else."""
     rows = arrays.get(name)
-    if rows is not None and (rows.ndim != 1 or rows.dtype.kind not in "iu"
+    if rows is not None and (rows.ndim != 1 or rows.dtype.kind not in "iu" or len(rows) > n
                              or (len(rows) and (rows.min() < 0 or rows.max() >= n))):
         raise ProtocolError(f"train request whose {name} ({rows.dtype}, shape {rows.shape}) are not indices of "
                             f"its {n:,} rows")

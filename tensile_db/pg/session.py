@@ -324,6 +324,14 @@ def request(plpy, GD, client, header: dict, arrays: dict | None = None, doing: s
     return exchange(plpy, GD, client, lambda: client.request(header, arrays), doing, timeout_s)
 
 
+def takes_rows(plpy, GD, client) -> bool:
+    """Whether the coordinator takes a training request's rows by index
+    (:meth:`~tensile_db.coordinator.client.CoordinatorClient.takes_rows`), asked as a request is
+    (:func:`exchange`, within ``tensile.coordinator_timeout``)."""
+    return exchange(plpy, GD, client, client.takes_rows, "the question of what it takes",
+                    coordinator_timeout(plpy, GD))
+
+
 def prefetch_window(plpy, GD) -> int | str:
     """The session's ``tensile.prefetch_window``: an integer >= 1 or ``"all"`` (default
     ``DEFAULT_PREFETCH_WINDOW`` when unset or empty). Raises InvalidArgument naming any other value."""

@@ -119,7 +119,7 @@ def _train_one(plpy, GD, client, header, arch, opts, prepared, data, label, mode
     started = time.perf_counter()
     reply, _ = session.request(plpy, GD, client, dict(header, type="train", architecture=arch.to_json(),
                                                       options=opts.to_json()),
-                               prepared.arrays(client.takes_rows()), doing="the start of training")
+                               prepared.arrays(session.takes_rows(plpy, GD, client)), doing="the start of training")
     transfer_s = time.perf_counter() - started
     plpy.notice(f"tensile: job {reply['job_id']} accepted on device {reply['device']}; unscheduled peak "
                 f"{reply['vanilla_peak_nbytes']:,} bytes, device budget {reply['budget_nbytes']:,} bytes")
@@ -141,8 +141,8 @@ def _train_search(plpy, GD, client, header, arch, opts, limits, prepared, data, 
                              t.record(search_id))
         t.weights = None
 
-    wall_s = searching.run(plpy, GD, client, header, prepared.arrays(client.takes_rows()), found, trials, model_name,
-                           keep)
+    wall_s = searching.run(plpy, GD, client, header, prepared.arrays(session.takes_rows(plpy, GD, client)), found,
+                           trials, model_name, keep)
     done = [t.version for t in trials if t.version is not None]
     if not done:
         raise InvalidArgument(f"every trial of the search failed; the first: {trials[0].error}")
