@@ -9,7 +9,9 @@ through ``tensile._read_columns``, which writes every value into a memory file t
 each text column dictionary-encoded as it is read), ``prepare_s`` (the held-out split, the
 preprocessing fitted on the training rows and the network's inputs built) and ``transfer_s``
 (shipping the arrays over the coordinator socket until the job is accepted, the coordinator's
-fit of their scaling included). Rows per second count every row of the table. Then the table's size on disk and the
+fit of their scaling included; the numeric table's rows go as the scan wrote them, its sealed
+file passed with the training and held-out rows' indices, and the coordinator gathers the
+held-out ones: Note [Rows sent as the scan wrote them] in :mod:`tensile_db.pg.prepare`). Rows per second count every row of the table. Then the table's size on disk and the
 peak resident memory of the CALL's backend and of a coordinator started for the CALL
 (``VmHWM``, the most over the repeats), against it. Each table is trained on ``--repeats`` times,
 each CALL in a new session with a new coordinator; each phase is given as the median over them
