@@ -257,3 +257,19 @@ def test_moments_leave_what_they_cannot_take_to_numpy(rng, monkeypatch):
         fused.moments(x, shift[:3])
     monkeypatch.setenv("TENSILE_FUSED", "0")
     assert fused.moments(x, shift) is None
+
+
+@needs_library
+def test_a_library_without_a_later_function_runs_that_one_as_numpy_and_the_others_fused(monkeypatch, rng, caplog):
+    """A library built from an earlier source (a stale in-place build) lacks the later symbols:
+    only those fall back to NumPy."""
+    signatures = dict(fused._SIGNATURES, tensile_from_a_later_source=[])
+    monkeypatch.setattr(fused, "_SIGNATURES", signatures)
+    monkeypatch.setitem(fused._state, "tried", False)
+    monkeypatch.setitem(fused._state, "functions", frozenset())
+    with caplog.at_level("WARNING", logger=fused.__name__):
+        assert fused._library() is not None
+    assert "lacks tensile_from_a_later_source" in caplog.text
+    assert fused.enabled("tensile_adam_f32") and not fused.enabled("tensile_from_a_later_source")
+    x = rng.standard_normal((10, 3)).astype(np.float32)
+    assert fused.moments(x, np.zeros(3)) is not None                  # the others still run fused

@@ -97,7 +97,7 @@ PARALLEL_MIN_NELEMS = 1 << 16
 COPY_PARALLEL_MIN_NBYTES = 1 << 18
 
 _lock = threading.Lock()
-_state: dict = {"library": None, "tried": False, "forked": False}
+_state: dict = {"library": None, "tried": False, "forked": False, "functions": frozenset()}
 
 _P, _F, _N, _I = ctypes.c_void_p, ctypes.c_float, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -111,9 +111,12 @@ _SIGNATURES = {
 }
 
 
-def enabled() -> bool:
-    """Whether optimiser steps may run fused: ``TENSILE_FUSED`` is not ``0`` and the library loads."""
-    return os.environ.get("TENSILE_FUSED", "1") != "0" and _library() is not None
+def enabled(function: str | None = None) -> bool:
+    """Whether optimiser steps may run fused: ``TENSILE_FUSED`` is not ``0`` and the library
+    loads, with ``function`` among its functions where one is named (a library built from an
+    earlier source lacks the later ones: those run as NumPy passes, the others still fused)."""
+    return (os.environ.get("TENSILE_FUSED", "1") != "0" and _library() is not None
+            and (function is None or function in _state["functions"]))
 
 
 def _library():
@@ -136,13 +139,20 @@ def _load():
         return None
     try:
         lib = ctypes.CDLL(spec.origin)
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, None
-    except (OSError, AttributeError):
+    except OSError:
         log.warning("%s does not load as the fused optimiser steps; they run as NumPy passes", spec.origin,
                     exc_info=True)
         return None
+    found = set()
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes, fn.restype = argtypes, None
+            found.add(name)
+    if len(found) < len(_SIGNATURES):
+        log.warning("%s lacks %s (built from an earlier source: reinstall the package); those run as NumPy passes",
+                    spec.origin, ", ".join(sorted(set(_SIGNATURES) - found)))
+    _state["functions"] = frozenset(found)
     return lib
 
 
@@ -178,7 +188,7 @@ def _disjoint(pointers: list[int], nbytes: int) -> bool:
     return all(later - earlier >= nbytes for earlier, later in zip(ordered, ordered[1:]))
 
 
-def _pointers(weight_decay: float, *arrays) -> list[int] | None:
+def _pointers(function: str, weight_decay: float, *arrays) -> list[int] | None:
     """The arrays' data pointers where the library may take them, else None: aligned,
     C-contiguous, writeable float32 NumPy arrays of one shape (the library writes through the
     pointers, unchecked), no two of them overlapping (its loops read each element once); and a
@@ -190,7 +200,7 @@ def _pointers(weight_decay: float, *arrays) -> list[int] | None:
         flags = a.flags
         if not (flags.c_contiguous and flags.writeable and flags.aligned):
             return None
-    if (weight_decay and np.float32(weight_decay) == 0) or not enabled():
+    if (weight_decay and np.float32(weight_decay) == 0) or not enabled(function):
         return None
     pointers = [a.ctypes.data for a in arrays]
     return pointers if _disjoint(pointers, arrays[0].nbytes) else None
@@ -200,7 +210,7 @@ def adam(w, g, m, v, lr: float, beta1: float, beta2: float, eps: float, step: in
     """The step of :func:`.kernels.adam_update` (Kingma & Ba, arXiv 1412.6980, Algorithm 1, as
     ``torch.optim.Adam``), in one pass: w, m, v written, g only read. Arrays as :func:`_pointers`
     takes them; returns whether it ran (False: nothing written)."""
-    pointers = _pointers(weight_decay, w, g, m, v)
+    pointers = _pointers("tensile_adam_f32", weight_decay, w, g, m, v)
     if pointers is None:
         return False
     _state["library"].tensile_adam_f32(
@@ -213,7 +223,7 @@ def sgd(w, g, velocity, lr: float, momentum: float, weight_decay: float) -> bool
     """The step of :func:`.kernels.sgd_update` (SGD with momentum, as ``torch.optim.SGD``), in one
     pass: w and velocity written, g only read. Arrays as :func:`_pointers` takes them; returns
     whether it ran (False: nothing written)."""
-    pointers = _pointers(weight_decay, w, g, velocity)
+    pointers = _pointers("tensile_sgd_f32", weight_decay, w, g, velocity)
     if pointers is None:
         return False
     _state["library"].tensile_sgd_f32(*pointers, w.size, lr, momentum, weight_decay, _threads(w.size))
@@ -224,7 +234,7 @@ def relu_backward(y, dy, dx) -> bool:
     """The relu's backward of :func:`.kernels.relu_backward` in one pass (Note [Fused relu
     backward]): ``dx`` written from the forward output ``y`` and ``dy``, arrays as :func:`_pointers`
     takes them; returns whether it ran (False: nothing written)."""
-    pointers = _pointers(0.0, y, dy, dx)
+    pointers = _pointers("tensile_relu_backward_f32", 0.0, y, dy, dx)
     if pointers is None:
         return False
     threads = _threads(y.size)
@@ -241,7 +251,8 @@ def moments(x, shift: np.ndarray, rows: np.ndarray | None = None) -> tuple[np.nd
     ``rows`` the same as on a gathered copy), or None where the library may not take ``x`` (not an
     aligned C-contiguous float32 NumPy array) or is not there; ``shift`` (F,) float64. Raises
     ValueError for a shift of another shape or a row outside x."""
-    if type(x) is not np.ndarray or x.dtype != np.float32 or x.ndim != 2 or not enabled() \
+    if type(x) is not np.ndarray or x.dtype != np.float32 or x.ndim != 2 \
+            or not enabled("tensile_moments_f32" if rows is None else "tensile_moments_rows_f32") \
             or not (x.flags.c_contiguous and x.flags.aligned):
         return None
     shift = np.ascontiguousarray(shift, np.float64)
@@ -269,7 +280,7 @@ def scale_rows(x, center, spread, out) -> bool:
     arrays = (x, center, spread, out)
     if any(type(a) is not np.ndarray or a.dtype != np.float32 or not (a.flags.c_contiguous and a.flags.aligned)
            for a in arrays) or x.ndim != 2 or out.shape != x.shape or center.shape != (x.shape[1],) \
-            or spread.shape != center.shape or not out.flags.writeable or not enabled():
+            or spread.shape != center.shape or not out.flags.writeable or not enabled("tensile_scale_rows_f32"):
         return False
     if out.ctypes.data != x.ctypes.data and not _disjoint([out.ctypes.data, x.ctypes.data], x.nbytes):
         return False                                     # in place only exactly: a shifted overlap is not
@@ -289,7 +300,7 @@ def copy(dst, src) -> bool:
     if not workers.on_team():              # never a team of this thread's own (Note [One OpenMP team])
         return False
     threads = _team()
-    if threads <= 1 or not enabled() or not (dst.flags.c_contiguous and src.flags.c_contiguous
+    if threads <= 1 or not enabled("tensile_copy") or not (dst.flags.c_contiguous and src.flags.c_contiguous
                                               and dst.flags.writeable):
         return False
     pointers = [dst.ctypes.data, src.ctypes.data]
