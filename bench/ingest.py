@@ -15,7 +15,10 @@ held-out ones: Note [Rows sent as the scan wrote them] in :mod:`tensile_db.pg.pr
 peak resident memory of the CALL's backend and of a coordinator started for the CALL
 (``VmHWM``, the most over the repeats), against it. Each table is trained on ``--repeats`` times,
 each CALL in a new session with a new coordinator; each phase is given as the median over them
-with its range. The first CALL's scan is the table's first (it sets the rows' hint bits).
+with its range. After the fill, the table is vacuumed and analyzed and a checkpoint written, as
+pgbench vacuums before its runs: else autovacuum found the fresh table beside the first CALL
+(its training took 1.54 s against 0.31 to 0.59 in the others; the autovacuum and autoanalyze of
+the table fell in that CALL's second), and the first scan set the rows' hint bits.
 Runs in the embedded cluster of ``--home``, for each of ``--rows``. Before the tables, the
 shipping alone: the same number of rows of 16 float32 columns and an int32 label sent with the
 coordinator's protocol over a Unix socket, in a shared memory file (Note [Shared arrays] in
@@ -109,6 +112,8 @@ def fill_and_train(dsn: str, table: str, select: str, options: str, repeats: int
         conn.execute(f"DROP TABLE IF EXISTS {table}")
         conn.execute(f"CREATE TABLE {table} AS {select}")
         fill_s = time.perf_counter() - t0
+        conn.execute(f"VACUUM (ANALYZE) {table}")
+        conn.execute("CHECKPOINT")
         table_nbytes = conn.execute("SELECT pg_total_relation_size(%s)", (table,)).fetchone()[0]
     run = Run(fill_s, [], [], table_nbytes, 0, 0)
     for _ in range(repeats):
@@ -211,6 +216,20 @@ def targets(runs: dict, text_reads: dict[str, list[float]]) -> list[str]:
             f"{decided(min(v), max(v), target, higher)}" for what, v, target, higher in lines]
 
 
+def each_call(run: Run) -> str:
+    """Every CALL in order, its seconds and its phases' (the training from the job's start to its
+    end; queued: from the job's making, its scaling fit among it, to its start; the rest: the
+    metrics, storing the model and the session's own work), so that an outlier shows where it
+    spent its time."""
+    calls = []
+    for seconds, m in zip(run.call_s, run.metrics):
+        phases = {"read": m["read_s"], "prepare": m["prepare_s"], "transfer": m["transfer_s"],
+                  "queued": m["queued_s"], "training": m["train_time_s"]}
+        phases["rest"] = seconds - sum(phases.values())
+        calls.append(f"{seconds:.2f} (" + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) + ")")
+    return "each CALL in order, seconds: " + "; ".join(calls)
+
+
 def memory(run: Run) -> list[list]:
     return [[what, f"{nbytes / 1e6:,.0f}", f"{nbytes / run.table_nbytes:.2f}"] for what, nbytes in
             (("the table on disk", run.table_nbytes), ("backend, peak resident", run.backend_peak_nbytes),
@@ -254,6 +273,7 @@ def main() -> None:
                   f"held out; table filled in {run.fill_s:.1f} s; {args.repeats} CALLs")
             print(tabulate(phases(rows, run), headers=["phase", "seconds (median)", "[min, max]", "rows/s"],
                            disable_numparse=True))
+            print(each_call(run))
             print(tabulate(memory(run), headers=["memory", "MB", "x the table"], colalign=("left", "right", "right")))
             reads[table] = readers(dsn, table, options, args.repeats)
             print(tabulate([[name, *median_and_range(seconds, ".2f"), f"{rows / statistics.median(seconds):,.0f}"]
