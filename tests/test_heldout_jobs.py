@@ -489,7 +489,12 @@ def test_rows_sent_by_index_train_the_same_model_as_rows_sent_gathered(executor,
 ])
 def test_a_train_request_whose_rows_are_not_indices_of_its_rows_is_refused(executor, rows, message):
     header, arrays = train_request(epochs=1)
-    sent = {"x": arrays["x"], "rows": rows, "y": arrays["y"][:3]}
+    assert_refused(executor, header, {"x": arrays["x"], "rows": rows, "y": arrays["y"][:3]}, message)
+
+
+def assert_refused(executor: Executor, header: dict, sent: dict, message: str) -> None:
+    """The request of ``header`` with the arrays ``sent`` is answered by a ProtocolError matching
+    ``message``, and leaves nothing behind."""
     backend = Backend(executor, header, sent)
     (last, _) = backend.messages()[-1]
     backend.close()
@@ -507,9 +512,4 @@ def test_held_out_rows_by_index_that_do_not_fit_the_training_rows_are_refused(ex
     header, arrays = train_request(epochs=1)
     sent = by_index(arrays)
     change(sent)
-    backend = Backend(executor, header, sent)
-    (last, _) = backend.messages()[-1]
-    backend.close()
-    with pytest.raises(ProtocolError, match=message):
-        protocol.raise_if_error(last)
-    assert_nothing_left(executor)
+    assert_refused(executor, header, sent, message)

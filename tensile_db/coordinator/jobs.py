@@ -242,12 +242,12 @@ class TrainingJob:
         loss_sum = 0.0
         in_x = order if self.rows is None else np.take(self.rows, order)      # the rows of x in that order
         for it in range(self.steps_per_epoch):
-            index = order[it * self.batch:(it + 1) * self.batch]
+            part = slice(it * self.batch, (it + 1) * self.batch)
             # np.take, not x[index]: 4,096 rows of 16 float32 took 0.35 ms against 1.09 by indexing;
             # the rows gathered are scaled where they lie
-            batch = np.take(self.x, in_x[it * self.batch:(it + 1) * self.batch], axis=0)
+            batch = np.take(self.x, in_x[part], axis=0)
             ctx.batch_x = models.standardize(self.scaling, batch, out=batch)
-            ctx.batch_y = np.take(self.y, index, axis=0)
+            ctx.batch_y = np.take(self.y, order[part], axis=0)
             ctx.step += 1
             ctx.seed = self.options.seed * 1_000_003 + ctx.step
             for position, op in enumerate(self.program.ops):

@@ -158,35 +158,53 @@ def send(conn, header: dict, arrays=None) -> None:
     header = dict(header, arrays=[{"name": k, "dtype": np.dtype(dtype).str, "shape": list(shape)}
                                   for k, (dtype, shape) in metas.items()])
     if not lazy and _can_share(conn):
-        in_sealed = {k: _in_sealed(a) for k, a in arrays.items()} if conn in _TWO_FILES else {}
-        sealed_fd = next((where[0] for where in in_sealed.values() if where is not None), None)
-        by_reference = {k: where[1] for k, where in in_sealed.items() if where is not None and where[0] == sealed_fd}
-        if by_reference or large(arrays):
-            rest = [a for k, a in arrays.items() if k not in by_reference]
-            shared = _shared_file(rest) if rest or not by_reference else (None, 0, [])
-            if shared is not None:
-                fd, nbytes, offsets = shared
-                files = ([fd] if fd is not None else []) + ([sealed_fd] if by_reference else [])
-                description = {"nbytes": nbytes, "offsets": offsets}
-                if by_reference:
-                    theirs, rest_offsets = len(files) - 1, iter(offsets)
-                    sealed_nbytes = next(where[2] for where in in_sealed.values() if where is not None)
-                    description = {"nbytes": ([nbytes] if fd is not None else []) + [sealed_nbytes],
-                                   "offsets": [by_reference[k] if k in by_reference else next(rest_offsets)
-                                               for k in arrays],
-                                   "files": [theirs if k in by_reference else 0 for k in arrays]}
-                try:
-                    conn.send_bytes(json.dumps(dict(header, shared=description)).encode())
-                    with _unix_socket(conn) as sock:
-                        socket.send_fds(sock, [b"F"], files)
-                finally:
-                    if fd is not None:
-                        os.close(fd)
-                return
+        sealed, at = _lying_in_sealed(arrays) if conn in _TWO_FILES else (None, {})
+        if (at or large(arrays)) and _send_shared(conn, header, arrays, sealed, at):
+            return
     conn.send_bytes(json.dumps(header).encode())
     for k in metas:
         a = np.asarray(arrays[k], order="C")
         conn.send_bytes(a.reshape(-1).view(np.uint8) if a.size else b"")
+
+
+def _lying_in_sealed(arrays: dict[str, np.ndarray]) -> tuple[tuple[int, int] | None, dict[str, int]]:
+    """The sealed file (its descriptor and bytes) the first of ``arrays`` that lies in one lies
+    in, and the offset there of each of them that lies in that same file (Note [Shared
+    arrays])."""
+    sealed, at = None, {}
+    for name, a in arrays.items():
+        where = _in_sealed(a)
+        if where is not None and (sealed is None or where[0] == sealed[0]):
+            sealed, at[name] = (where[0], where[2]), where[1]
+    return sealed, at
+
+
+def _send_shared(conn, header: dict, arrays: dict[str, np.ndarray], sealed: tuple[int, int] | None,
+                 at: dict[str, int]) -> bool:
+    """Send ``header`` and ``arrays`` in shared memory files (Note [Shared arrays]): those named
+    in ``at`` by their offset in the ``sealed`` file, the others written into a file of the
+    message's own. Returns False, having sent nothing, where that file cannot be made."""
+    rest = [a for name, a in arrays.items() if name not in at]
+    own = _shared_file(rest) if rest or not at else (None, 0, [])
+    if own is None:
+        return False
+    fd, nbytes, offsets = own
+    if at:                                   # the sealed file last, after the message's own if any
+        files = ([fd] if fd is not None else []) + [sealed[0]]
+        rest_offsets = iter(offsets)
+        description = {"nbytes": ([nbytes] if fd is not None else []) + [sealed[1]],
+                       "offsets": [at[name] if name in at else next(rest_offsets) for name in arrays],
+                       "files": [len(files) - 1 if name in at else 0 for name in arrays]}
+    else:
+        files, description = [fd], {"nbytes": nbytes, "offsets": offsets}
+    try:
+        conn.send_bytes(json.dumps(dict(header, shared=description)).encode())
+        with _unix_socket(conn) as sock:
+            socket.send_fds(sock, [b"F"], files)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return True
 
 
 def _can_share(conn) -> bool:

@@ -155,6 +155,18 @@ void tensile_copy(void *dst, const void *src, int64_t n, int threads)
     }
 }
 
+/* One row's part of the column moments below: s1[j] and s2[j] gain (row[j] - shift[j]) and its
+   square, in double precision. */
+static inline void add_moments(const float *restrict row, int64_t f, const double *restrict shift,
+                               double *restrict s1, double *restrict s2)
+{
+    for (int64_t j = 0; j < f; j++) {
+        double d = (double)row[j] - shift[j];
+        s1[j] += d;
+        s2[j] += d * d;
+    }
+}
+
 /* Column moments of n rows of f float32 columns, row-major: s1[j] and s2[j] gain the sums of
    (x[i][j] - shift[j]) and of its square, in double precision, row after row (one thread: the
    same sums on every run). The shifted sums give the mean and the variance in one pass over x
@@ -162,14 +174,8 @@ void tensile_copy(void *dst, const void *src, int64_t n, int threads)
 VECTOR_CLONES void tensile_moments_f32(const float *restrict x, int64_t n, int64_t f, const double *restrict shift,
                                        double *restrict s1, double *restrict s2)
 {
-    for (int64_t i = 0; i < n; i++) {
-        const float *restrict row = x + i * f;
-        for (int64_t j = 0; j < f; j++) {
-            double d = (double)row[j] - shift[j];
-            s1[j] += d;
-            s2[j] += d * d;
-        }
-    }
+    for (int64_t i = 0; i < n; i++)
+        add_moments(x + i * f, f, shift, s1, s2);
 }
 
 /* tensile_moments_f32 of the rows rows[0..n) of x, in that order (the same sums as on a copy of
@@ -178,14 +184,8 @@ VECTOR_CLONES void tensile_moments_rows_f32(const float *restrict x, const int64
                                             int64_t f, const double *restrict shift, double *restrict s1,
                                             double *restrict s2)
 {
-    for (int64_t i = 0; i < n; i++) {
-        const float *restrict row = x + rows[i] * f;
-        for (int64_t j = 0; j < f; j++) {
-            double d = (double)row[j] - shift[j];
-            s1[j] += d;
-            s2[j] += d * d;
-        }
-    }
+    for (int64_t i = 0; i < n; i++)
+        add_moments(x + rows[i] * f, f, shift, s1, s2);
 }
 
 /* The affine scaling of n rows of f float32 columns, row-major: out[i][j] = (x[i][j] -
