@@ -37,7 +37,11 @@ profile of where our time goes: the op times the executor measures for each op (
 ``after`` hook) in the run of median samples/s, grouped by kind, per iteration, and the wall time
 per iteration against the time in the ops, with the median time of the iterations from the first
 that ended with the planned pool serving (the steady state; the iterations before it pay for the
-plans being made on the machine's cores, and the targets count them).
+plans being made on the machine's cores, and the targets count them), and under a budget what its
+swaps cost by the cost model measured at start-up (their bytes at its bandwidths, each swap's
+latency and issue): where every copy is the executor's thread's own, as where the kernels take
+every core, the unlimited time per iteration plus that is the least the budget allows with those
+swaps, however small the bookkeeping around them.
 
     python bench/throughput.py [--repeats 5] [--quick]
     TENSILE_ONEDNN=0 python bench/throughput.py      # our convolutions lowered on NumPy instead of oneDNN
@@ -50,6 +54,7 @@ import collections
 import concurrent.futures
 import multiprocessing
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -120,6 +125,8 @@ class Measured:
     budget_nbytes: int = 0
     peak_nbytes: int = 0
     swapped_out_nbytes_per_it: float = 0.0
+    swapped_in_nbytes_per_it: float = 0.0
+    swaps_per_it: float = 0.0                  # swap-outs and swap-ins
     recomputes_per_it: float = 0.0
     wall_s_per_it: float = 0.0
     op_s: dict = field(default_factory=dict)    # op name -> seconds over the timed iterations
@@ -169,7 +176,8 @@ def ours(w: Workload, x, y, fraction: float | None, cost: CostModel) -> Measured
     served = next((i for i in range(1, len(ends)) if serving[i]), None)
     served_s = statistics.median(b - a for a, b in zip(ends[served - 1:], ends[served:])) if served else None
     return Measured(w.batch * timed / (ends[-1] - ends[0]), budget, mem.peak_nbytes,
-                    mem.swapped_out_nbytes / len(ends), mem.recomputes / len(ends),
+                    mem.swapped_out_nbytes / len(ends), mem.swapped_in_nbytes / len(ends),
+                    (mem.swap_outs + mem.swap_ins) / len(ends), mem.recomputes / len(ends),
                     (ends[-1] - ends[0]) / timed, dict(op_s), timed, served, served_s)
 
 
@@ -221,7 +229,7 @@ def label(w: Workload, kind: str, fraction: float | None, job_budget: int, vanil
     return f"tensile_db, {fraction:.0%} of the vanilla peak{raised}"
 
 
-def report(w: Workload, runs: dict) -> None:
+def report(w: Workload, runs: dict, cost: CostModel) -> None:
     """The workload's table, its target lines and the profile of our unlimited runs."""
     spec = w.spec
     options = models.parse_options({"epochs": 1, "batch_size": w.batch})
@@ -250,7 +258,7 @@ def report(w: Workload, runs: dict) -> None:
                                   "recomputes / iteration"],
                    tablefmt="github", disable_numparse=True, colalign=("left",) + ("right",) * 7))
     targets(w, runs, base)
-    profile(w, runs)
+    profile(w, runs, cost)
 
 
 def targets(w: Workload, runs: dict, base: list[float]) -> None:
@@ -271,9 +279,20 @@ def targets(w: Workload, runs: dict, base: list[float]) -> None:
               f"{BUDGET_SLOWDOWN}x the unlimited time per iteration: {statistics.median(slow):.2f}x (spread {min(slow):.2f} to {max(slow):.2f}): {verdict}")
 
 
-def profile(w: Workload, runs: dict) -> None:
+def swaps_s(m: Measured, cost: CostModel) -> float:
+    """What the cost model measured at start-up prices ``m``'s swaps at, seconds per iteration:
+    the bytes out and in at its bandwidths, and each swap's latency and issue (the executor's
+    bookkeeping: Note [Issue cost] in ``tensile_db.scheduler.cost``)."""
+    return (m.swapped_out_nbytes_per_it / cost.d2h_bytes_per_s + m.swapped_in_nbytes_per_it / cost.h2d_bytes_per_s
+            + m.swaps_per_it * (cost.latency_s + cost.issue_s))
+
+
+def profile(w: Workload, runs: dict, cost: CostModel) -> None:
     """Where our time goes (unlimited budget): the op seconds per iteration of the run of median
-    samples/s, grouped by op kind; then the ops' share of the wall time, per budget (medians)."""
+    samples/s, grouped by op kind; then the ops' share of the wall time, per budget (medians), and
+    under a budget what its swaps cost by the cost model (:func:`swaps_s`) against the unlimited
+    run's time per iteration, where every copy is the executor's thread's own (``cpu`` with the
+    kernels on every core): the least slowdown those swaps allow, whatever the bookkeeping."""
     ms = runs[("ours", None)]
     m = sorted(ms, key=lambda r: r.samples_per_s)[(len(ms) - 1) // 2]
     by_kind: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
@@ -302,9 +321,19 @@ def profile(w: Workload, runs: dict) -> None:
                   f"the plans are made, the first of them under the reactive fallback): "
                   f"{1e3 * statistics.median(m.served_s_per_it for m in served):.1f} ms per iteration (median)"
                   if served else "")
+        swaps = ""
+        if fraction is not None and cost.inline_nbytes >= sys.maxsize:
+            priced = statistics.median(swaps_s(m, cost) for m in ms)
+            unlimited = statistics.median(m.wall_s_per_it for m in runs[("ours", None)])
+            swaps = (f". Its swaps ({statistics.median(m.swaps_per_it for m in ms):.1f} an iteration, "
+                     f"{statistics.median(m.swapped_out_nbytes_per_it for m in ms) / MiB:.1f} MiB out and "
+                     f"{statistics.median(m.swapped_in_nbytes_per_it for m in ms) / MiB:.1f} MiB in) cost "
+                     f"{1e3 * priced:.2f} ms an iteration by the cost model measured at start-up, all on the "
+                     f"executor's thread: {(unlimited + priced) / unlimited:.2f}x the unlimited time per iteration "
+                     f"with them alone")
         print(f"- {'unlimited' if fraction is None else f'{fraction:.0%} budget'}: {1e3 * wall:.1f} ms per iteration "
               f"(median), of which {1e3 * in_ops:.1f} ms in the ops' arithmetic ({in_ops / wall:.0%}); the rest is "
-              f"the executor, memory manager, scheduler, swap waits and recomputes{steady}")
+              f"the executor, memory manager, scheduler, swap waits and recomputes{steady}{swaps}")
 
 
 def main() -> None:
@@ -353,7 +382,7 @@ def main() -> None:
           "noisy where other "
           "work shares the machine; hence medians and spreads over interleaved repeats.")
     for w in loads:
-        report(w, runs[w.name])
+        report(w, runs[w.name], cost)
     print(f"\nBenchmark took {time.perf_counter() - started:.0f} s.")
 
 
