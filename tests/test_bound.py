@@ -14,6 +14,7 @@ MLP and CNN timelines:
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from tensile_db.errors import InvalidArgument
 from tensile_db.runtime.builder import build_training_program
 from tensile_db.runtime.model import Architecture, Layer, ModelSpec, TrainOptions
 from tensile_db.scheduler.baselines import plan_capuchin, plan_checkpoint
-from tensile_db.scheduler.bound import absences, lower_bound
+from tensile_db.scheduler.bound import TOLERANCE, absences, lower_bound
 from tensile_db.scheduler.cost import CostModel
 from tensile_db.scheduler.curves import plan_global
 from tensile_db.scheduler.planners import _State, plan_swap_score, plan_tensile
@@ -38,6 +39,9 @@ COSTS = {
     # kernels and copies slow each other (Note [Contention]), more than the simulated GPUs' 5%
     "contended": CostModel(h2d_bytes_per_s=3e7, d2h_bytes_per_s=2e7, latency_s=1e-4, duplex=True, contention=0.3),
     "contended-one-channel": CostModel(h2d_bytes_per_s=3e7, d2h_bytes_per_s=3e7, contention=0.3),
+    # every copy on the executor's thread, and each swap's issue too (cpu with the kernels on
+    # every core: Note [Issue cost])
+    "inline": CostModel(h2d_bytes_per_s=3e7, d2h_bytes_per_s=3e7, issue_s=2e-5, inline_nbytes=sys.maxsize),
 }
 #: the timelines small enough for the mixed-integer program
 SMALL = ("cnn", "mlp-two-jobs")
@@ -178,6 +182,30 @@ def test_contention_never_lowers_the_bound_and_raises_it_where_copies_are_needed
         # where the relaxed plan copies, the kernels beside the copies lose c / (1 + c) of them
         copies_s = float((with_.swap * plain.swap_out_s(with_.absences.nbytes)).sum())
         raised += with_.extra_s > without.extra_s + 1e-3 * without.compute_s and copies_s > 0
+    assert raised
+
+
+@pytest.mark.parametrize("name", ["cnn", "mlp-two-jobs", "cnn-and-mlp-twice"])
+def test_a_swap_s_own_seconds_on_the_compute_stream_count_whole(timelines, name):
+    # where the copies are made on the compute stream no engine hides them: the relaxed plan's
+    # swaps cost their issues and copies in full, recomputes their recipes, and the bound is at
+    # least that; copies as fast on an engine of their own cost only their issues
+    tl = timelines[name]
+    inline = COSTS["inline"]
+    engine = CostModel(h2d_bytes_per_s=inline.h2d_bytes_per_s, d2h_bytes_per_s=inline.d2h_bytes_per_s,
+                       issue_s=inline.issue_s)
+    raised = 0
+    for fraction in (0.7, 0.5):
+        target = max(int(fraction * tl.vanilla_peak_nbytes()), _floor_nbytes(tl))
+        bound, hidden = lower_bound(tl, inline, target), lower_bound(tl, engine, target)
+        gaps = bound.absences
+        own_s = 2 * inline.issue_s + inline.swap_out_s(gaps.nbytes) + inline.swap_in_s(gaps.nbytes)
+        paid_s = float((bound.swap * own_s).sum() + (bound.recompute * np.nan_to_num(gaps.recipe_s)).sum())
+        assert bound.extra_s >= paid_s * (1 - 1e-6) - TOLERANCE * bound.compute_s
+        assert hidden.extra_s >= float((hidden.swap * 2 * inline.issue_s).sum()) * (1 - 1e-6) - \
+            TOLERANCE * hidden.compute_s
+        assert bound.extra_s >= hidden.extra_s - TOLERANCE * bound.compute_s
+        raised += bound.extra_s > hidden.extra_s + 0.01 * bound.compute_s
     assert raised
 
 

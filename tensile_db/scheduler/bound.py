@@ -28,12 +28,16 @@ E_hat``, where ``E_hat`` is the extra time allowed for (stalls and recomputes st
 between two events of one period by at most a period's extra time). So a swap frees a
 contiguous, cyclic part of the absence. Every event ``k`` above the target ``M`` (vanilla bytes
 ``U_k``) needs ``sum s_g x_g >= U_k - M`` over the variables ``x_g`` that free it. The extra
-time ``E`` is at least the recomputes' seconds plus ``c / (1 + c)`` of each copy engine's busy
-seconds (the cost model's contention ``c``: while a copy is in flight the kernels run ``1 + c``
-times slower, so the compute stream loses at least that over a period; Note [Contention] in
-:mod:`~.cost`), and at least each copy engine's busy seconds less the compute time ``T`` (an
-engine copies at most one period, ``T + E``, per period; one channel for both directions unless
-the cost model is duplex). Minimise ``E``: ``LP(E_hat)``.
+time ``E`` is at least the recomputes' seconds, plus each swap's own seconds on the compute
+stream, plus ``c / (1 + c)`` of each copy engine's busy seconds (the cost model's contention
+``c``: while a copy is in flight the kernels run ``1 + c`` times slower, so the compute stream
+loses at least that over a period; Note [Contention] in :mod:`~.cost`), and at least each copy
+engine's busy seconds less the compute time ``T`` (an engine copies at most one period, ``T +
+E``, per period; one channel for both directions unless the cost model is duplex). A swap's own
+seconds are what the planners' simulation charges the compute stream for it (Note [Issue cost]
+in :mod:`~.cost`): its swap-out's and swap-in's issue, ``2 issue_s``, and, where the cost model
+makes its copies there (``inline_nbytes``: ``cpu`` with the kernels on every core), both
+copies, which then take no copy engine and slow no kernel. Minimise ``E``: ``LP(E_hat)``.
 
 Every plan of extra time ``E*`` is feasible in ``LP(E*)`` with ``E = E*``, so ``LP(E*) <= E*``.
 ``LP`` does not increase with ``E_hat`` (larger windows), so ``{e : LP(e) <= e}`` is an interval
@@ -320,6 +324,10 @@ class _Model:
         self.out_s = np.broadcast_to(cost.swap_out_s(nbytes), nbytes.shape)    # (g,) s
         self.in_s = np.broadcast_to(cost.swap_in_s(nbytes), nbytes.shape)
         self.whole_s = float(np.maximum(self.out_s, self.in_s).max())          # an E_hat at which swaps free all
+        # what a swap costs the compute stream itself (Note [Issue cost] in .cost): its two issues,
+        # and its two copies where they are made there, which then take no copy engine
+        self.inline = (0 < cost.inline_nbytes) & (nbytes <= cost.inline_nbytes)     # (g,) bool
+        self.own_s = 2 * cost.issue_s + np.where(self.inline, self.out_s + self.in_s, 0.0)
         self.recomputable = r = np.flatnonzero(~np.isnan(self.gaps.recipe_s[g]))
         self.recipe_s = self.gaps.recipe_s[g][r]
         # the most each hot event can free, bytes: every relevant absence whole
@@ -361,7 +369,8 @@ class _Model:
         """Per copy engine, the seconds over the compute seconds that each of the relevant
         absences ``swaps`` keeps it busy if swapped: swap-outs' and swap-ins' engines, or one
         channel for both unless the cost model is duplex."""
-        out_s, in_s = self.out_s[swaps] / self.compute_s, self.in_s[swaps] / self.compute_s
+        engine = np.where(self.inline[swaps], 0.0, 1.0 / self.compute_s)     # an inline copy takes none
+        out_s, in_s = self.out_s[swaps] * engine, self.in_s[swaps] * engine
         return [out_s, in_s] if self.cost.duplex else [out_s + in_s]
 
     def _engines(self, ub: _Rows, w_at: np.ndarray, swaps: np.ndarray) -> None:
@@ -374,12 +383,14 @@ class _Model:
                         swaps: np.ndarray) -> None:
         """The compute stream's rows for the recompute columns ``r_at`` (of ``recomputable[
         recomputes]``) and the swap columns ``w_at`` (of the relevant absences ``swaps``), ``E``
-        in column 0: the recomputes' seconds add to it, and so does the kernels' loss to each
-        copy engine's seconds (Note [Relaxation]: ``c / (1 + c)`` of them)."""
+        in column 0: the recomputes' seconds add to it, each swap's own seconds there (its issues,
+        and its copies where they are made there), and the kernels' loss to each copy engine's
+        seconds (Note [Relaxation]: ``c / (1 + c)`` of them)."""
         recompute_s = self.recipe_s[recomputes] / self.compute_s
+        own_s = self.own_s[swaps] / self.compute_s
         for busy in self._busy(swaps):
             ub.add(np.zeros(1 + len(r_at) + len(w_at)), np.r_[0, r_at, w_at],
-                   np.r_[-1.0, recompute_s, self.cost.kernel_loss * busy], 0.0)
+                   np.r_[-1.0, recompute_s, own_s + self.cost.kernel_loss * busy], 0.0)
 
     def _one_of_two(self, ub: _Rows, swap_at: np.ndarray, r_at: np.ndarray, recomputes: np.ndarray) -> None:
         """``w + r <= 1`` for the recompute columns ``r_at`` (of ``recomputable[recomputes]``)
