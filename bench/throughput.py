@@ -41,7 +41,9 @@ plans being made on the machine's cores, and the targets count them), and under 
 swaps cost by the cost model measured at start-up (their bytes at its bandwidths, each swap's
 latency and issue): where every copy is the executor's thread's own, as where the kernels take
 every core, the unlimited time per iteration plus that is the least the budget allows with those
-swaps, however small the bookkeeping around them.
+swaps, however small the bookkeeping around them; and the lower bound of ``docs/bound.md`` on the
+extra time of any plan of swaps and recomputes within the budget, by the same cost model, on the
+run's timeline (its measured op times): the least any plan could add.
 
     python bench/throughput.py [--repeats 5] [--quick]
     TENSILE_ONEDNN=0 python bench/throughput.py      # our convolutions lowered on NumPy instead of oneDNN
@@ -72,6 +74,7 @@ from tensile_db.runtime import fused, onednn, workers
 from tensile_db.runtime import model as models
 from tensile_db.runtime.device import CpuDevice
 from tensile_db.scheduler import worker as planning
+from tensile_db.scheduler.bound import lower_bound
 from tensile_db.scheduler.cost import CostModel, measure_bandwidth
 
 MiB = 1 << 20
@@ -133,6 +136,7 @@ class Measured:
     timed_iterations: int = 0
     served_from: int | None = None   # the first iteration that ended with the planned pool serving
     served_s_per_it: float | None = None   # median seconds of the iterations from that one on
+    bound_s_per_it: float | None = None    # under a budget: the least any plan adds (lower_bound)
 
 
 def budget_for(job: TrainingJob, fraction: float | None) -> int:
@@ -173,12 +177,15 @@ def ours(w: Workload, x, y, fraction: float | None, cost: CostModel) -> Measured
         raise RuntimeError(f"{w.name} at {fraction or 'unlimited'} budget failed: {event[1]!r}")
     timed = len(ends) - 1
     mem = job.memory
+    plan = executor.scheduler.plan
+    bound = (lower_bound(plan.timeline, cost, budget).extra_s
+             if fraction is not None and plan is not None and plan.timeline is not None else None)
     served = next((i for i in range(1, len(ends)) if serving[i]), None)
     served_s = statistics.median(b - a for a, b in zip(ends[served - 1:], ends[served:])) if served else None
     return Measured(w.batch * timed / (ends[-1] - ends[0]), budget, mem.peak_nbytes,
                     mem.swapped_out_nbytes / len(ends), mem.swapped_in_nbytes / len(ends),
                     (mem.swap_outs + mem.swap_ins) / len(ends), mem.recomputes / len(ends),
-                    (ends[-1] - ends[0]) / timed, dict(op_s), timed, served, served_s)
+                    (ends[-1] - ends[0]) / timed, dict(op_s), timed, served, served_s, bound)
 
 
 def pytorch(w: Workload, x, y, threads: int) -> Measured:
@@ -331,6 +338,12 @@ def profile(w: Workload, runs: dict, cost: CostModel) -> None:
                      f"{1e3 * priced:.2f} ms an iteration by the cost model measured at start-up, all on the "
                      f"executor's thread: {(unlimited + priced) / unlimited:.2f}x the unlimited time per iteration "
                      f"with them alone")
+            bounds = [m.bound_s_per_it for m in ms if m.bound_s_per_it is not None]
+            if bounds:
+                least = statistics.median(bounds)
+                swaps += (f"; no plan of swaps and recomputes within the budget adds less than {1e3 * least:.2f} ms "
+                          f"an iteration by that cost model (the lower bound of docs/bound.md on the run's "
+                          f"measured op times, median): {(unlimited + least) / unlimited:.2f}x")
         print(f"- {'unlimited' if fraction is None else f'{fraction:.0%} budget'}: {1e3 * wall:.1f} ms per iteration "
               f"(median), of which {1e3 * in_ops:.1f} ms in the ops' arithmetic ({in_ops / wall:.0%}); the rest is "
               f"the executor, memory manager, scheduler, swap waits and recomputes{steady}{swaps}")
