@@ -42,6 +42,13 @@ COSTS = {
     # every copy on the executor's thread, and each swap's issue too (cpu with the kernels on
     # every core: Note [Issue cost])
     "inline": CostModel(h2d_bytes_per_s=3e7, d2h_bytes_per_s=3e7, issue_s=2e-5, inline_nbytes=sys.maxsize),
+    # the small copies on that thread, the larger ones on the channel
+    "inline-small": CostModel(h2d_bytes_per_s=3e7, d2h_bytes_per_s=2e7, latency_s=1e-4, issue_s=2e-5,
+                              inline_nbytes=4096),
+    # no room on the host: every swap goes to the disk tier, whose copies take the channel even
+    # where a host copy would have been made on the executor's thread
+    "inline-disk": CostModel(h2d_bytes_per_s=3e7, d2h_bytes_per_s=3e7, issue_s=2e-5, inline_nbytes=sys.maxsize,
+                             host_budget_nbytes=0, disk_read_bytes_per_s=3e7, disk_write_bytes_per_s=3e7),
 }
 #: the timelines small enough for the mixed-integer program
 SMALL = ("cnn", "mlp-two-jobs")

@@ -37,7 +37,10 @@ E``, per period; one channel for both directions unless the cost model is duplex
 seconds are what the planners' simulation charges the compute stream for it (Note [Issue cost]
 in :mod:`~.cost`): its swap-out's and swap-in's issue, ``2 issue_s``, and, where the cost model
 makes its copies there (``inline_nbytes``: ``cpu`` with the kernels on every core), both
-copies, which then take no copy engine and slow no kernel. Minimise ``E``: ``LP(E_hat)``.
+copies, which then take no copy engine and slow no kernel. Under a host budget a swap of that
+size may go to the disk tier, whose copies take the channel: there its copies count as an
+engine's, as every copy did before (a copy made on the compute stream meets those rows too,
+since it adds its seconds to ``E``). Minimise ``E``: ``LP(E_hat)``.
 
 Every plan of extra time ``E*`` is feasible in ``LP(E*)`` with ``E = E*``, so ``LP(E*) <= E*``.
 ``LP`` does not increase with ``E_hat`` (larger windows), so ``{e : LP(e) <= e}`` is an interval
@@ -70,8 +73,11 @@ row of ``k``, the recompute and engine rows as above, and the engines' congestio
 swap-outs of the absences whose access ``a`` comes at or after any event ``s`` all run between
 the end of ``s`` and the start of ``k``, so their seconds sum to at most ``t_k - (t_s + d_s) +
 E``; the swap-ins of those whose next access ``b`` comes at or before any event ``e`` run
-between the end of ``k`` and the start of ``e``, likewise. A running sum per distinct ``a`` (and
-``b``) keeps the program linear in the absences that span ``k``. Every plan frees ``k`` that
+between the end of ``k`` and the start of ``e``, likewise. Copies made on the compute stream
+are left out of these sums: they take no engine, and they stretch the very interval the engine's
+copies fill, so a sum of both would bound nothing; their seconds are in the compute row. A
+running sum per distinct ``a`` (and ``b``) keeps the program linear in the absences that span
+``k``. Every plan frees ``k`` that
 way, so each optimum bounds ``E`` from below, and the largest becomes a bound on the column
 ``E`` of ``LP`` (and the start of the search).
 
@@ -325,8 +331,10 @@ class _Model:
         self.in_s = np.broadcast_to(cost.swap_in_s(nbytes), nbytes.shape)
         self.whole_s = float(np.maximum(self.out_s, self.in_s).max())          # an E_hat at which swaps free all
         # what a swap costs the compute stream itself (Note [Issue cost] in .cost): its two issues,
-        # and its two copies where they are made there, which then take no copy engine
-        self.inline = (0 < cost.inline_nbytes) & (nbytes <= cost.inline_nbytes)     # (g,) bool
+        # and its two copies where they are made there, which then take no copy engine; under a
+        # host budget a swap may go to the disk tier instead, whose copies take the channel, so
+        # there its copies count as an engine's (Note [Relaxation])
+        self.inline = (cost.host_budget_nbytes is None) & (0 < cost.inline_nbytes) & (nbytes <= cost.inline_nbytes)
         self.own_s = 2 * cost.issue_s + np.where(self.inline, self.out_s + self.in_s, 0.0)
         self.recomputable = r = np.flatnonzero(~np.isnan(self.gaps.recipe_s[g]))
         self.recipe_s = self.gaps.recipe_s[g][r]
@@ -464,8 +472,10 @@ class _Model:
         a, b = self.a[spans], self.b[spans]
         k_at = np.where(k > a, k, k + self.n)                 # on a's clock
         n_columns = 1 + c + n_r
-        for seconds, between_s in ((self.out_s[spans], self.start_s[k_at] - self.end_s[a]),
-                                   (self.in_s[spans], self.start_s[b] - self.end_s[k_at])):
+        # a copy made on the compute stream takes no engine: its seconds are in the compute row
+        engine = ~self.inline[spans]
+        for seconds, between_s in ((self.out_s[spans] * engine, self.start_s[k_at] - self.end_s[a]),
+                                   (self.in_s[spans] * engine, self.start_s[b] - self.end_s[k_at])):
             order = np.argsort(between_s, kind="stable")
             limit_s, group = np.unique(between_s[order], return_inverse=True)    # ascending
             i = np.arange(len(limit_s))
