@@ -334,8 +334,8 @@ class _Model:
         # and its two copies where they are made there, which then take no copy engine; under a
         # host budget a swap may go to the disk tier instead, whose copies take the channel, so
         # there its copies count as an engine's (Note [Relaxation])
-        self.inline = (cost.host_budget_nbytes is None) & (0 < cost.inline_nbytes) & (nbytes <= cost.inline_nbytes)
-        self.own_s = 2 * cost.issue_s + np.where(self.inline, self.out_s + self.in_s, 0.0)
+        self.inline = (cost.host_budget_nbytes is None) & cost.inline(nbytes)         # (g,) bool
+        self.own_s = np.where(self.inline, cost.inline_swap_s(nbytes), 2 * cost.issue_s)
         self.recomputable = r = np.flatnonzero(~np.isnan(self.gaps.recipe_s[g]))
         self.recipe_s = self.gaps.recipe_s[g][r]
         # the most each hot event can free, bytes: every relevant absence whole

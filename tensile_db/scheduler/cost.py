@@ -180,6 +180,18 @@ class CostModel:
         c)`` (Note [Contention]): the one rule the planners' simulation and the lower bound share."""
         return self.contention / (1.0 + self.contention)
 
+    def inline(self, nbytes):
+        """Whether a swap of ``nbytes`` to or from the host tier makes its copies on the compute
+        stream, done when issued (Note [Issue cost]); ``nbytes`` may be an array. The planners'
+        simulation and the lower bound share the rule."""
+        return (0 < self.inline_nbytes) & (nbytes <= self.inline_nbytes)
+
+    def inline_swap_s(self, nbytes):
+        """Seconds a swap of ``nbytes`` whose copies are made on the compute stream (:meth:`inline`)
+        costs it: its swap-out's and swap-in's issue and both copies (Note [Issue cost]);
+        ``nbytes`` may be an array."""
+        return 2 * self.issue_s + self.swap_in_s(nbytes) + self.swap_out_s(nbytes)
+
     def disk_read_s(self, nbytes: int) -> float:
         """Seconds to read ``nbytes`` from the spill file."""
         return self.latency_s + nbytes / self.disk_read_bytes_per_s

@@ -394,7 +394,7 @@ class Simulator:
         if d.method == "swap":
             cost, nbytes = self.cost, d.nbytes
             slow = 1.0 + cost.contention                  # beside the kernels (Note [Contention])
-            inline = 0 < cost.inline_nbytes and nbytes <= cost.inline_nbytes   # on the compute stream
+            inline = bool(cost.inline(nbytes))                # on the compute stream
             in_s, out_s = cost.swap_in_s(nbytes), cost.swap_out_s(nbytes)
             if not inline:
                 in_s, out_s = in_s * slow, out_s * slow
@@ -428,10 +428,9 @@ class Simulator:
         add up])."""
         if d.method != "swap":
             return d.recipe_s
-        cost = self.cost
-        if d.nbytes > cost.inline_nbytes:
+        if not self.cost.inline(d.nbytes):
             return None
-        return 2 * cost.issue_s + cost.swap_in_s(d.nbytes) + cost.swap_out_s(d.nbytes)
+        return self.cost.inline_swap_s(d.nbytes)
 
     def add(self, d: Decision) -> None:
         """Append ``d`` to the decisions."""
